@@ -1,0 +1,171 @@
+"""Shared pieces of every mechanism: masked dense attention, indexed (gather) attention,
+causal masks, GQA expansion and query chunking. Pure PyTorch; these are the slow twins that
+define what the kernels must compute."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+SCORE_KINDS = ("dot", "neg_sqeuclid", "cauchy")
+DEFAULT_ROW_CHUNK = 1024
+
+
+def upcast(x: Tensor) -> Tensor:
+    """Compute dtype of the references: fp32 for low precision, fp64 kept (for gradcheck)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def expand_kv(x: Tensor, num_q_heads: int) -> Tensor:
+    """Repeat KV heads for grouped-query attention: [B, Hk, M, D] -> [B, Hq, M, D]."""
+    group = num_q_heads // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def causal_row_mask(rows: slice, n_keys: int, device: torch.device) -> Tensor:
+    """[len(rows), M] bool: key j is allowed for query i iff j <= i."""
+    query_pos = torch.arange(rows.start, rows.stop, device=device)
+    key_pos = torch.arange(n_keys, device=device)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+def row_slice(n: int, start: int = 0, stop: int | None = None) -> slice:
+    """A concrete slice (start and stop set) over n rows."""
+    return slice(start, n if stop is None else min(stop, n))
+
+
+def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
+    """Softmax over the last dim restricted to ``mask``; rows with no kept entry give zeros.
+
+    Rows that keep nothing are filled with zeros before the softmax (so no NaN appears in the
+    forward or the backward) and multiplied by zero after it.
+    """
+    row_has_key = mask.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~mask, float("-inf")).masked_fill(~row_has_key, 0.0)
+    return torch.softmax(scores, dim=-1) * row_has_key
+
+
+def dense_masked_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Softmax attention over the kept pairs, computed densely in fp32.
+
+    Args:
+        q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, Dv]; mask: broadcastable to [B, H, N, M].
+    Returns:
+        [B, H, N, Dv] fp32.
+    """
+    scores = torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale  # [B, H, N, M]
+    return torch.matmul(masked_softmax(scores, mask), upcast(v))  # [B, H, N, Dv]
+
+
+def apply_key_padding(mask: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """AND a [B, M] key padding mask (True = real key) into a [.., N, M] mask."""
+    if key_padding_mask is None:
+        return mask
+    return mask & key_padding_mask[:, None, None, :]
+
+
+def chunked_rows(
+    fn: Callable[[slice], Tensor], n_rows: int, chunk: int = DEFAULT_ROW_CHUNK, recompute: bool = True
+) -> Tensor:
+    """Concatenate ``fn(rows)`` over row chunks along dim -2.
+
+    With autograd on, each chunk is checkpointed so that its [chunk, M] scores are recomputed in
+    the backward instead of stored: memory stays O(chunk * M), never O(N * M).
+    """
+    outs = []
+    for start in range(0, n_rows, chunk):
+        rows = row_slice(n_rows, start, start + chunk)
+        if recompute and torch.is_grad_enabled():
+            outs.append(checkpoint(fn, rows, use_reentrant=False))
+        else:
+            outs.append(fn(rows))
+    return torch.cat(outs, dim=-2)
+
+
+def gather_keys(x: Tensor, index: Tensor) -> Tensor:
+    """Gather rows of x per query: x [B, Hk, M, D], index [B, Hq, N, K] (>= 0) -> [B, Hq, N, K, D].
+
+    Query head h reads KV head h // (Hq // Hk).
+    """
+    batch, kv_heads, n_keys, dim = x.shape
+    _, q_heads, n_queries, width = index.shape
+    group = q_heads // kv_heads
+    flat = index.reshape(batch, kv_heads, group * n_queries * width)  # [B, Hk, G*N*K]
+    picked = torch.gather(x, 2, flat[..., None].expand(-1, -1, -1, dim))  # [B, Hk, G*N*K, D]
+    return picked.reshape(batch, q_heads, n_queries, width, dim)
+
+
+def indexed_scores(q: Tensor, keys: Tensor, score: str, scale: float) -> Tensor:
+    """Scores of q [B, H, N, D] against its gathered keys [B, H, N, K, D] -> [B, H, N, K]."""
+    if score == "dot":
+        return torch.einsum("bhnd,bhnkd->bhnk", q, keys) * scale
+    sq_dist = (q[..., None, :] - keys).pow(2).sum(-1)  # [B, H, N, K]
+    return -sq_dist * scale if score == "neg_sqeuclid" else sq_dist
+
+
+def indexed_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    *,
+    scale: float | None = None,
+    score: str = "dot",
+    gamma: Tensor | float | None = None,
+) -> Tensor:
+    """Attention of each query over an explicit list of keys (the slow twin of the Triton kernel).
+
+    Args:
+        q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv] with Hq % Hk == 0.
+        index: [B, Hq, N, K] integer key positions; -1 marks an unused slot. Repeats are counted
+            as many times as they appear.
+        scale: multiplies dot scores / squared distances. Default: 1/sqrt(D).
+        score: "dot" (softmax of scale*q.k), "neg_sqeuclid" (softmax of -scale*||q-k||^2) or
+            "cauchy" (weights 1/(||q-k||^2 + gamma^2) normalised over the list; scale unused).
+        gamma: Cauchy width, scalar or [Hq] tensor. Default: 1.
+    Returns:
+        [B, Hq, N, Dv] in fp32; rows with no valid key are zero.
+    """
+    if score not in SCORE_KINDS:
+        raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORE_KINDS)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    valid = index >= 0  # [B, Hq, N, K]
+    safe = index.clamp_min(0).long()
+    keys = gather_keys(upcast(k), safe)  # [B, Hq, N, K, D]
+    values = gather_keys(upcast(v), safe)  # [B, Hq, N, K, Dv]
+    raw = indexed_scores(upcast(q), keys, score, scale)
+    if score == "cauchy":
+        weights = cauchy_weights(raw, valid, gamma, q.shape[1])
+    else:
+        weights = masked_softmax(raw, valid)
+    return torch.einsum("bhnk,bhnkd->bhnd", weights, values)
+
+
+def cauchy_weights(sq_dist: Tensor, valid: Tensor, gamma: Tensor | float | None, num_heads: int) -> Tensor:
+    """Normalised Cauchy weights (d^2 + gamma^2)^-1 over the valid entries of the last dim."""
+    gamma = torch.as_tensor(1.0 if gamma is None else gamma, dtype=sq_dist.dtype, device=sq_dist.device)
+    gamma_sq = gamma.reshape(1, num_heads, 1, 1).pow(2) if gamma.numel() > 1 else gamma.pow(2)
+    kernel = torch.where(valid, 1.0 / (sq_dist + gamma_sq), torch.zeros_like(sq_dist))
+    total = kernel.sum(-1, keepdim=True)
+    return kernel / torch.where(total > 0, total, torch.ones_like(total))
+
+
+def mask_from_indices(index: Tensor, n_keys: int) -> Tensor:
+    """[B, H, N, K] key lists (-1 = unused) -> [B, H, N, M] bool mask."""
+    mask = torch.zeros(*index.shape[:-1], n_keys + 1, dtype=torch.bool, device=index.device)
+    slot = torch.where(index >= 0, index.long(), torch.full_like(index.long(), n_keys))
+    mask.scatter_(-1, slot, True)
+    return mask[..., :n_keys]
+
+
+def drop_padded_keys(index: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    """Set to -1 the entries of [B, H, N, K] that point at padded keys ([B, M], True = real)."""
+    if key_padding_mask is None:
+        return index
+    batch, heads, n_queries, width = index.shape
+    flat = index.clamp_min(0).long().reshape(batch, -1)  # [B, H*N*K]
+    real = torch.gather(key_padding_mask, 1, flat).reshape(index.shape)
+    return torch.where(real & (index >= 0), index, torch.full_like(index, -1))

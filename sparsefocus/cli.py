@@ -1,0 +1,43 @@
+"""The ``sparsefocus`` command: demo, train, report, bench, analyze, patterns.
+
+Each subcommand hands its remaining arguments to the ``main(argv)`` of the module that owns it,
+imported only when used, so the core never imports ``analysis`` or ``bench``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("sparsefocus.train.demo", "train FULL, TOPK:5, BAND:5(1), BLOC:5(1) over seeds on a small task and report"),
+    "train": ("sparsefocus.train.commands", "train an experiment: sparsefocus train CONFIG [key=value ...]"),
+    "report": ("sparsefocus.train.report", "write the curves and the table of a run folder: sparsefocus report RUN_DIR"),
+    "bench": ("sparsefocus.bench.run", "time and memory of patterns against SDPA, FlexAttention and naive PyTorch"),
+    "analyze": ("sparsefocus.analysis.commands", "dispersion, separation, sinks, landscape, recall of a trained run"),
+    "patterns": ("sparsefocus.analysis.pictures", "draw the selection masks of patterns"),
+    "list": ("sparsefocus.attention.catalogue", "list every registered pattern with its parameters and cost"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: sparsefocus COMMAND [args]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Properties every registered pattern must have, run over each pattern's ``examples``:
+lean == reference (outputs and gradients) at odd sizes, causality never leaks, padded keys are
+never read, empty rows give zeros, low precision works."""
+
+import pytest
+import torch
+
+import sparsefocus as sf
+from sparsefocus.attention import PATTERNS
+from sparsefocus.attention.common import mask_from_indices
+
+EXAMPLES = [example for cls in PATTERNS.values() for example in cls.examples]
+SIZES = [1, 7, 63, 100]
+
+
+def _inputs(n, batch=2, heads=4, kv_heads=2, dim=8, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, n, dim, generator=gen, dtype=dtype)
+    k = torch.randn(batch, kv_heads, n, dim, generator=gen, dtype=dtype)
+    v = torch.randn(batch, kv_heads, n, dim + 3, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+def _fits(pattern, n):
+    try:
+        sf.parse_pattern(pattern).check_sizes(n, n, causal=False)
+        return True
+    except ValueError:
+        return False
+
+
+def _grads(pattern, impl, q, k, v, causal):
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out = sf.sparse_attention(q, k, v, pattern, causal=causal, impl=impl)
+    out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).reshape(out.shape))
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_every_pattern_has_examples():
+    assert all(cls.examples for cls in PATTERNS.values()), [n for n, c in PATTERNS.items() if not c.examples]
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_lean_matches_reference_outputs_and_gradients(pattern, n, causal):
+    if not _fits(pattern, n):
+        pytest.skip(f"{pattern} does not fit N={n} (checked by test_bad_sizes)")
+    q, k, v = _inputs(n)
+    ref = _grads(pattern, "reference", q, k, v, causal)
+    lean = _grads(pattern, "lean", q, k, v, causal)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ref, lean):
+        assert torch.isfinite(b).all(), name
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"{pattern} {name}")
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("impl", ["reference", "lean"])
+def test_causal_output_ignores_future_keys_and_values(pattern, impl):
+    n, cut = 40, 23
+    if not _fits(pattern, n):
+        pytest.skip("pattern needs other sizes")
+    q, k, v = _inputs(n, seed=1)
+    before = sf.sparse_attention(q, k, v, pattern, causal=True, impl=impl)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, cut:] = torch.randn_like(k2[:, :, cut:]) * 10
+    v2[:, :, cut:] = torch.randn_like(v2[:, :, cut:]) * 10
+    after = sf.sparse_attention(q, k2, v2, pattern, causal=True, impl=impl)
+    torch.testing.assert_close(after[:, :, :cut], before[:, :, :cut], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+def test_padded_keys_are_never_read(pattern):
+    n = 30
+    if not _fits(pattern, n):
+        pytest.skip("pattern needs other sizes")
+    q, k, v = _inputs(n, seed=2)
+    padding = torch.ones(2, n, dtype=torch.bool)
+    padding[1, 20:] = False
+    before = sf.sparse_attention(q, k, v, pattern, key_padding_mask=padding, impl="lean")
+    v2 = v.clone()
+    v2[1, :, 20:] = 1e4
+    after = sf.sparse_attention(q, k, v2, pattern, key_padding_mask=padding, impl="lean")
+    torch.testing.assert_close(after, before)
+    mask = sf.selection_mask(pattern, q, k, key_padding_mask=padding)
+    assert not mask[1, :, :, 20:].any()
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("impl", ["reference", "lean"])
+def test_rows_without_keys_are_zero_and_finite(pattern, impl):
+    n = 12
+    if not _fits(pattern, n):
+        pytest.skip("pattern needs other sizes")
+    q, k, v = (x.requires_grad_() for x in _inputs(n, seed=3))
+    padding = torch.zeros(2, n, dtype=torch.bool)
+    padding[0] = True
+    out = sf.sparse_attention(q, k, v, pattern, key_padding_mask=padding, impl=impl)
+    out.sum().backward()
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_inputs_give_close_outputs_in_their_dtype(pattern, dtype):
+    n = 33
+    if not _fits(pattern, n):
+        pytest.skip("pattern needs other sizes")
+    q, k, v = _inputs(n, seed=4)
+    # Scale q so that low-precision rounding cannot flip an input-dependent selection tie.
+    expected = sf.sparse_attention(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), pattern)
+    out = sf.sparse_attention(q.to(dtype), k.to(dtype), v.to(dtype), pattern)
+    assert out.dtype == dtype
+    close = torch.isclose(out.float(), expected, atol=2e-2, rtol=2e-2)
+    assert close.float().mean() > 0.98
+
+
+def test_fixed_patterns_selection_mask_matches_flex_mask_mod():
+    for cls in PATTERNS.values():
+        if "flex" not in cls.impls:
+            continue
+        for example in cls.examples:
+            q, k, _ = _inputs(29, seed=5)
+            for causal in (False, True):
+                spec = sf.parse_pattern(example)
+                from_rule = sf.selection_mask(spec, q, k, causal=causal)
+                from_lists = spec.indices(q, k, causal, None, None)
+                from_lists_mask = mask_from_indices(from_lists, k.shape[-2])
+                g = spec.num_global_tokens
+                assert torch.equal(from_lists_mask[:, :, g:], from_rule[:, :, g:]), (example, causal)
