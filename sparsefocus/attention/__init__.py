@@ -1,6 +1,16 @@
 """Attention mechanisms: every family behind one API, each defined by a pure-PyTorch reference."""
 
-from sparsefocus.attention import fixed, full, topk  # noqa: F401  (registers the patterns)
+from sparsefocus.attention import (  # noqa: F401  (importing a family registers its patterns)
+    adaptive,
+    block_topk,
+    fixed,
+    full,
+    image,
+    lsh,
+    routing,
+    topk,
+    zeta,
+)
 from sparsefocus.attention.api import selection_mask, sparse_attention
 from sparsefocus.attention.common import indexed_attention_ref
 from sparsefocus.attention.patterns import PATTERNS, IndexedPattern, Pattern, list_patterns, parse_pattern
