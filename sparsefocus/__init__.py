@@ -9,15 +9,18 @@ from sparsefocus.attention import (
     selection_mask,
     sparse_attention,
 )
+from sparsefocus.layers import MoEFeedForward, SparseAttention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MoEFeedForward",
     "PATTERNS",
     "Pattern",
     "indexed_attention_ref",
     "list_patterns",
     "parse_pattern",
     "selection_mask",
+    "SparseAttention",
     "sparse_attention",
 ]

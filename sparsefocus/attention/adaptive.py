@@ -1,1 +1,205 @@
-"""Placeholder: filled in by the mechanism family's author."""
+"""Adaptive normalisers: the scores decide how many keys survive.
+
+``sparsemax`` and ``entmax`` replace softmax by a projection onto the simplex that puts exact
+zeros on low scores (Martins & Astudillo 2016; Peters et al. 2019); ``gate`` multiplies the
+softmax weights by a learned sigmoid gate g(i, j) = sigmoid(w_h * s_ij + b_h) and renormalises.
+All three weigh the allowed (causal, unpadded) keys only. The reference computes every score at
+once; the lean path does the same per query chunk, recomputed in the backward (O(chunk * M) memory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from sparsefocus.attention.common import chunked_rows, masked_softmax, row_slice, upcast
+from sparsefocus.attention.patterns import Pattern, register, require
+from sparsefocus.attention.topk import allowed_keys
+
+ENTMAX_BISECTION_STEPS = 50
+
+
+class _Sparsemax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: Tensor) -> Tensor:
+        probs = _sparsemax_forward(scores)
+        ctx.save_for_backward(probs)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (probs,) = ctx.saved_tensors
+        support = (probs > 0).to(grad.dtype)
+        shift = (support * grad).sum(-1, keepdim=True) / support.sum(-1, keepdim=True).clamp_min(1)
+        return support * (grad - shift)
+
+
+class _Entmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: Tensor, alpha: float) -> Tensor:
+        probs = _entmax_bisect_forward(scores, alpha)
+        ctx.save_for_backward(probs)
+        ctx.alpha = alpha
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (probs,) = ctx.saved_tensors
+        weight = torch.where(probs > 0, probs.pow(2.0 - ctx.alpha), torch.zeros_like(probs))
+        shift = (weight * grad).sum(-1, keepdim=True) / weight.sum(-1, keepdim=True).clamp_min(1e-30)
+        return weight * (grad - shift), None
+
+
+def _finite_below_support(scores: Tensor, margin: float) -> Tensor:
+    """Replace -inf by (row max - margin): low enough to be outside the support for sure, and
+    finite so that sorting and cumulative sums stay exact."""
+    row_max = scores.max(dim=-1, keepdim=True).values.detach()
+    return torch.where(torch.isinf(scores), row_max - margin, scores)
+
+
+def _sparsemax_forward(scores: Tensor) -> Tensor:
+    """Exact sparsemax over the last dim by sorting; -inf entries get 0 (tau >= max - 1)."""
+    z = _finite_below_support(scores, 2.0)
+    z_sorted = z.sort(dim=-1, descending=True).values
+    rank = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    cumulative = z_sorted.cumsum(-1)
+    in_support = 1 + rank * z_sorted > cumulative
+    support_size = in_support.sum(-1, keepdim=True)
+    tau = (cumulative.gather(-1, support_size - 1) - 1) / support_size.to(z.dtype)
+    return (z - tau).clamp_min(0)
+
+
+def _entmax_bisect_forward(scores: Tensor, alpha: float) -> Tensor:
+    """alpha-entmax over the last dim: p = [(alpha-1) z - tau]_+^(1/(alpha-1)), tau by bisection."""
+    z = (alpha - 1.0) * _finite_below_support(scores, 1.0 / (alpha - 1.0) + 1.0)
+    top = z.max(dim=-1, keepdim=True).values
+    low, high = top - 1.0, top - (1.0 / z.shape[-1]) ** (alpha - 1.0)
+    exponent = 1.0 / (alpha - 1.0)
+    for _ in range(ENTMAX_BISECTION_STEPS):
+        tau = (low + high) / 2
+        mass = (z - tau).clamp_min(0).pow(exponent).sum(-1, keepdim=True)
+        low = torch.where(mass >= 1, tau, low)
+        high = torch.where(mass >= 1, high, tau)
+    probs = (z - (low + high) / 2).clamp_min(0).pow(exponent)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sparsemax(scores: Tensor, dim: int = -1) -> Tensor:
+    """Sparsemax of ``scores`` along ``dim`` (exact, sort-based); -inf entries get exactly 0."""
+    return _Sparsemax.apply(scores.transpose(dim, -1)).transpose(dim, -1)
+
+
+def entmax(scores: Tensor, alpha: float = 1.5, dim: int = -1) -> Tensor:
+    """alpha-entmax of ``scores`` along ``dim`` (bisection, 1 < alpha <= 2; 2 = sparsemax)."""
+    return _Entmax.apply(scores.transpose(dim, -1), alpha).transpose(dim, -1)
+
+
+@dataclass(frozen=True)
+class _AdaptivePattern(Pattern):
+    """Base: scores over the allowed keys, turned into weights by ``normalise``."""
+
+    input_dependent: ClassVar[bool] = True
+    family: ClassVar[str] = "adaptive"
+    needs_square: ClassVar[bool] = False
+    cost: ClassVar[tuple[str, str]] = ("O(N M D)", "O(chunk M) lean")
+
+    def normalise(self, scores: Tensor, allowed: Tensor, params: dict | None) -> Tensor:
+        """Weights [B, H, C, M] from scaled scores and the allowed mask (rows of zeros if none)."""
+        raise NotImplementedError
+
+    def _weights(self, q, k, rows, causal, scale, key_padding_mask, params) -> Tensor:
+        scores = torch.matmul(upcast(q[:, :, rows]), upcast(k).transpose(-1, -2)) * scale  # [B, H, C, M]
+        allowed = allowed_keys(q, k, rows, causal, key_padding_mask).expand_as(scores)
+        row_has_key = allowed.any(-1, keepdim=True)
+        masked = scores.masked_fill(~allowed, float("-inf")).masked_fill(~row_has_key, 0.0)
+        return self.normalise(masked, allowed, params) * row_has_key
+
+    def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
+        with torch.no_grad():
+            weights = self._weights(q, k, rows, causal, q.shape[-1] ** -0.5, key_padding_mask, params)
+            return weights > self.support_threshold
+
+    support_threshold: ClassVar[float] = 0.0
+
+    def reference(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        rows = row_slice(q.shape[-2])
+        return torch.matmul(self._weights(q, k, rows, causal, scale, key_padding_mask, params), upcast(v))
+
+    def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        def one_chunk(rows: slice) -> Tensor:
+            return torch.matmul(self._weights(q, k, rows, causal, scale, key_padding_mask, params), upcast(v))
+
+        return chunked_rows(one_chunk, q.shape[-2])
+
+
+@register
+@dataclass(frozen=True)
+class Sparsemax(_AdaptivePattern):
+    """``sparsemax``: weights = sparsemax(scale * q.k) over the allowed keys; exact zeros below a
+    data-dependent threshold, so each query keeps a variable number of keys."""
+
+    name: ClassVar[str] = "sparsemax"
+    examples: ClassVar[tuple[str, ...]] = ("sparsemax",)
+
+    def normalise(self, scores, allowed, params):
+        return sparsemax(scores)
+
+
+@register
+@dataclass(frozen=True)
+class Entmax(_AdaptivePattern):
+    """``entmax:alpha=A``: alpha-entmax (1 < alpha <= 2) of scale * q.k over the allowed keys;
+    alpha -> 1 approaches softmax, alpha = 2 is sparsemax. Default alpha 1.5."""
+
+    alpha: float = 1.5
+    name: ClassVar[str] = "entmax"
+    positional: ClassVar[tuple[str, ...]] = ("alpha",)
+    examples: ClassVar[tuple[str, ...]] = ("entmax:alpha=1.5", "entmax:1.25")
+
+    def validate(self) -> None:
+        require(1.0 < self.alpha <= 2.0, f"entmax: alpha must be in (1, 2], got {self.alpha}")
+
+    def normalise(self, scores, allowed, params):
+        return entmax(scores, self.alpha)
+
+
+@register
+@dataclass(frozen=True)
+class Gate(_AdaptivePattern):
+    """``gate``: softmax weights times a learned sigmoid gate, renormalised:
+    p_ij ∝ sigmoid(w_h s_ij + b_h) exp(s_ij) over allowed keys, with per-head trainable w_h, b_h
+    (params ``gate_weight`` and ``gate_bias``, made by ``make_parameters``). The selection mask
+    reports the pairs whose gate is above 1/2."""
+
+    weight: float = 1.0
+    bias: float = 0.0
+    name: ClassVar[str] = "gate"
+    aliases: ClassVar[tuple[str, ...]] = ("sigmoid_gate",)
+    examples: ClassVar[tuple[str, ...]] = ("gate", "gate:weight=2.0,bias=-1.0")
+
+    def make_parameters(self, num_heads: int) -> dict[str, nn.Parameter]:
+        return {
+            "gate_weight": nn.Parameter(torch.full((num_heads,), float(self.weight))),
+            "gate_bias": nn.Parameter(torch.full((num_heads,), float(self.bias))),
+        }
+
+    def _gate_logits(self, scores: Tensor, params: dict | None) -> Tensor:
+        if params is None or "gate_weight" not in params:
+            return self.weight * scores + self.bias
+        weight = params["gate_weight"].to(scores.dtype).reshape(1, -1, 1, 1)
+        bias = params["gate_bias"].to(scores.dtype).reshape(1, -1, 1, 1)
+        return weight * scores + bias
+
+    def normalise(self, scores, allowed, params):
+        finite = scores.masked_fill(~allowed, 0.0)
+        log_gate = nn.functional.logsigmoid(self._gate_logits(finite, params))
+        return masked_softmax(finite + log_gate, allowed)
+
+    def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
+        with torch.no_grad():
+            scores = torch.matmul(upcast(q[:, :, rows]), upcast(k).transpose(-1, -2)) * q.shape[-1] ** -0.5
+            allowed = allowed_keys(q, k, rows, causal, key_padding_mask)
+            return (self._gate_logits(scores, params) > 0) & allowed
