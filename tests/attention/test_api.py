@@ -169,3 +169,14 @@ def test_lean_topk_runs_at_16k_on_cpu_without_dense_scores():
     with torch.no_grad():
         out = sf.sparse_attention(q, k, v, "TOPK:8", causal=True, impl="lean")
     assert out.shape == (1, 1, 16384, 16) and torch.isfinite(out).all()
+
+
+def test_catalogue_lists_every_pattern_and_cli_prints_it(capsys):
+    from sparsefocus.attention.catalogue import catalogue_markdown
+    from sparsefocus.cli import main
+
+    table = catalogue_markdown()
+    assert all(f"| `{name}` |" in table for name in sf.PATTERNS)
+    assert main(["list"]) == 0
+    assert "topk" in capsys.readouterr().out
+    assert main(["nosuch"]) == 2
