@@ -100,7 +100,7 @@ def loss_grid(
         from tqdm import tqdm
 
         points = tqdm(points, desc="landscape", leave=False)
-    with perturbed(model) as move:
+    with perturbed(model) as move, torch.no_grad():
         for i, j in points:
             move(float(alphas[i]), float(alphas[j]), d1, d2)
             loss[i, j] = float(loss_fn(model))
