@@ -4,6 +4,9 @@ Each pattern lists its keys per query (``key_indices``, for the gather path and 
 kernel) and states the same rule as a FlexAttention ``mask_mod`` (for the ``flex`` path). The
 dense reference is built from ``mask_mod`` evaluated on every pair, so the two statements are
 checked against each other by the tests.
+
+Here: BAND, BLOC, global tokens, the Sparse Transformer's strided and fixed patterns, a dilated
+window, seeded random keys, BigBird (window + global + random) and Longformer (window + global).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
+from sparsefocus.attention.common import mask_from_indices
 from sparsefocus.attention.patterns import IndexedPattern, register, require
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -87,6 +91,10 @@ class FixedPattern(IndexedPattern):
         """[1, 1, N, K] key lists without global tokens; -1 = unused."""
         raise NotImplementedError(f"{type(self).__name__} must define position_indices")
 
+    def device_mask_mod(self, n_queries: int, n_keys: int, causal: bool, device: torch.device) -> MaskMod:
+        """``mask_mod`` whose captured tensors (if any) live on ``device``. Default: ``mask_mod``."""
+        return self.mask_mod(n_queries, n_keys, causal)
+
     def key_indices(self, q, k, causal, key_padding_mask, params):
         index = self.position_indices(q.shape[-2], k.shape[-2], causal, q.device)
         index = append_global_columns(index, min(self.num_global_tokens, k.shape[-2]))
@@ -96,7 +104,8 @@ class FixedPattern(IndexedPattern):
         return index
 
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
-        rule = with_causal_and_padding(self.mask_mod(q.shape[-2], k.shape[-2], causal), causal, None)
+        rule = self.device_mask_mod(q.shape[-2], k.shape[-2], causal, q.device)
+        rule = with_causal_and_padding(rule, causal, None)
         query_pos = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
         key_pos = torch.arange(k.shape[-2], device=q.device)[None, :]
         zero = torch.zeros((), dtype=torch.long, device=q.device)
@@ -106,7 +115,8 @@ class FixedPattern(IndexedPattern):
         from torch.nn.attention.flex_attention import create_block_mask
 
         n_queries, n_keys = q.shape[-2], k.shape[-2]
-        rule = with_causal_and_padding(self.mask_mod(n_queries, n_keys, causal), causal, key_padding_mask)
+        rule = self.device_mask_mod(n_queries, n_keys, causal, q.device)
+        rule = with_causal_and_padding(rule, causal, key_padding_mask)
         batch = None if key_padding_mask is None else q.shape[0]
         block_mask = create_block_mask(rule, batch, None, n_queries, n_keys, device=q.device)
         attend = flex_attention_fn(q.device)
@@ -216,3 +226,306 @@ class GlobalTokens(FixedPattern):
 
     def position_indices(self, n_queries, n_keys, causal, device):
         return torch.full((1, 1, n_queries, 1), -1, dtype=torch.long, device=device)
+
+
+def _invalid_to_unused(index: Tensor, valid: Tensor) -> Tensor:
+    """Replace the entries of ``index`` where ``valid`` is False by -1."""
+    return torch.where(valid, index, torch.full_like(index, -1))
+
+
+@register
+@dataclass(frozen=True)
+class Strided(FixedPattern):
+    """``strided:stride=s`` (Child et al. 2019, "strided"): query i keeps key j if |i - j| < s or
+    (i - j) mod s == 0, i.e. a local window of 2s-1 keys plus every s-th key in i's residue class.
+    Causal: the lower-triangular version (the s most recent keys plus every s-th earlier one).
+    With s ~ sqrt(N) every row keeps O(sqrt(N)) keys."""
+
+    stride: int
+    examples: ClassVar[tuple[str, ...]] = ("strided:4", "strided:stride=7")
+    name: ClassVar[str] = "strided"
+    aliases: ClassVar[tuple[str, ...]] = ("sparse_strided",)
+    positional: ClassVar[tuple[str, ...]] = ("stride",)
+    field_aliases: ClassVar[dict[str, str]] = {"s": "stride"}
+    cost: ClassVar[tuple[str, str]] = ("O(N (s + N/s) D)", "O(N (s + N/s))")
+
+    def validate(self) -> None:
+        require(self.stride >= 1, f"strided: stride must be >= 1, got {self.stride}")
+
+    def mask_mod(self, n_queries, n_keys, causal):
+        stride = self.stride
+
+        def strided(b, h, q_idx, kv_idx):
+            diff = q_idx - kv_idx
+            return (diff % stride == 0) | (torch.abs(diff) < stride)
+
+        return strided
+
+    def position_indices(self, n_queries, n_keys, causal, device):
+        query_pos = torch.arange(n_queries, device=device)[:, None]
+        steps = torch.arange(-(-n_keys // self.stride), device=device)[None, :]
+        if causal:
+            local = query_pos - torch.arange(self.stride, device=device)[None, :]
+            far = query_pos - self.stride * (steps + 1)
+            index = torch.cat([local, far], dim=-1)  # [N, s + ceil(M/s)]
+            return _invalid_to_unused(index, index >= 0)[None, None]
+        local = query_pos + torch.arange(-(self.stride - 1), self.stride, device=device)[None, :]
+        local = _invalid_to_unused(local, (local >= 0) & (local < n_keys))
+        # Same residue class as i; the only member with |i - j| < s is i itself, already in local.
+        far = query_pos % self.stride + self.stride * steps
+        far = _invalid_to_unused(far, (far < n_keys) & (far != query_pos))
+        return torch.cat([local, far], dim=-1)[None, None]  # [1, 1, N, 2s-1 + ceil(M/s)]
+
+
+@register
+@dataclass(frozen=True)
+class FixedSummary(FixedPattern):
+    """``fixed:block=l,c=c`` (Child et al. 2019, "fixed"): query i keeps the keys of its own block
+    of length l (blocks [0, l), [l, 2l), ...) plus the "summary" columns, the last c positions of
+    every block (j mod l >= l - c; a shorter final block has those of them that exist).
+    Causal: only j <= i of the same set."""
+
+    block: int
+    c: int = 1
+    examples: ClassVar[tuple[str, ...]] = ("fixed:block=8,c=2", "fixed:4,1")
+    name: ClassVar[str] = "fixed"
+    aliases: ClassVar[tuple[str, ...]] = ("sparse_fixed",)
+    positional: ClassVar[tuple[str, ...]] = ("block", "c")
+    field_aliases: ClassVar[dict[str, str]] = {"l": "block", "summary": "c"}
+    cost: ClassVar[tuple[str, str]] = ("O(N (l + c N/l) D)", "O(N (l + c N/l))")
+
+    def validate(self) -> None:
+        require(self.block >= 1, f"fixed: block must be >= 1, got {self.block}")
+        require(1 <= self.c <= self.block, f"fixed: c must be in [1, block={self.block}], got {self.c}")
+
+    def mask_mod(self, n_queries, n_keys, causal):
+        block, first_summary = self.block, self.block - self.c
+
+        def fixed(b, h, q_idx, kv_idx):
+            return (q_idx // block == kv_idx // block) | (kv_idx % block >= first_summary)
+
+        return fixed
+
+    def position_indices(self, n_queries, n_keys, causal, device):
+        query_block = torch.arange(n_queries, device=device)[:, None] // self.block  # [N, 1]
+        own = query_block * self.block + torch.arange(self.block, device=device)[None, :]
+        own = _invalid_to_unused(own, own < n_keys)
+        blocks = torch.arange(-(-n_keys // self.block), device=device)[:, None]
+        summary = (blocks * self.block + self.block - self.c + torch.arange(self.c, device=device)).reshape(1, -1)
+        # Summary columns of i's own block are already listed in ``own``.
+        summary = _invalid_to_unused(summary, (summary < n_keys) & (summary // self.block != query_block))
+        return torch.cat([own, summary], dim=-1)[None, None]  # [1, 1, N, l + c ceil(M/l)]
+
+
+@register
+@dataclass(frozen=True)
+class Dilated(FixedPattern):
+    """``dilated:k=K,dilation=d``: k keys at offsets that are multiples of d, floor((k-1)/2) steps
+    to the left of i and the rest to the right; like BAND the window is shifted at the edges
+    (staying on i's residue class mod d) so every row keeps k keys when the class has k members.
+    Causal: the k most recent keys at stride d (i, i-d, ..., i-(k-1)d). d=1 is BAND."""
+
+    k: int
+    dilation: int = 2
+    examples: ClassVar[tuple[str, ...]] = ("dilated:k=5,dilation=2", "dilated:4,3")
+    name: ClassVar[str] = "dilated"
+    aliases: ClassVar[tuple[str, ...]] = ("dilated_window",)
+    positional: ClassVar[tuple[str, ...]] = ("k", "dilation")
+    field_aliases: ClassVar[dict[str, str]] = {"d": "dilation"}
+    cost: ClassVar[tuple[str, str]] = ("O(N k D)", "O(N k)")
+
+    def validate(self) -> None:
+        require(self.k >= 1, f"dilated: k must be >= 1, got {self.k}")
+        require(self.dilation >= 1, f"dilated: dilation must be >= 1, got {self.dilation}")
+
+    def _window(self, q_idx: Tensor, n_keys: int) -> tuple[Tensor, Tensor]:
+        """First step u0 and width of the non-causal window of query q_idx, in units of d."""
+        lowest = -(q_idx // self.dilation)
+        highest = (n_keys - 1 - q_idx) // self.dilation
+        width = torch.clamp(highest - lowest + 1, max=self.k)
+        first = torch.maximum(lowest, torch.clamp(highest - width + 1, max=-((self.k - 1) // 2)))
+        return first, width
+
+    def mask_mod(self, n_queries, n_keys, causal):
+        dilation, k = self.dilation, self.k
+
+        def recent(b, h, q_idx, kv_idx):
+            diff = q_idx - kv_idx
+            return (diff % dilation == 0) & (diff < k * dilation)
+
+        def centred(b, h, q_idx, kv_idx):
+            diff = kv_idx - q_idx
+            first, width = self._window(q_idx, n_keys)
+            step = diff // dilation
+            return (diff % dilation == 0) & (step >= first) & (step < first + width)
+
+        return recent if causal else centred
+
+    def position_indices(self, n_queries, n_keys, causal, device):
+        query_pos = torch.arange(n_queries, device=device)[:, None]
+        slots = torch.arange(self.k, device=device)[None, :]
+        if causal:
+            index = query_pos - self.dilation * slots
+            return _invalid_to_unused(index, index >= 0)[None, None]
+        first, width = self._window(query_pos, n_keys)
+        index = query_pos + self.dilation * (first + slots)  # [N, k]
+        return _invalid_to_unused(index, slots < width)[None, None]
+
+
+def sample_distinct(counts: Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """Per row r, k distinct ranks drawn uniformly from [0, counts[r]) (all of them if fewer).
+
+    Floyd's algorithm, vectorised over rows: O(R k^2) time and O(R k) memory, no R x M tensor.
+    counts: [R] int64 on the CPU. Returns [R, k] int64, -1 for unused slots.
+    """
+    n_rows = counts.shape[0]
+    chosen = torch.full((n_rows, k), -1, dtype=torch.long)
+    for step in range(k):
+        top = counts - k + step  # Floyd's j: draw t in [0, j]; take j itself if t was taken
+        uniform = torch.rand(n_rows, generator=generator, dtype=torch.float64)
+        draw = torch.minimum((uniform * (top + 1).clamp_min(0)).long(), top)
+        taken = (chosen == draw[:, None]).any(dim=-1)
+        pick = torch.where(taken, top, draw)
+        chosen[:, step] = torch.where(top >= 0, pick, torch.full_like(pick, -1))
+    return chosen
+
+
+@lru_cache(maxsize=8)
+def _cached_random_keys(pattern: "FixedPattern", n_queries: int, n_keys: int, causal: bool) -> Tensor:
+    return pattern.draw_random_keys(n_queries, n_keys, causal)
+
+
+def _table_mask_mod(table: Tensor) -> MaskMod:
+    """mask_mod reading a precomputed [N, M] bool table."""
+
+    def lookup(b, h, q_idx, kv_idx):
+        return table[q_idx, kv_idx]
+
+    return lookup
+
+
+@register
+@dataclass(frozen=True)
+class RandomKeys(FixedPattern):
+    """``random:k=K,seed=S``: every query keeps k keys drawn uniformly without replacement from
+    its allowed keys (causal: j <= i); rows with fewer than k allowed keys keep them all. The draw
+    depends only on (seed, N, M, causal): the same keys for every batch element and every head
+    (use different seeds for different layers), never on q/k values."""
+
+    k: int
+    seed: int = 0
+    examples: ClassVar[tuple[str, ...]] = ("random:k=4", "random:6,seed=3")
+    name: ClassVar[str] = "random"
+    positional: ClassVar[tuple[str, ...]] = ("k", "seed")
+    cost: ClassVar[tuple[str, str]] = ("O(N k D)", "O(N k) (flex/reference: an N x M bool table)")
+
+    def validate(self) -> None:
+        require(self.k >= 1, f"random: k must be >= 1, got {self.k}")
+
+    def draw_random_keys(self, n_queries: int, n_keys: int, causal: bool) -> Tensor:
+        """[N, k] CPU key lists, -1 unused (the draw behind both the lists and the mask)."""
+        counts = torch.full((n_queries,), n_keys, dtype=torch.long)
+        if causal:
+            counts = torch.clamp(torch.arange(1, n_queries + 1), max=n_keys)
+        return sample_distinct(counts, self.k, torch.Generator().manual_seed(self.seed))
+
+    def device_mask_mod(self, n_queries, n_keys, causal, device):
+        keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device)
+        return _table_mask_mod(mask_from_indices(keys, n_keys))  # [N, M] table
+
+    def mask_mod(self, n_queries, n_keys, causal):
+        return self.device_mask_mod(n_queries, n_keys, causal, torch.device("cpu"))
+
+    def position_indices(self, n_queries, n_keys, causal, device):
+        return _cached_random_keys(self, n_queries, n_keys, causal).to(device)[None, None]
+
+
+@register
+@dataclass(frozen=True)
+class Longformer(FixedPattern):
+    """``longformer:window=w,g=G`` (Beltagy et al. 2020): a sliding window of w keys (BAND:w, so
+    causal keeps the w most recent) plus g global tokens, the first g positions (Longformer lets
+    the task pick them, e.g. [CLS]; put them first)."""
+
+    window: int
+    g: int = 1
+    examples: ClassVar[tuple[str, ...]] = ("longformer:window=4,g=1", "longformer:7,2")
+    name: ClassVar[str] = "longformer"
+    positional: ClassVar[tuple[str, ...]] = ("window", "g")
+    field_aliases: ClassVar[dict[str, str]] = {"w": "window"}
+    cost: ClassVar[tuple[str, str]] = ("O(N (w+g) D)", "O(N (w+g))")
+
+    def validate(self) -> None:
+        require(self.window >= 1, f"longformer: window must be >= 1, got {self.window}")
+        require(self.g >= 0, f"longformer: g must be >= 0, got {self.g}")
+
+    def mask_mod(self, n_queries, n_keys, causal):
+        return Band(self.window, self.g).mask_mod(n_queries, n_keys, causal)
+
+    def position_indices(self, n_queries, n_keys, causal, device):
+        return Band(self.window).position_indices(n_queries, n_keys, causal, device)
+
+
+@register
+@dataclass(frozen=True)
+class BigBird(FixedPattern):
+    """``bigbird:window=w,g=G,r=R,seed=S`` (Zaheer et al. 2020, token level): a sliding window of
+    w keys (BAND:w), g global tokens (the first g positions) and r random keys per query drawn
+    without replacement from the allowed keys outside the window and the global tokens, so a row
+    keeps w+g+r distinct keys when it has that many. Random keys are seeded and shared by every
+    batch element and head, as in RANDOM; causal draws only among j <= i."""
+
+    window: int
+    g: int = 2
+    r: int = 3
+    seed: int = 0
+    examples: ClassVar[tuple[str, ...]] = ("bigbird:window=3,g=2,r=2", "bigbird:5,0,3,seed=1")
+    name: ClassVar[str] = "bigbird"
+    positional: ClassVar[tuple[str, ...]] = ("window", "g", "r")
+    field_aliases: ClassVar[dict[str, str]] = {"w": "window"}
+    cost: ClassVar[tuple[str, str]] = ("O(N (w+g+r) D)", "O(N (w+g+r)) (flex/reference: an N x M bool table)")
+
+    def validate(self) -> None:
+        require(self.window >= 1, f"bigbird: window must be >= 1, got {self.window}")
+        require(self.g >= 0, f"bigbird: g must be >= 0, got {self.g}")
+        require(self.r >= 0, f"bigbird: r must be >= 0, got {self.r}")
+
+    def _window_bounds(self, n_queries: int, n_keys: int, causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """Per query: window [start, stop) and the end of its allowed keys, each [N] int64 (CPU)."""
+        query_pos = torch.arange(n_queries)
+        if causal:
+            return torch.clamp(query_pos - self.window + 1, min=0), query_pos + 1, query_pos + 1
+        width = min(self.window, n_keys)
+        start = torch.clamp(query_pos - (self.window - 1) // 2, 0, n_keys - width)
+        return start, start + width, torch.full_like(query_pos, n_keys)
+
+    def draw_random_keys(self, n_queries: int, n_keys: int, causal: bool) -> Tensor:
+        """[N, r] CPU random key lists outside window and globals, -1 unused."""
+        start, stop, limit = self._window_bounds(n_queries, n_keys, causal)
+        num_global = min(self.g, n_keys)
+        # Free keys are [g, start') and [stop', limit) with the window clipped to start at >= g.
+        start = torch.clamp(start, min=num_global)
+        stop = torch.maximum(stop, start)
+        before = start - num_global
+        counts = torch.clamp(before + limit - stop, min=0)
+        rank = sample_distinct(counts, self.r, torch.Generator().manual_seed(self.seed))
+        keys = torch.where(rank < before[:, None], num_global + rank, stop[:, None] + rank - before[:, None])
+        return _invalid_to_unused(keys, rank >= 0)
+
+    def device_mask_mod(self, n_queries, n_keys, causal, device):
+        local = Band(self.window, self.g).mask_mod(n_queries, n_keys, causal)
+        keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device)
+        table = mask_from_indices(keys, n_keys)  # [N, M]
+
+        def bigbird(b, h, q_idx, kv_idx):
+            return local(b, h, q_idx, kv_idx) | table[q_idx, kv_idx]
+
+        return bigbird
+
+    def mask_mod(self, n_queries, n_keys, causal):
+        return self.device_mask_mod(n_queries, n_keys, causal, torch.device("cpu"))
+
+    def position_indices(self, n_queries, n_keys, causal, device):
+        window = Band(self.window).position_indices(n_queries, n_keys, causal, device)
+        random_keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device)[None, None]
+        return torch.cat([window, random_keys], dim=-1)  # [1, 1, N, w + r]
