@@ -1,1 +1,449 @@
-"""Placeholder: filled in by the mechanism family's author."""
+"""ZETA (Zeng et al., ICLR 2025): top-k attention found through Z-order (Morton) codes, scored
+by an adaptive Cauchy kernel with a trainable width gamma.
+
+Per head, queries and keys live in a few dimensions (d_K = 3 by default; ``SparseAttention``
+projects to ``dk`` through ``qk_dim``). Each vector is squashed to [0, 1] by a sigmoid (elementwise,
+so no statistic over other positions is taken), quantised to ``bits`` bits per dimension and
+turned into one 64-bit Morton code. Keys are sorted by code; each query looks up its insertion
+point with a binary search and takes the ``window`` keys around it as candidates. With several
+``curves`` the same is done on copies of the space shifted by j/curves along the diagonal and
+the candidates are united. The candidates are re-ranked by exact squared distance and the ``k``
+nearest kept. A mean token (mean key and mean value of every allowed key, a cumulative mean when
+causal) joins every query's list, so that gradients reach every key and value. Weights are
+``1 / (||q - k||^2 + gamma^2)`` normalised over the list and the mean token; ``scale`` is unused.
+
+Causality is chunked: the positions are cut into ``chunks`` equal chunks; a query in chunk m
+searches the sorted codes of all keys in chunks < m (one sort per chunk boundary, so no future
+key can move its window) plus, densely, its ``local`` most recent keys inside its own chunk.
+Non-causal attention searches all keys with one sort and ignores ``chunks`` and ``local``.
+The decisions and their reasons are in docs/readme/zeta.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Iterator
+
+import torch
+from torch import Tensor
+
+from sparsefocus.attention.common import expand_kv, indexed_attention_ref, upcast
+from sparsefocus.attention.patterns import Pattern, parse_pattern, register, require
+
+CODE_BITS = 62  # Morton codes stay below 2**62 so that SENTINEL sorts after every real code
+SENTINEL = 1 << CODE_BITS
+ROW_BUDGET = 1 << 24  # candidate entries materialised at once by the lean selection
+
+# Bit-spreading steps for 3-D codes (libmorton-style): x = (x | x << shift) & mask.
+_SPREAD3 = ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F), (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249))
+
+
+def spread_bits_3d(x: Tensor) -> Tensor:
+    """Insert two zero bits after each of the low 21 bits of ``x`` (int64): b20..b0 -> b20 0 0 ... b0."""
+    x = x & 0x1FFFFF
+    for shift, mask in _SPREAD3:
+        x = (x | (x << shift)) & mask
+    return x
+
+
+def morton_codes(grid: Tensor, bits: int) -> Tensor:
+    """Interleave the bits of integer coordinates, most significant bit first.
+
+    Args:
+        grid: [..., D] int64 coordinates in [0, 2**bits), D * bits <= 62.
+        bits: bits per coordinate.
+    Returns:
+        [...] int64 codes; bit b of coordinate d lands at position b * D + (D - 1 - d), so
+        coordinate 0 holds the most significant bit of every group.
+    """
+    dims = grid.shape[-1]
+    if dims == 3 and bits <= 21:
+        return (spread_bits_3d(grid[..., 0]) << 2) | (spread_bits_3d(grid[..., 1]) << 1) | spread_bits_3d(grid[..., 2])
+    code = torch.zeros(grid.shape[:-1], dtype=torch.int64, device=grid.device)
+    for bit in range(bits):
+        for dim in range(dims):
+            code |= ((grid[..., dim] >> bit) & 1) << (bit * dims + dims - 1 - dim)
+    return code
+
+
+def squash(x: Tensor) -> Tensor:
+    """Map coordinates to (0, 1) elementwise with a sigmoid: causal-safe, same map at decode."""
+    return torch.sigmoid(upcast(x))
+
+
+def curve_codes(x: Tensor, bits: int, curve: int, curves: int) -> Tensor:
+    """Morton codes of x [..., D] on curve ``curve`` of ``curves`` -> [...] int64.
+
+    One curve: grid = floor(sigmoid(x) * 2**bits). Several: the squashed point is shifted by
+    curve / curves along the diagonal inside [0, 2)^D (shifted quadtrees, Chan 1998) and
+    quantised with bits + 1 bits, so curve 0 equals the single curve.
+    """
+    unit = squash(x)
+    levels = 1 << bits
+    extra = 0 if curves == 1 else 1
+    grid = torch.floor((unit + curve / curves) * levels).long().clamp(0, (levels << extra) - 1)
+    return morton_codes(grid, bits + extra)
+
+
+def code_bits(bits: int, dims: int, curves: int) -> int:
+    """Bits per coordinate actually used: ``bits``, reduced so that the code fits in 62 bits."""
+    extra = 0 if curves == 1 else 1
+    usable = CODE_BITS // dims - extra
+    if usable < 1:
+        raise ValueError(
+            f"zeta: q/k width {dims} is too wide for a 62-bit Morton code; project q and k to a few "
+            f"dimensions (the pattern's dk, {'at most 30' if extra else 'at most 62'})"
+        )
+    return min(bits, usable)
+
+
+def mean_tokens(k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean key, mean value and whether any key was averaged, per query slot.
+
+    Args:
+        k: [B, H, M, D]; v: [B, H, M, Dv]; key_padding_mask: [B, M] bool (True = real).
+    Returns:
+        mean_k [B, H, T, D], mean_v [B, H, T, Dv] in fp32 and present [B, 1, T] bool, with
+        T = M (causal: mean of the real keys 0..i, a cumulative sum) or T = 1 (all real keys).
+    """
+    real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
+    weight = real[:, None, :, None].to(upcast(k).dtype)  # [B, 1, M, 1]
+    if causal:
+        count = weight.cumsum(2)  # [B, 1, M, 1]
+        sum_k, sum_v = (upcast(k) * weight).cumsum(2), (upcast(v) * weight).cumsum(2)
+    else:
+        count = weight.sum(2, keepdim=True)
+        sum_k, sum_v = (upcast(k) * weight).sum(2, keepdim=True), (upcast(v) * weight).sum(2, keepdim=True)
+    denominator = count.clamp_min(1.0)
+    return sum_k / denominator, sum_v / denominator, count[..., 0] > 0
+
+
+@register
+@dataclass(frozen=True)
+class Zeta(Pattern):
+    """``zeta:k=32,dk=3``: Z-order top-k attention with Cauchy weights and a mean token.
+
+    Parameters: k kept keys per query (32); dk q/k width a layer projects to (3); bits per
+    dimension of the Morton code (12); chunks for causality (8); window candidates per sorted
+    search (64); local recent keys of the own chunk, causal only (32); curves shifted Z-curves
+    whose candidates are united (1); gamma the default Cauchy width (1.0, trainable in a layer).
+    """
+
+    k: int = 32
+    dk: int = 3
+    bits: int = 12
+    chunks: int = 8
+    window: int = 64
+    local: int = 32
+    curves: int = 1
+    gamma: float = 1.0
+    examples: ClassVar[tuple[str, ...]] = ("zeta:k=4,window=6,chunks=3,local=3", "zeta:k=3,window=4,curves=3,chunks=2,local=0")
+    name: ClassVar[str] = "zeta"
+    positional: ClassVar[tuple[str, ...]] = ("k",)
+    field_aliases: ClassVar[dict[str, str]] = {"d_k": "dk", "w": "window"}
+    input_dependent: ClassVar[bool] = True
+    family: ClassVar[str] = "heavy hitters"
+    cost: ClassVar[tuple[str, str]] = ("O(N log N + N (curves*window + local) D_K + N k Dv)", "O(N k)")
+    impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
+    needs_square: ClassVar[bool] = False
+
+    def validate(self) -> None:
+        for name in ("k", "dk", "bits", "chunks", "window", "curves"):
+            require(getattr(self, name) >= 1, f"zeta: {name} must be >= 1, got {getattr(self, name)}")
+        require(self.bits <= 20, f"zeta: bits must be <= 20 (codes are 64-bit), got {self.bits}")
+        require(self.local >= 0, f"zeta: local must be >= 0, got {self.local}")
+        require(self.gamma > 0 and math.isfinite(self.gamma), f"zeta: gamma must be positive, got {self.gamma}")
+        code_bits(self.bits, self.dk, self.curves)
+
+    def qk_dim(self, head_dim: int) -> int:
+        return self.dk
+
+    def make_parameters(self, num_heads: int) -> dict[str, torch.nn.Parameter]:
+        """One trainable Cauchy width per head, initialised to ``gamma``."""
+        return {"gamma": torch.nn.Parameter(torch.full((num_heads,), float(self.gamma)))}
+
+    def gamma_of(self, params: dict | None) -> Tensor | float:
+        return self.gamma if params is None or params.get("gamma") is None else params["gamma"]
+
+    def blocks(self, n_queries: int, n_keys: int, causal: bool) -> Iterator[tuple[slice, int]]:
+        """(query rows, number of leading keys they may search): one block per causal chunk."""
+        if not causal:
+            yield slice(0, n_queries), n_keys
+            return
+        size = self.chunk_size(n_queries)
+        for start in range(0, n_queries, size):
+            yield slice(start, min(start + size, n_queries)), start
+
+    def chunk_size(self, n: int) -> int:
+        return max(1, math.ceil(n / self.chunks))
+
+    def key_indices(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params=None) -> Tensor:
+        """[B, Hq, N, K] selected key positions (-1 unused), K = min(k, candidates per query)."""
+        return select_keys(self, q, k, causal, key_padding_mask)
+
+    def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
+        return dense_selection(self, q, k, causal, key_padding_mask)[:, :, rows]
+
+    def reference(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        mask = self.full_mask(q, k, causal, key_padding_mask, params)
+        return dense_cauchy_attention(q, k, v, mask, causal, key_padding_mask, self.gamma_of(params))
+
+    def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        return self._attend(q, k, v, causal, key_padding_mask, params, indexed_attention_ref)
+
+    def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        from sparsefocus.kernels.indexed import indexed_attention
+
+        return self._attend(q, k, v, causal, key_padding_mask, params, indexed_attention)
+
+    def _attend(self, q, k, v, causal, key_padding_mask, params, kernel) -> Tensor:
+        """Selected keys plus the mean token through an indexed Cauchy kernel.
+
+        The mean tokens are appended after the M real keys (k_ext [B, Hk, M + T, D]) and each
+        query's list gets the slot of its own mean, so the kernel's gradients flow into the
+        cumulative sums and from there to every key and value.
+        """
+        index = select_keys(self, q, k, causal, key_padding_mask)  # [B, Hq, N, K]
+        mean_k, mean_v, present = mean_tokens(k, v, causal, key_padding_mask)
+        n_keys, n_queries = k.shape[2], q.shape[2]
+        slot = torch.arange(n_queries, device=q.device) if causal else torch.zeros(n_queries, dtype=torch.long, device=q.device)
+        has_mean = present[:, :, slot]  # [B, 1, N]
+        mean_index = torch.where(has_mean, n_keys + slot, torch.full_like(has_mean, -1, dtype=torch.long))
+        mean_index = mean_index[..., None].expand(index.shape[0], index.shape[1], n_queries, 1)
+        index = torch.cat([index, mean_index.to(index.dtype)], dim=-1).to(torch.int32)  # [B, Hq, N, K+1]
+        k_ext = torch.cat([k, mean_k.to(k.dtype)], dim=2)  # [B, Hk, M + T, D]
+        v_ext = torch.cat([v, mean_v.to(v.dtype)], dim=2)  # [B, Hk, M + T, Dv]
+        return kernel(q, k_ext, v_ext, index, score="cauchy", gamma=self.gamma_of(params))
+
+    def label(self) -> str:
+        return f"ZETA:{self.k}"
+
+
+def squared_distances(q: Tensor, k: Tensor) -> Tensor:
+    """||q_i - k_j||^2 from explicit differences: q [B, H, N, D], k [B, H, M, D] -> [B, H, N, M].
+
+    Differentiable at zero distance (unlike cdist) and rounded as the gathered paths round."""
+    return (q[..., :, None, :] - k[..., None, :, :]).pow(2).sum(-1)
+
+
+def _codes(spec: Zeta, x: Tensor, bits: int) -> Tensor:
+    """[S, ...] Morton codes of x [..., D] on each of the spec's curves."""
+    return torch.stack([curve_codes(x, bits, curve, spec.curves) for curve in range(spec.curves)])
+
+
+def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    """The memory-lean selection: sort, binary search, window, local band, exact re-ranking.
+
+    q: [B, Hq, N, D]; k: [B, Hk, M, D]. Returns [B, Hq, N, K] int64, -1 for unused slots,
+    K = min(k, curves * window + local). Memory O(N K) plus bounded row blocks. No gradient.
+    """
+    with torch.no_grad():
+        q32, k32 = upcast(q), expand_kv(upcast(k), q.shape[1])  # [B, H, N, D], [B, H, M, D]
+        bits = code_bits(spec.bits, q.shape[-1], spec.curves)
+        codes_q, codes_k = _codes(spec, q32, bits), _codes(spec, k32, bits)  # [S, B, H, N], [S, B, H, M]
+        real = _real_keys(k, key_padding_mask)  # [B, 1, M]
+        width = min(spec.k, spec.curves * spec.window + (spec.local if causal else 0))
+        out = torch.full((*q.shape[:3], width), -1, dtype=torch.long, device=q.device)
+        for rows, prefix in spec.blocks(q.shape[2], k.shape[2], causal):
+            sorted_codes, order, n_valid = _sorted_prefix(codes_k, real, prefix)
+            step = max(1, ROW_BUDGET // max(1, q.shape[0] * q.shape[1] * (spec.curves * spec.window + spec.local)))
+            for start in range(rows.start, rows.stop, step):
+                sub = slice(start, min(start + step, rows.stop))
+                candidates = _window_candidates(sorted_codes, order, n_valid, codes_q[..., sub], spec.window)
+                if causal and spec.local > 0:
+                    candidates = torch.cat([candidates, _local_band(sub, prefix, spec.local, real, q.shape[1])], dim=-1)
+                out[:, :, sub] = _nearest(q32[:, :, sub], k32, candidates, width)
+        return out
+
+
+def _real_keys(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+    if key_padding_mask is None:
+        return torch.ones(k.shape[0], 1, k.shape[2], dtype=torch.bool, device=k.device)
+    return key_padding_mask[:, None, :]
+
+
+def _sorted_prefix(codes_k: Tensor, real: Tensor, prefix: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sort the codes of the first ``prefix`` keys, padded keys last (as SENTINEL).
+
+    Returns sorted codes [S, B, H, P], positions in that order [S, B, H, P] and the number of
+    real keys among them [B, 1] (the searchable length). Stable: equal codes keep position order.
+    """
+    codes = codes_k[..., :prefix].masked_fill(~real[None, ..., :prefix], SENTINEL)
+    sorted_codes, order = torch.sort(codes, dim=-1, stable=True)
+    return sorted_codes, order, real[..., :prefix].sum(-1)
+
+
+def _window_candidates(sorted_codes: Tensor, order: Tensor, n_valid: Tensor, codes_q: Tensor, window: int) -> Tensor:
+    """The ``window`` sorted keys around each query's insertion point, shifted at the ends.
+
+    sorted_codes, order: [S, B, H, P]; n_valid: [B, 1]; codes_q: [S, B, H, R].
+    Returns [B, H, R, S * window] key positions, -1 where the searchable list is shorter.
+    """
+    curves, batch, heads, rows = codes_q.shape
+    if sorted_codes.shape[-1] == 0:
+        return torch.full((batch, heads, rows, curves * window), -1, dtype=torch.long, device=codes_q.device)
+    insert = torch.searchsorted(sorted_codes, codes_q.contiguous())  # [S, B, H, R]
+    limit = n_valid[None, :, :, None]  # [1, B, 1, 1]
+    start = torch.minimum((insert - window // 2).clamp_min(0), (limit - window).clamp_min(0))
+    slots = start[..., None] + torch.arange(window, device=codes_q.device)  # [S, B, H, R, W]
+    picked = torch.gather(order, -1, slots.clamp_max(order.shape[-1] - 1).flatten(-2)).view(slots.shape)
+    picked = torch.where(slots < limit[..., None], picked, torch.full_like(picked, -1))
+    return picked.permute(1, 2, 3, 0, 4).reshape(batch, heads, rows, curves * window)
+
+
+def _local_band(rows: slice, chunk_start: int, local: int, real: Tensor, heads: int) -> Tensor:
+    """[B, H, R, local] the most recent real keys i, i-1, ... inside the own chunk, -1 elsewhere."""
+    position = torch.arange(rows.start, rows.stop, device=real.device)[:, None] - torch.arange(local, device=real.device)
+    inside = position >= chunk_start  # [R, local]
+    safe = position.clamp_min(0)
+    is_real = real[:, 0][:, safe]  # [B, R, local]
+    keep = inside[None] & is_real
+    band = torch.where(keep, safe[None], torch.full_like(safe[None], -1))  # [B, R, local]
+    return band[:, None].expand(-1, heads, -1, -1)
+
+
+def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int) -> Tensor:
+    """Keep the ``width`` candidates nearest to each query (duplicates counted once).
+
+    q: [B, H, R, D]; k: [B, H, M, D]; candidates: [B, H, R, C] (-1 unused) -> [B, H, R, width].
+    """
+    candidates, _ = candidates.sort(dim=-1)
+    repeated = torch.zeros_like(candidates, dtype=torch.bool)
+    repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
+    candidates = torch.where(repeated, torch.full_like(candidates, -1), candidates)
+    batch, heads, rows, count = candidates.shape
+    flat = candidates.clamp_min(0).reshape(batch, heads, rows * count, 1)
+    keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1])).view(batch, heads, rows, count, -1)
+    distance = (q[..., None, :] - keys).pow(2).sum(-1)  # [B, H, R, C]
+    distance = distance.masked_fill(candidates < 0, float("inf"))
+    if count < width:
+        distance = torch.nn.functional.pad(distance, (0, width - count), value=float("inf"))
+        candidates = torch.nn.functional.pad(candidates, (0, width - count), value=-1)
+    best, slot = distance.topk(width, dim=-1, largest=False)  # [B, H, R, width]
+    chosen = torch.gather(candidates, -1, slot)
+    return torch.where(torch.isinf(best), torch.full_like(chosen, -1), chosen)
+
+
+def dense_selection(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    """The definition of ZETA's selection as dense [B, H, N, M] masks (small N only: O(N M^2)).
+
+    Key j is a candidate of query i when, on some curve, its rank among the keys i may search
+    (by code, then position) lies in the window of ``window`` ranks starting at
+    clamp(p - window // 2, 0, max(n - window, 0)), p being the number of searchable keys whose
+    code is below the query's and n the number of searchable keys; or when causal and j is one
+    of the ``local`` positions i, i-1, ... of i's own chunk. The k nearest candidates are kept.
+    """
+    with torch.no_grad():
+        q32, k32 = upcast(q), expand_kv(upcast(k), q.shape[1])
+        bits = code_bits(spec.bits, q.shape[-1], spec.curves)
+        searchable, own_chunk = _dense_reach(spec, q.shape[2], k.shape[2], causal, _real_keys(k, key_padding_mask))
+        candidate = torch.zeros(*q.shape[:3], k.shape[2], dtype=torch.bool, device=q.device)
+        for code_q, code_k in zip(_codes(spec, q32, bits), _codes(spec, k32, bits)):
+            candidate |= _dense_window(code_q, code_k, searchable, spec.window)
+        if causal:
+            query_pos = torch.arange(q.shape[2], device=q.device)[:, None]
+            key_pos = torch.arange(k.shape[2], device=q.device)[None, :]
+            candidate |= own_chunk & (key_pos <= query_pos) & (key_pos > query_pos - spec.local)
+        distance = squared_distances(q32, k32).masked_fill(~candidate, float("inf"))  # [B, H, N, M]
+        width = min(spec.k, k.shape[2])
+        best, index = distance.topk(width, dim=-1, largest=False)
+        keep = torch.zeros_like(candidate)
+        keep.scatter_(-1, index, ~torch.isinf(best))
+        return keep
+
+
+def _dense_reach(spec: Zeta, n_queries: int, n_keys: int, causal: bool, real: Tensor) -> tuple[Tensor, Tensor]:
+    """searchable [B, 1, N, M]: keys in earlier chunks (all keys if not causal), real only;
+    own_chunk [B, 1, N, M]: real keys in the query's own chunk."""
+    query_pos = torch.arange(n_queries, device=real.device)[:, None]
+    key_pos = torch.arange(n_keys, device=real.device)[None, :]
+    if causal:
+        size = spec.chunk_size(n_queries)
+        earlier = key_pos < (query_pos // size) * size
+        same = (key_pos // size) == (query_pos // size)
+    else:
+        earlier = torch.ones(n_queries, n_keys, dtype=torch.bool, device=real.device)
+        same = torch.zeros_like(earlier)
+    return earlier & real[:, :, None, :], same & real[:, :, None, :]
+
+
+def _dense_window(code_q: Tensor, code_k: Tensor, searchable: Tensor, window: int) -> Tensor:
+    """[B, H, N, M] keys whose rank among the searchable keys falls in the query's window."""
+    position = torch.arange(code_k.shape[-1], device=code_k.device)
+    precedes = (code_k[..., :, None] < code_k[..., None, :]) | (
+        (code_k[..., :, None] == code_k[..., None, :]) & (position[:, None] < position[None, :])
+    )  # [B, H, M(j'), M(j)]: key j' sorts before key j
+    rank = searchable.float() @ precedes.float()  # [B, H, N, M]: searchable keys sorting before j
+    below = (searchable & (code_k[..., None, :] < code_q[..., :, None])).sum(-1, keepdim=True)  # [B, H, N, 1]
+    count = searchable.sum(-1, keepdim=True)
+    start = torch.minimum((below - window // 2).clamp_min(0), (count - window).clamp_min(0))
+    return searchable & (rank >= start) & (rank < start + window)
+
+
+def dense_cauchy_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool, key_padding_mask: Tensor | None, gamma: Tensor | float
+) -> Tensor:
+    """The definition of ZETA's weighting, dense, in fp32 (fp64 kept).
+
+    o_i = (sum_{j in S_i} c_ij v_j + c_i* vbar_i) / (sum_{j in S_i} c_ij + c_i*), with
+    c_ij = 1 / (||q_i - k_j||^2 + gamma^2), S_i the selected keys (mask [B, H, N, M]),
+    kbar_i, vbar_i the mean of the real keys/values q_i may see (0..i when causal, all when not)
+    and c_i* = 1 / (||q_i - kbar_i||^2 + gamma^2), or 0 when q_i may see no key (the row is then 0).
+    q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, Dv]; gamma: scalar or [H]. Returns [B, H, N, Dv].
+    """
+    q, k, v = upcast(q), upcast(k), upcast(v)
+    real = _real_keys(k, key_padding_mask)[:, :, None, :]  # [B, 1, 1, M]
+    visible = real.expand(-1, -1, q.shape[2], -1)
+    if causal:
+        visible = visible & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    count = visible.sum(-1, keepdim=True)  # [B, 1, N, 1]
+    averaging = visible.to(q.dtype) / count.clamp_min(1)
+    mean_k, mean_v = averaging @ k, averaging @ v  # [B, H, N, D], [B, H, N, Dv]
+    gamma = torch.as_tensor(gamma, dtype=q.dtype, device=q.device)
+    gamma_sq = gamma.reshape(1, -1, 1, 1).pow(2) if gamma.numel() > 1 else gamma.pow(2)
+    weight = mask.to(q.dtype) / (squared_distances(q, k) + gamma_sq)  # [B, H, N, M]
+    mean_weight = (count > 0).to(q.dtype) / ((q - mean_k).pow(2).sum(-1, keepdim=True) + gamma_sq)  # [B, H, N, 1]
+    total = weight.sum(-1, keepdim=True) + mean_weight
+    total = torch.where(total > 0, total, torch.ones_like(total))
+    return (weight @ v + mean_weight * mean_v) / total
+
+
+def candidate_recall(
+    q: Tensor,
+    k: Tensor,
+    pattern: "str | Zeta" = "zeta",
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+    row_chunk: int | None = None,
+) -> Tensor:
+    """Fraction of each query's exact top-k keys (smallest ||q - k||^2 among all keys it may see:
+    every real key, or every real key j <= i when causal) that ZETA's selection finds.
+
+    The selection keeps the k nearest of its candidates, so this is also the recall of the
+    candidate set. q: [B, Hq, N, D]; k: [B, Hk, M, D]. Returns [B, Hq, N] float32, NaN on rows
+    that may see no key. Memory O(row_chunk * M D), row_chunk chosen to keep it near 2**24 by default.
+    """
+    spec = parse_pattern(pattern)
+    if not isinstance(spec, Zeta):
+        raise ValueError(f"candidate_recall needs a zeta pattern, got {spec}")
+    with torch.no_grad():
+        found = select_keys(spec, q, k, causal, key_padding_mask)  # [B, H, N, K]
+        k32 = expand_kv(upcast(k), q.shape[1])
+        real = _real_keys(k, key_padding_mask)[:, :, None, :]
+        recall = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        row_chunk = row_chunk or max(1, ROW_BUDGET // (q.shape[0] * q.shape[1] * k.shape[2] * q.shape[3]))
+        for start in range(0, q.shape[2], row_chunk):
+            rows = slice(start, min(start + row_chunk, q.shape[2]))
+            distance = squared_distances(upcast(q[:, :, rows]), k32)  # [B, H, R, M]
+            allowed = real.expand(-1, -1, rows.stop - rows.start, -1)
+            if causal:
+                key_pos = torch.arange(k.shape[2], device=q.device)
+                allowed = allowed & (key_pos[None, :] <= torch.arange(rows.start, rows.stop, device=q.device)[:, None])
+            best, exact = distance.masked_fill(~allowed, float("inf")).topk(min(spec.k, k.shape[2]), dim=-1, largest=False)
+            exact = torch.where(torch.isinf(best), torch.full_like(exact, -2), exact)
+            hit = (exact[..., :, None] == found[:, :, rows, None, :]).any(-1)  # [B, H, R, k]
+            size = (exact >= 0).sum(-1)
+            recall[:, :, rows] = hit.sum(-1).float() / size.clamp_min(1) + torch.where(size > 0, 0.0, float("nan"))
+        return recall
