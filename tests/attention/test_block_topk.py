@@ -1,0 +1,114 @@
+"""Block top-k selection (NSA / MoBA / Quest): hand-made selections, own block, equivalences."""
+
+import pytest
+import torch
+
+import sparsefocus as sf
+
+
+def _qk(n, heads=2, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, heads, n, dim, generator=gen), torch.randn(2, heads, n, dim, generator=gen)
+
+
+def _kept_blocks(mask_row, block):
+    """Sorted block ids that have at least one kept key in a [M] bool row."""
+    return sorted({int(j) // block for j in mask_row.nonzero().flatten()})
+
+
+def _hand_made_keys():
+    """Four blocks of two 2-d keys with means (1,0), (0,1), (3,0), (-1,-1): [1, 1, 8, 2]."""
+    keys = [[1, 0], [1, 0], [0, 1], [0, 1], [2, 0], [4, 0], [-1, -1], [-1, -1]]
+    return torch.tensor(keys, dtype=torch.float32)[None, None]
+
+
+def test_mean_pool_selects_the_blocks_with_highest_mean_scores():
+    k = _hand_made_keys()
+    q = torch.tensor([1.0, 0.5]).expand(1, 1, 8, 2)
+    one = sf.selection_mask("block_topk:block=2,top=1", q, k)[0, 0]
+    two = sf.selection_mask("block_topk:block=2,top=2", q, k)[0, 0]
+    # Scores of q=(1, .5) against the means: 1, .5, 3, -1.5.
+    assert _kept_blocks(one[0], 2) == [0, 2]
+    assert _kept_blocks(one[4], 2) == [0, 2]  # own block 2 plus the best other one, block 0
+    assert _kept_blocks(two[6], 2) == [0, 2, 3]
+    assert _kept_blocks(two[2], 2) == [0, 1, 2]
+
+
+def test_minmax_pool_uses_quests_upper_bound_not_the_mean():
+    # Block 1 = {(0,0), (4,0)}: mean 2, bound 4. Block 2 = {(3,0), (3,0)}: mean 3, bound 3.
+    k = torch.tensor([[0, 0], [0, 0], [0, 0], [4, 0], [3, 0], [3, 0]], dtype=torch.float32)[None, None]
+    q = torch.tensor([1.0, 0.0]).expand(1, 1, 6, 2)
+    mean = sf.selection_mask("block_topk:block=2,top=1,pool=mean", q, k)[0, 0, 0]
+    minmax = sf.selection_mask("block_topk:block=2,top=1,pool=minmax", q, k)[0, 0, 0]
+    assert _kept_blocks(mean, 2) == [0, 2]
+    assert _kept_blocks(minmax, 2) == [0, 1]
+
+
+def test_minmax_bound_uses_min_for_negative_query_components():
+    k = torch.tensor([[0, 0], [0, 0], [-5, 0], [1, 0], [-2, 0], [-2, 0]], dtype=torch.float32)[None, None]
+    q = torch.tensor([-1.0, 0.0]).expand(1, 1, 6, 2)
+    # For q=(-1, 0) the bound is -min: block 1 gives 5, block 2 gives 2.
+    minmax = sf.selection_mask("block_topk:block=2,top=1,pool=minmax", q, k)[0, 0, 0]
+    assert _kept_blocks(minmax, 2) == [0, 1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_top_covering_every_block_is_full(causal):
+    q, k = _qk(30)
+    v = torch.randn(2, 2, 30, 5)
+    spec = "block_topk:block=4,top=8"
+    torch.testing.assert_close(
+        sf.sparse_attention(q, k, v, spec, causal=causal, impl="lean"),
+        sf.sparse_attention(q, k, v, "FULL", causal=causal, impl="reference"),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    assert torch.equal(sf.selection_mask(spec, q, k, causal=causal), sf.selection_mask("FULL", q, k, causal=causal))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_own_block_is_always_kept_and_top_zero_is_block_local(causal):
+    q, k = _qk(30, seed=1)
+    for top in (0, 1, 3):
+        mask = sf.selection_mask(f"block_topk:block=4,top={top}", q, k, causal=causal)
+        bloc = sf.selection_mask("BLOC:4", q, k, causal=causal)
+        assert not (bloc & ~mask).any()
+        if top == 0:
+            assert torch.equal(mask, bloc)
+
+
+def test_every_row_keeps_own_block_plus_exactly_top_blocks_when_enough_candidates():
+    q, k = _qk(40, seed=2)
+    mask = sf.selection_mask("block_topk:block=5,top=3", q, k)
+    per_block = mask.reshape(2, 2, 40, 8, 5).any(-1).sum(-1)  # [B, H, N] kept blocks
+    assert torch.equal(per_block, torch.full_like(per_block, 4))
+
+
+def test_causal_selection_reads_no_key_of_the_own_or_later_blocks():
+    q, k = _qk(40, seed=3)
+    spec = "block_topk:block=8,top=2,pool=minmax"
+    before = sf.selection_mask(spec, q, k, causal=True)
+    k2 = k.clone()
+    k2[:, :, 21:] = torch.randn_like(k2[:, :, 21:]) * 10  # cut in the middle of block 2 = [16, 24)
+    after = sf.selection_mask(spec, q, k2, causal=True)
+    assert torch.equal(after[:, :, :21], before[:, :, :21])
+
+
+def test_padded_keys_do_not_enter_the_block_summaries():
+    k = _hand_made_keys()
+    k[0, 0, 3] = torch.tensor([100.0, 0.0])  # would make block 1 the best by mean
+    q = torch.tensor([1.0, 0.5]).expand(1, 1, 8, 2)
+    padding = torch.ones(1, 8, dtype=torch.bool)
+    padding[0, 3] = False
+    mask = sf.selection_mask("block_topk:block=2,top=1", q, k, key_padding_mask=padding)[0, 0]
+    assert _kept_blocks(mask[0], 2) == [0, 2]
+    assert not mask[:, 3].any()
+
+
+@pytest.mark.parametrize(
+    "spec, word",
+    [("block_topk:block=0", "block"), ("block_topk:top=-1", "top"), ("block_topk:pool=max", "pool")],
+)
+def test_bad_parameters_raise_naming_the_parameter(spec, word):
+    with pytest.raises(ValueError, match=word):
+        sf.parse_pattern(spec)
