@@ -472,7 +472,8 @@ class BigBird(FixedPattern):
     """``bigbird:window=w,g=G,r=R,seed=S`` (Zaheer et al. 2020, token level): a sliding window of
     w keys (BAND:w), g global tokens (the first g positions) and r random keys per query drawn
     without replacement from the allowed keys outside the window and the global tokens, so a row
-    keeps w+g+r distinct keys when it has that many. Random keys are seeded and shared by every
+    keeps r more keys than window + globals (w+g+r when the window is clear of the globals) when
+    it has that many. Random keys are seeded and shared by every
     batch element and head, as in RANDOM; causal draws only among j <= i."""
 
     window: int
