@@ -1,0 +1,197 @@
+"""ZETA: Morton codes, the lean selection against its dense definition, causality, the mean
+token, gradients (gamma included), recall, the layer and the Triton path in the interpreter."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import sparsefocus as sf
+from sparsefocus.attention.common import mask_from_indices
+from sparsefocus.attention.zeta import (
+    candidate_recall,
+    curve_codes,
+    dense_selection,
+    morton_codes,
+    select_keys,
+)
+from sparsefocus.layers import SparseAttention
+
+
+def _slow_morton(point: list[int], bits: int) -> int:
+    """Bit-by-bit interleave, most significant bit first, coordinate 0 leading each group."""
+    code = 0
+    for bit in reversed(range(bits)):
+        for value in point:
+            code = (code << 1) | ((value >> bit) & 1)
+    return code
+
+
+def _qkv(n, batch=2, heads=2, kv_heads=1, dim=3, dv=5, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, n, dim, generator=gen, dtype=dtype)
+    k = torch.randn(batch, kv_heads, n, dim, generator=gen, dtype=dtype)
+    v = torch.randn(batch, kv_heads, n, dv, generator=gen, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dims,bits", [(3, 12), (3, 21), (2, 16), (1, 20), (5, 9)])
+def test_morton_codes_match_bit_by_bit_interleave(dims, bits):
+    gen = torch.Generator().manual_seed(dims * 100 + bits)
+    grid = torch.randint(0, 1 << bits, (200, dims), generator=gen)
+    fast = morton_codes(grid, bits)
+    slow = torch.tensor([_slow_morton(row.tolist(), bits) for row in grid])
+    assert torch.equal(fast, slow)
+
+
+def test_morton_code_puts_first_coordinate_in_most_significant_bit():
+    grid = torch.tensor([[1, 0, 0], [0, 1, 0], [0, 0, 1], [2, 0, 0]])
+    assert morton_codes(grid, 2).tolist() == [4, 2, 1, 32]
+
+
+def test_shifted_curve_zero_equals_single_curve():
+    x = torch.randn(50, 3)
+    assert torch.equal(curve_codes(x, 12, 0, 1), curve_codes(x, 12, 0, 3))  # the extra top bits are zero
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "pattern", ["zeta:k=8,window=16,chunks=4,local=4", "zeta:k=6,window=5,curves=3,chunks=3,local=0", "zeta:k=5,window=4,bits=3"]
+)
+def test_lean_selection_equals_dense_definition(pattern, causal):
+    q, k, _ = _qkv(150, seed=1)
+    padding = torch.rand(2, 150, generator=torch.Generator().manual_seed(2)) > 0.2
+    spec = sf.parse_pattern(pattern)
+    lean = mask_from_indices(select_keys(spec, q, k, causal, padding), 150)
+    dense = dense_selection(spec, q, k.expand(-1, 2, -1, -1), causal, padding)
+    assert torch.equal(lean, dense)
+    assert lean.sum(-1).max() <= spec.k and not lean[~padding[:, None, None, :].expand_as(lean)].any()
+
+
+def test_selection_keeps_the_nearest_candidates_and_all_when_window_covers_everything():
+    q, k, _ = _qkv(40, heads=1, seed=3)
+    mask = sf.selection_mask("zeta:k=5,window=40", q, k)
+    distance = torch.cdist(q, k).pow(2)
+    exact = torch.zeros_like(mask).scatter_(-1, distance.topk(5, largest=False).indices, True)
+    assert torch.equal(mask, exact)
+
+
+def test_causal_selection_of_a_query_ignores_keys_after_it():
+    spec = sf.parse_pattern("zeta:k=6,window=8,chunks=5,local=3,curves=2")
+    q, k, _ = _qkv(120, seed=4)
+    before = select_keys(spec, q, k, True, None)
+    k2 = k.clone()
+    k2[:, :, 70:] = torch.randn_like(k2[:, :, 70:]) * 5
+    after = select_keys(spec, q, k2, True, None)
+    assert torch.equal(before[:, :, :70], after[:, :, :70])
+    position = torch.arange(120)[None, None, :, None]
+    assert ((before <= position) | (before < 0)).all()
+
+
+def test_causal_chunks_hide_own_chunk_beyond_the_local_band():
+    spec = sf.parse_pattern("zeta:k=50,window=50,chunks=2,local=2")
+    q, k, _ = _qkv(20, heads=1, seed=5)
+    mask = sf.selection_mask(spec, q, k, causal=True)[0, 0]  # chunks of 10
+    assert mask[13].nonzero().flatten().tolist() == list(range(10)) + [12, 13]
+    assert mask[5].nonzero().flatten().tolist() == [4, 5]
+
+
+def test_recall_is_one_when_the_window_covers_every_key():
+    q, k, _ = _qkv(64, seed=6)
+    assert torch.all(candidate_recall(q, k, "zeta:k=8,window=64") == 1)
+    assert torch.all(candidate_recall(q, k, "zeta:k=8,window=64,chunks=1,local=64", causal=True) == 1)
+
+
+def test_more_curves_never_lower_recall_and_recall_matches_a_direct_count():
+    q, k, _ = _qkv(300, seed=7)
+    one = candidate_recall(q, k, "zeta:k=8,window=8")
+    three = candidate_recall(q, k, "zeta:k=8,window=8,curves=3")
+    assert (three >= one).all() and three.mean() > one.mean()
+    found = mask_from_indices(select_keys(sf.parse_pattern("zeta:k=8,window=8"), q, k, False, None), 300)
+    exact = torch.zeros_like(found).scatter_(-1, torch.cdist(q, k.expand_as(q)).topk(8, largest=False).indices, True)
+    torch.testing.assert_close(one, (found & exact).sum(-1).float() / 8)
+
+
+def test_recall_is_nan_on_rows_that_see_no_key():
+    q, k, _ = _qkv(10, seed=8)
+    padding = torch.ones(2, 10, dtype=torch.bool)
+    padding[1, :4] = False
+    recall = candidate_recall(q, k, "zeta:k=2,window=4", causal=True, key_padding_mask=padding)
+    assert recall[1, :, :4].isnan().all() and not recall[0].isnan().any()
+
+
+def test_reference_gradients_including_gamma_pass_gradcheck():
+    q, k, v = (x.double().requires_grad_() for x in _qkv(7, batch=1, heads=2, kv_heads=2, dv=2, seed=9))
+    gamma = torch.tensor([0.7, 1.3], dtype=torch.float64, requires_grad=True)
+
+    def run(q, k, v, gamma):
+        return sf.sparse_attention(q, k, v, "zeta:k=3,window=4,chunks=3,local=2", causal=True, impl="reference", params={"gamma": gamma})
+
+    assert torch.autograd.gradcheck(run, (q, k, v, gamma), fast_mode=True)
+
+
+def test_lean_equals_reference_with_trained_gamma_and_mean_token_reaches_every_value():
+    q, k, v = (x.requires_grad_() for x in _qkv(50, seed=10))
+    results = []
+    for impl in ("reference", "lean"):
+        gamma = torch.tensor([0.5, 2.0], requires_grad=True)
+        out = sf.sparse_attention(q, k, v, "zeta:k=3,window=4,chunks=4,local=2", causal=True, impl=impl, params={"gamma": gamma})
+        grads = torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))
+        results.append((out, *grads))
+    for ref, lean in zip(*results):
+        torch.testing.assert_close(lean, ref, atol=2e-5, rtol=1e-4)
+    assert (results[1][3].abs().sum(-1) > 0).all(), "every value gets a gradient through the mean token"
+
+
+def test_mean_token_alone_when_no_key_is_selected():
+    q, k, v = _qkv(6, batch=1, heads=1, kv_heads=1, seed=11)
+    out = sf.sparse_attention(q, k, v, "zeta:k=1,window=1,chunks=6,local=0", causal=True, impl="lean")
+    # Query 0 searches no earlier chunk and has no band: only its mean token, the value v_0.
+    torch.testing.assert_close(out[0, 0, 0], v[0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "pattern,name",
+    [
+        ("zeta:k=0", "k"),
+        ("zeta:bits=21", "bits"),
+        ("zeta:window=0", "window"),
+        ("zeta:local=-1", "local"),
+        ("zeta:gamma=0", "gamma"),
+        ("zeta:curves=0", "curves"),
+        ("zeta:chunks=0", "chunks"),
+        ("zeta:dk=40,curves=2", "dk"),
+    ],
+)
+def test_bad_parameters_raise_value_error_naming_them(pattern, name):
+    with pytest.raises(ValueError, match=name):
+        sf.parse_pattern(pattern)
+
+
+def test_too_wide_queries_raise_value_error():
+    q, k, v = _qkv(8, dim=64)
+    with pytest.raises(ValueError, match="too wide"):
+        sf.sparse_attention(q, k, v, "zeta:k=2")
+
+
+def test_layer_projects_to_dk_and_trains_gamma_per_head():
+    torch.manual_seed(0)
+    layer = SparseAttention(16, 4, "zeta:k=4,window=8,chunks=2,local=4,dk=3", causal=True, impl="lean")
+    assert layer.q_proj.out_features == 4 * 3 and layer.v_proj.out_features == 16
+    x = torch.randn(2, 30, 16)
+    layer(x).pow(2).sum().backward()
+    gamma = layer.mechanism["gamma"]
+    assert gamma.shape == (4,) and torch.isfinite(gamma.grad).all() and gamma.grad.abs().sum() > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sparsefocus.kernels.indexed") is None, reason="indexed kernel not present")
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_path_equals_lean_in_the_interpreter(causal):
+    q, k, v = (x.requires_grad_() for x in _qkv(24, heads=2, kv_heads=1, seed=12))
+    results = []
+    for impl in ("lean", "triton"):
+        gamma = torch.tensor([0.8, 1.5], requires_grad=True)
+        out = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2,curves=2", causal=causal, impl=impl, params={"gamma": gamma})
+        results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
+    for name, lean, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
+        torch.testing.assert_close(tri, lean, atol=1e-4, rtol=1e-3, msg=name)
