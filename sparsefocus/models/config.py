@@ -1,0 +1,84 @@
+"""``ModelConfig``: the typed shape of an encoder or decoder, shared by both models and the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparsefocus.attention import parse_pattern
+from sparsefocus.attention.patterns import Pattern
+
+ACTIVATIONS = ("relu", "gelu", "mish")
+POSITIONS = ("sinusoidal", "learned")
+POOLINGS = ("mean", "cls")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a transformer encoder (classification) or causal decoder (next token).
+
+    Args:
+        blocks: number of transformer blocks. Default: 2.
+        heads: attention heads per block. Default: 1.
+        dim: model width d. Default: 64.
+        mlp_dim: hidden width of the MLP. Default: 64.
+        activation: "relu", "gelu" or "mish". Default: "relu".
+        dropout: dropout on embeddings, attention output, MLP and residuals. Default: 0.01.
+        positions: "sinusoidal" or "learned". Default: "sinusoidal".
+        pooling: "mean" or "cls" (encoder only). Default: "mean".
+        head_dim: width of each head; None = dim // heads (paper_mode forces dim). Default: None.
+        impl: attention implementation passed to ``sparse_attention``. Default: "auto".
+        paper_mode: reproduce the Semantic Focus code's quirks (see ``docs/readme/laboratory.md``).
+            Default: False.
+    """
+
+    blocks: int = 2
+    heads: int = 1
+    dim: int = 64
+    mlp_dim: int = 64
+    activation: str = "relu"
+    dropout: float = 0.01
+    positions: str = "sinusoidal"
+    pooling: str = "mean"
+    head_dim: int | None = None
+    impl: str = "auto"
+    paper_mode: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        for name in ("blocks", "heads", "dim", "mlp_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation must be one of {', '.join(ACTIVATIONS)}, got {self.activation!r}")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"model.positions must be one of {', '.join(POSITIONS)}, got {self.positions!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"model.pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.head_dim is None and not self.paper_mode and self.dim % self.heads:
+            raise ValueError(f"model.heads ({self.heads}) must divide model.dim ({self.dim}) unless model.head_dim is set")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"model.head_dim must be >= 1, got {self.head_dim}")
+
+    def resolved_head_dim(self) -> int:
+        """Per-head width: the paper's code gives every head the full width d."""
+        if self.paper_mode:
+            return self.dim
+        return self.head_dim if self.head_dim is not None else self.dim // self.heads
+
+
+def block_patterns(mechanism: "str | Pattern | list | tuple", blocks: int) -> list[Pattern]:
+    """One parsed pattern per block from a single spec or a per-block list of ``blocks`` specs."""
+    if isinstance(mechanism, (list, tuple)):
+        if len(mechanism) != blocks:
+            raise ValueError(f"a per-block mechanism list needs {blocks} patterns (model.blocks), got {len(mechanism)}")
+        return [parse_pattern(spec) for spec in mechanism]
+    return [parse_pattern(mechanism)] * blocks
+
+
+def mechanism_label(mechanism: "str | Pattern | list | tuple") -> str:
+    """Short label: ``TOPK:5``; a per-block list joins its labels with '+' (``FULL+TOPK:5``)."""
+    if isinstance(mechanism, (list, tuple)):
+        return "+".join(parse_pattern(spec).label() for spec in mechanism)
+    return parse_pattern(mechanism).label()

@@ -1,0 +1,320 @@
+"""Typed experiment configs: dataclass defaults <- a YAML file <- dotted ``key=value`` overrides.
+
+An experiment is mechanisms x seeds x settings; ``settings`` maps dotted keys to lists of values
+and every combination is one setting (``{"model.blocks": [6, 10]}`` gives two). Everything is
+checked before any training starts, and every error names the key it is about.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sparsefocus.models.config import ModelConfig
+
+PAPER_SEEDS = [153476998, 235510766, 205084180, 129959864, 149896109, 140439608, 145017219, 162518970, 245293503, 152674004]
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("constant", "step", "cosine")
+TRAIN_LOSSES = ("full_eval", "running")
+DEVICES = ("cpu", "cuda", "auto")
+
+
+@dataclass
+class OptimConfig:
+    """Optimiser and learning-rate schedule.
+
+    Args:
+        name: "sgd" (the paper: plain, no momentum) or "adamw". Default: "sgd".
+        lr: initial learning rate. Default: 0.1.
+        momentum: SGD momentum. Default: 0.
+        weight_decay: decoupled for AdamW, L2 for SGD. Default: 0 (AdamW with 0 is Adam).
+        betas: AdamW betas. Default: [0.9, 0.999].
+        grad_clip: max gradient norm; 0 turns clipping off. Default: 0.5 (the paper).
+        schedule: "constant", "step" (x decay every step_epochs, the paper's StepLR) or "cosine"
+            (linear warmup over warmup_epochs, then cosine to min_lr_ratio x lr). Default: "step".
+        decay: the step schedule's factor. Default: 0.9995 (the paper's Chomsky runs).
+        step_epochs: epochs between step decays. Default: 1.
+        warmup_epochs: cosine warmup length, may be fractional. Default: 0.
+        min_lr_ratio: cosine floor as a fraction of lr. Default: 0.
+    """
+
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 0.5
+    schedule: str = "step"
+    decay: float = 0.9995
+    step_epochs: int = 1
+    warmup_epochs: float = 0.0
+    min_lr_ratio: float = 0.0
+
+    def validate(self) -> None:
+        _choice("optim.name", self.name, OPTIMIZERS)
+        _choice("optim.schedule", self.schedule, SCHEDULES)
+        _positive("optim.lr", self.lr)
+        _positive("optim.decay", self.decay)
+        _positive("optim.step_epochs", self.step_epochs)
+        for key in ("momentum", "weight_decay", "grad_clip", "warmup_epochs", "min_lr_ratio"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"optim.{key} must be >= 0, got {getattr(self, key)}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass
+class TrainConfig:
+    """Loop settings.
+
+    Args:
+        epochs: passes over the training set. Default: 10.
+        batch_size: Default: 25 (the paper).
+        train_loss: "full_eval" (the paper: loss and accuracy over the whole training set in eval
+            mode after every epoch) or "running" (mean of the training batches, cheaper). Default: "full_eval".
+        eval_batch_size: batch size for evaluation. Default: 500.
+        device: "cpu", "cuda" or "auto". Default: "cpu".
+        threads: torch threads per run; 0 = torch's default (or cores / jobs). Default: 0.
+        jobs: runs trained at once in separate processes. Default: 1.
+        checkpoint_every: epochs between checkpoints (the last epoch is always saved). Default: 1.
+    """
+
+    epochs: int = 10
+    batch_size: int = 25
+    train_loss: str = "full_eval"
+    eval_batch_size: int = 500
+    device: str = "cpu"
+    threads: int = 0
+    jobs: int = 1
+    checkpoint_every: int = 1
+
+    def validate(self) -> None:
+        for key in ("epochs", "batch_size", "eval_batch_size", "jobs", "checkpoint_every"):
+            _positive(f"train.{key}", getattr(self, key))
+        if self.threads < 0:
+            raise ValueError(f"train.threads must be >= 0, got {self.threads}")
+        _choice("train.train_loss", self.train_loss, TRAIN_LOSSES)
+        _choice("train.device", self.device, DEVICES)
+
+
+@dataclass
+class ExperimentConfig:
+    """A study: ``mechanisms`` x ``seeds`` x every combination of ``settings``.
+
+    Args:
+        name: folder name under out_dir. Default: "experiment".
+        out_dir: where run folders go. Default: "runs".
+        task: ``{"name": <registered task>, <its config fields>...}``. Default: parity.
+        model, optim, train: see ``ModelConfig``, ``OptimConfig``, ``TrainConfig``.
+        mechanisms: pattern specs; an entry may be a list of one spec per block. Default: FULL, TOPK:5.
+        seeds: each seeds both the data and the model. Default: the paper's first three.
+        settings: dotted key -> list of values; their product is swept. Default: none.
+    """
+
+    name: str = "experiment"
+    out_dir: str = "runs"
+    task: dict[str, Any] = field(default_factory=lambda: {"name": "parity"})
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mechanisms: list[Any] = field(default_factory=lambda: ["FULL", "TOPK:5"])
+    seeds: list[int] = field(default_factory=lambda: PAPER_SEEDS[:3])
+    settings: dict[str, list[Any]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choice(key: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{key} must be one of {', '.join(valid)}, got {value!r}")
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ValueError(f"{key} must be > 0, got {value}")
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    """Check ``value`` against the type ``hint`` (converting int->float, numeric str->float)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if hint is Any:
+        return value
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{key} must be a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{key} must be a mapping, got {value!r}")
+        return {str(k): _coerce(f"{key}.{k}", v, args[1]) for k, v in value.items()}
+    return _coerce_scalar(key, value, hint)
+
+
+def _coerce_scalar(key: str, value: Any, hint: type) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # PyYAML reads 1e-3 as a string
+            except ValueError:
+                pass
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{key} must be a string, got {value!r}")
+    raise ValueError(f"{key}: unsupported field type {hint}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """Make dataclass ``cls`` from a dict, rejecting unknown keys and wrong types by name."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ValueError(f"unknown config key {prefix}{key!r}; valid keys: {', '.join(names)}")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            values[key] = _build(hint, value, f"{prefix}{key}.")
+        else:
+            values[key] = _coerce(f"{prefix}{key}", value, hint)
+    return cls(**values)
+
+
+def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge ``update`` into a copy of ``base`` (mappings merge, everything else replaces).
+    ``task`` replaces wholesale when its name changes."""
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "settings" and not _new_task(key, out, value):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _new_task(key: str, base: dict[str, Any], value: dict[str, Any]) -> bool:
+    """A task section naming another task replaces the old one instead of merging fields into it."""
+    return key == "task" and value.get("name", base[key].get("name")) != base[key].get("name")
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``data[a][b] = value`` for ``dotted='a.b'``; unknown top-level sections are caught by _build."""
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        if part not in node or not isinstance(node[part], dict):
+            raise ValueError(f"unknown config key {dotted!r}: {part!r} is not a section")
+        node = node[part]
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'model.blocks=4'`` -> ("model.blocks", 4); values are read as YAML (``[FULL,TOPK:5]`` is a list)."""
+    if "=" not in text:
+        raise ValueError(f"an override must look like key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def load_dict(path: "str | Path | None" = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Defaults <- YAML file <- overrides, as a plain dict (not yet checked)."""
+    data = ExperimentConfig().to_dict()
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a config file must be a mapping of keys, got {type(loaded).__name__}")
+        data = merge(data, loaded)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(data, key, value)
+    return data
+
+
+def from_dict(data: dict[str, Any]) -> ExperimentConfig:
+    """Typed config from a dict; raises ValueError naming the bad key."""
+    return _build(ExperimentConfig, data, "")
+
+
+def load_config(path: "str | Path | None" = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Defaults <- YAML <- overrides, typed and checked (``validate_experiment`` checks sizes too)."""
+    config = from_dict(load_dict(path, overrides))
+    config.model.validate()
+    config.optim.validate()
+    config.train.validate()
+    return config
+
+
+def expand_settings(config: ExperimentConfig) -> list[tuple[str, ExperimentConfig]]:
+    """Every combination of ``settings`` as (label, config with those values and no settings)."""
+    if not config.settings:
+        plain = copy.deepcopy(config)
+        plain.settings = {}
+        return [("default", plain)]
+    keys = list(config.settings)
+    for key in keys:
+        if not isinstance(config.settings[key], list) or not config.settings[key]:
+            raise ValueError(f"settings.{key} must be a non-empty list of values")
+    out = []
+    for values in itertools.product(*(config.settings[key] for key in keys)):
+        data = config.to_dict()
+        data["settings"] = {}
+        for key, value in zip(keys, values):
+            try:
+                set_dotted(data, key, value)
+            except ValueError as error:
+                raise ValueError(f"settings: {error}") from None
+        label = ",".join(f"{key}={value}" for key, value in zip(keys, values))
+        out.append((label, from_dict(data)))
+    return out
+
+
+def to_yaml(config: ExperimentConfig) -> str:
+    return yaml.safe_dump(config.to_dict(), sort_keys=False)
+
+
+def make_task_config(task: dict[str, Any], prefix: str = "task") -> Any:
+    """The registered task's typed config from ``{"name": ..., fields...}``; errors name the key."""
+    from sparsefocus.tasks.base import task_config_class
+
+    if "name" not in task:
+        raise ValueError(f"{prefix}.name is missing: say which task to train on")
+    try:
+        cls = task_config_class(str(task["name"]))
+    except ValueError as error:
+        raise ValueError(f"{prefix}.name: {error}") from None
+    fields = {k: v for k, v in task.items() if k != "name"}
+    config = _build(cls, fields, f"{prefix}.")
+    try:
+        config.validate()
+    except ValueError as error:
+        raise ValueError(f"{prefix}: {error}") from None
+    return config

@@ -1,0 +1,263 @@
+"""The flat training loop of one run (one mechanism, one seed, one setting), resumable.
+
+A run folder holds ``config.yaml`` (the resolved run config, written once the first checkpoint
+exists, so its presence means "started"), ``metrics.jsonl`` (one line per finished epoch) and
+``checkpoint.pt`` (model, optimiser, schedule, RNG states and the metrics so far).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import Tensor, nn
+
+from sparsefocus.models import Decoder, Encoder, ModelConfig, mechanism_label
+from sparsefocus.tasks.base import TaskData
+from sparsefocus.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_text_atomic
+from sparsefocus.train.config import ExperimentConfig, OptimConfig, make_task_config
+
+# Keys that may change between an interrupted run and its resumption without changing its result.
+RESUME_FREE_KEYS = ("name", "out_dir", "train.jobs", "train.threads", "train.device")
+
+
+@dataclass
+class RunSpec:
+    """One run: a setting-resolved config, a mechanism (spec or per-block list) and a seed."""
+
+    run_dir: Path
+    config: ExperimentConfig
+    setting: str
+    mechanism: Any
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return mechanism_label(self.mechanism)
+
+    def record(self) -> dict[str, Any]:
+        """What ``config.yaml`` holds: enough to retrain the run and to group it in reports."""
+        return {
+            "mechanism": self.mechanism,
+            "label": self.label,
+            "seed": self.seed,
+            "setting": self.setting,
+            "config": self.config.to_dict(),
+        }
+
+
+def build_model(config: ModelConfig, mechanism: Any, data: TaskData) -> nn.Module:
+    """An Encoder for classification tasks, a Decoder for next-token tasks, sized from ``data``."""
+    if data.kind == "next_token":
+        return Decoder(config, mechanism, vocab_size=data.vocab_size, max_len=data.seq_len, pad_id=data.pad_id)
+    return Encoder(
+        config, mechanism, vocab_size=data.vocab_size, num_classes=data.num_classes, max_len=data.seq_len, pad_id=data.pad_id
+    )
+
+
+def make_optimizer(config: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """Plain SGD (the paper: no momentum, no weight decay by default) or AdamW."""
+    if config.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=config.lr, betas=tuple(config.betas), weight_decay=config.weight_decay)
+
+
+def lr_factor(config: OptimConfig, step: int, steps_per_epoch: int, total_epochs: int) -> float:
+    """Multiplier of the initial lr after ``step`` optimiser steps. The step schedule changes only at
+    epoch boundaries, so it equals the paper's per-epoch StepLR; cosine warms up linearly over
+    ``warmup_epochs`` and then decays to ``min_lr_ratio`` at the last step."""
+    if config.schedule == "step":
+        return config.decay ** ((step // steps_per_epoch) // config.step_epochs)
+    if config.schedule == "constant":
+        return 1.0
+    warmup, total = config.warmup_epochs * steps_per_epoch, total_epochs * steps_per_epoch
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(total - warmup, 1))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device is 'cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def loss_and_counts(logits: Tensor, targets: Tensor) -> tuple[Tensor, int, int]:
+    """Mean cross-entropy, number correct and number scored. logits [B, C] or [B, L, V]; targets
+    [B] or [B, L] with -100 = not scored."""
+    logits = logits.reshape(-1, logits.shape[-1])  # [B*L, V] (or [B, C])
+    targets = targets.reshape(-1)
+    scored = targets != -100
+    loss = F.cross_entropy(logits, targets, ignore_index=-100)
+    correct = int((logits.argmax(-1)[scored] == targets[scored]).sum())
+    return loss, correct, int(scored.sum())
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int) -> tuple[float, float]:
+    """(mean cross-entropy, accuracy) over a whole split in eval mode."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for start in range(0, inputs.shape[0], batch_size):
+        loss, right, scored = loss_and_counts(model(inputs[start : start + batch_size]), targets[start : start + batch_size])
+        loss_sum, correct, count = loss_sum + float(loss) * scored, correct + right, count + scored
+    return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+def train_epoch(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: TaskData, config: ExperimentConfig, generator: torch.Generator
+) -> tuple[float, float]:
+    """One shuffled pass over the training set; returns the running (mean batch) loss and accuracy."""
+    model.train()
+    order = torch.randperm(data.train_inputs.shape[0], generator=generator).to(data.train_inputs.device)
+    loss_sum, correct, count = 0.0, 0, 0
+    for start in range(0, order.shape[0], config.train.batch_size):
+        batch = order[start : start + config.train.batch_size]
+        loss, right, scored = loss_and_counts(model(data.train_inputs[batch]), data.train_targets[batch])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()  # per optimiser step; lr_factor makes the step schedule change per epoch
+        loss_sum, correct, count = loss_sum + float(loss.detach()) * scored, correct + right, count + scored
+    return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+def epoch_metrics(
+    epoch: int, model: nn.Module, data: TaskData, config: ExperimentConfig, running: tuple[float, float], lr: float, seconds: float
+) -> dict[str, float]:
+    """One line of metrics.jsonl: the paper evaluates the whole training set in eval mode each epoch."""
+    if config.train.train_loss == "full_eval":
+        train_loss, train_acc = evaluate(model, data.train_inputs, data.train_targets, config.train.eval_batch_size)
+    else:
+        train_loss, train_acc = running
+    valid_loss, valid_acc = evaluate(model, data.valid_inputs, data.valid_targets, config.train.eval_batch_size)
+    return {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "train_acc": train_acc,
+        "valid_loss": valid_loss,
+        "valid_acc": valid_acc,
+        "lr": lr,
+        "seconds": round(seconds, 4),
+    }
+
+
+def build_data(config: ExperimentConfig, seed: int, device: torch.device) -> TaskData:
+    """The task's data for ``seed``, tensors moved to ``device``."""
+    data = make_task_config(config.task).build(seed)
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
+        setattr(data, name, getattr(data, name).to(device))
+    return data
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): data}
+
+
+def check_run_folder(spec: RunSpec) -> tuple[str, int]:
+    """State of a run folder: ("new", 0), ("partial", epochs done) or ("done", epochs).
+
+    Raises:
+        CheckpointError: the folder was started but its checkpoint is missing or corrupt.
+        ValueError: the folder was made by a different config (names the first differing key).
+    """
+    record_path = spec.run_dir / "config.yaml"
+    if not record_path.exists():
+        return "new", 0
+    old = _flatten(yaml.safe_load(record_path.read_text()) or {})
+    new = _flatten(yaml.safe_load(yaml.safe_dump(spec.record())))
+    for key in sorted(set(old) | set(new)):
+        if key.removeprefix("config.") in RESUME_FREE_KEYS:
+            continue
+        if old.get(key) != new.get(key):
+            raise ValueError(
+                f"{spec.run_dir} was trained with {key}={old.get(key)!r}, the config now says {new.get(key)!r}; "
+                f"choose another experiment name or delete that folder"
+            )
+    state = load_checkpoint(spec.run_dir / "checkpoint.pt")
+    return ("done" if state.get("finished") else "partial"), int(state["epoch"])
+
+
+def _state(epoch: int, finished: bool, model, optimizer, scheduler, generator, metrics) -> dict[str, Any]:
+    return {
+        "epoch": epoch,
+        "finished": finished,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "generator": generator.get_state(),
+        "metrics": metrics,
+    }
+
+
+def _write_metrics(run_dir: Path, metrics: list[dict[str, float]]) -> None:
+    write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
+
+
+def train_run(spec: RunSpec, on_epoch: Callable[[], None] | None = None) -> list[dict[str, float]]:
+    """Train one run to ``train.epochs``, resuming from its checkpoint if the folder was started.
+
+    Returns the per-epoch metrics (also in ``metrics.jsonl``). ``on_epoch`` is called after every
+    epoch (progress bars).
+    """
+    config = spec.config
+    device = resolve_device(config.train.device)
+    data = build_data(config, spec.seed, device)
+    torch.manual_seed(spec.seed)
+    model = build_model(config.model, spec.mechanism, data).to(device)
+    optimizer = make_optimizer(config.optim, model)
+    steps_per_epoch = math.ceil(data.train_inputs.shape[0] / config.train.batch_size)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(config.optim, step, steps_per_epoch, config.train.epochs)
+    )
+    generator = torch.Generator().manual_seed(spec.seed)
+    start, metrics = _start_or_resume(spec, model, optimizer, scheduler, generator)
+    for epoch in range(start + 1, config.train.epochs + 1):
+        began = time.perf_counter()
+        lr = optimizer.param_groups[0]["lr"]
+        running = train_epoch(model, optimizer, scheduler, data, config, generator)
+        metrics.append(epoch_metrics(epoch, model, data, config, running, lr, time.perf_counter() - began))
+        _write_metrics(spec.run_dir, metrics)
+        last = epoch == config.train.epochs
+        if last or epoch % config.train.checkpoint_every == 0:
+            state = _state(epoch, last, model, optimizer, scheduler, generator, metrics)
+            save_checkpoint(spec.run_dir / "checkpoint.pt", state)
+        if on_epoch is not None:
+            on_epoch()
+    return metrics
+
+
+def _start_or_resume(spec: RunSpec, model, optimizer, scheduler, generator) -> tuple[int, list[dict[str, float]]]:
+    """Restore a started run from its checkpoint, or start the folder: checkpoint first, then config.yaml."""
+    if (spec.run_dir / "config.yaml").exists():
+        state = load_checkpoint(spec.run_dir / "checkpoint.pt")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        generator.set_state(state["generator"])
+        metrics = list(state["metrics"])
+        _write_metrics(spec.run_dir, metrics)  # drop epochs logged after the last checkpoint
+        return int(state["epoch"]), metrics
+    spec.run_dir.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(spec.run_dir / "checkpoint.pt", _state(0, False, model, optimizer, scheduler, generator, []))
+    write_text_atomic(spec.run_dir / "config.yaml", yaml.safe_dump(spec.record(), sort_keys=False))
+    return 0, []
