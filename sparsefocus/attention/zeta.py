@@ -253,7 +253,7 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
                 candidates = _window_candidates(sorted_codes, order, n_valid, codes_q[..., sub], spec.window)
                 if causal and spec.local > 0:
                     candidates = torch.cat([candidates, _local_band(sub, prefix, spec.local, real, q.shape[1])], dim=-1)
-                out[:, :, sub] = _nearest(q32[:, :, sub], k32, candidates, width)
+                out[:, :, sub] = _nearest(q32[:, :, sub], k32, candidates, width, dedup=spec.curves > 1)
         return out
 
 
@@ -303,15 +303,17 @@ def _local_band(rows: slice, chunk_start: int, local: int, real: Tensor, heads: 
     return band[:, None].expand(-1, heads, -1, -1)
 
 
-def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int) -> Tensor:
-    """Keep the ``width`` candidates nearest to each query (duplicates counted once).
+def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int, dedup: bool) -> Tensor:
+    """Keep the ``width`` candidates nearest to each query (with ``dedup``, repeats counted once;
+    only several curves can propose a key twice).
 
     q: [B, H, R, D]; k: [B, H, M, D]; candidates: [B, H, R, C] (-1 unused) -> [B, H, R, width].
     """
-    candidates, _ = candidates.sort(dim=-1)
-    repeated = torch.zeros_like(candidates, dtype=torch.bool)
-    repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
-    candidates = torch.where(repeated, torch.full_like(candidates, -1), candidates)
+    if dedup:
+        candidates, _ = candidates.sort(dim=-1)
+        repeated = torch.zeros_like(candidates, dtype=torch.bool)
+        repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
+        candidates = torch.where(repeated, torch.full_like(candidates, -1), candidates)
     batch, heads, rows, count = candidates.shape
     flat = candidates.clamp_min(0).reshape(batch, heads, rows * count, 1)
     keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1])).view(batch, heads, rows, count, -1)

@@ -1,0 +1,225 @@
+"""ZETA on one GPU: correctness against the fp32 definition, fwd+bwd time and peak memory against
+SDPA-FlashAttention, the 1M-token run, and candidate recall of the exact top-k.
+
+Usage (on a CUDA machine, from the repo root):
+    PYTHONPATH=. python benchmarks/zeta_bench.py --out benchmarks/results [--quick]
+Writes zeta_bench.json and zeta_bench.png into --out. Every section is wrapped so that one
+failure (an OOM, say) is recorded in the JSON and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+import sparsefocus as sf
+from sparsefocus.attention.zeta import candidate_recall, select_keys
+
+PATTERN = "zeta:k=32,window=64,chunks=8,local=32"
+SHIFTED = "zeta:k=32,window=32,chunks=8,local=32,curves=3"
+
+
+def timed_ms(fn, reps: int = 5, warmup: int = 1) -> float:
+    """Median wall time of fn() in ms, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop))
+    return sorted(times)[len(times) // 2]
+
+
+def zeta_inputs(batch, heads, n, dk=3, dv=64, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    gamma = torch.ones(heads, device="cuda", requires_grad=True)
+    return make(batch, heads, n, dk), make(batch, heads, n, dk), make(batch, heads, n, dv), gamma
+
+
+def zeta_step(q, k, v, gamma, pattern=PATTERN, backward=True):
+    def run():
+        out = sf.sparse_attention(q, k, v, pattern, causal=True, impl="triton", params={"gamma": gamma})
+        if backward:
+            out.backward(torch.ones_like(out))
+    return run
+
+
+def sdpa_step(q, k, v, backward=True):
+    def run():
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if backward:
+            out.backward(torch.ones_like(out))
+    return run
+
+
+def peak_mb(fn) -> float:
+    """Peak memory of fn() above what was allocated before it, in MB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def rel_err(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def correctness() -> dict:
+    """Triton path in bf16 vs the dense fp32 definition (N=512) and vs lean fp32 (N=4096)."""
+    results = {}
+    for n, impl_ref in ((512, "reference"), (4096, "lean")):
+        q, k, v, gamma = zeta_inputs(1, 4, n, dv=64, seed=n)
+        for causal in (False, True):
+            grads = {}
+            for impl, cast in (("triton", lambda x: x), (impl_ref, lambda x: x.float())):
+                xs = [cast(x.detach()).requires_grad_() for x in (q, k, v)]
+                g = gamma.detach().clone().requires_grad_()
+                out = sf.sparse_attention(*xs, "zeta:k=32,window=64,chunks=4,local=32,curves=2", causal=causal, impl=impl, params={"gamma": g})
+                out.float().pow(2).sum().backward()
+                grads[impl] = (out, *(x.grad for x in xs), g.grad)
+            names = ("out", "dq", "dk", "dv", "dgamma")
+            results[f"N{n}_{impl_ref}_causal{causal}"] = {
+                name: rel_err(a, b) for name, a, b in zip(names, grads["triton"], grads[impl_ref])
+            }
+    return results
+
+
+def speed_and_memory(lengths, batch=4, heads=16) -> list[dict]:
+    rows = []
+    for n in lengths:
+        row = {"N": n, "B": batch, "H": heads}
+        q, k, v, gamma = zeta_inputs(batch, heads, n)
+        reps = 5 if n <= 16384 else 3
+        row["zeta_fwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, backward=False), reps)
+        row["zeta_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma), reps)
+        row["zeta_select_ms"] = timed_ms(lambda: select_keys(sf.parse_pattern(PATTERN), q, k, True, None), reps)
+        row["zeta_shifted_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, SHIFTED), reps)
+        row["zeta_peak_mb"] = peak_mb(zeta_step(q, k, v, gamma))
+        del q, k, v
+        qs, ks, vs, _ = zeta_inputs(batch, heads, n, dk=64)
+        row["sdpa_fwd_ms"] = timed_ms(sdpa_step(qs, ks, vs, backward=False), reps)
+        row["sdpa_fwdbwd_ms"] = timed_ms(sdpa_step(qs, ks, vs), reps)
+        row["sdpa_peak_mb"] = peak_mb(sdpa_step(qs, ks, vs))
+        del qs, ks, vs
+        torch.cuda.empty_cache()
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def million(n=1 << 20) -> dict:
+    q, k, v, gamma = zeta_inputs(1, 16, n)
+    start = time.time()
+    zeta_step(q, k, v, gamma)()
+    torch.cuda.synchronize()
+    first = time.time() - start
+    row = {"N": n, "B": 1, "H": 16, "first_call_s": first, "fwdbwd_ms": timed_ms(zeta_step(q, k, v, gamma), 2)}
+    row["peak_mb"] = peak_mb(zeta_step(q, k, v, gamma))
+    row["grads_finite"] = bool(all(torch.isfinite(x.grad).all() for x in (q, k, v, gamma)))
+    return row
+
+
+def recall_sweep() -> list[dict]:
+    """Mean recall of the exact top-32 on Gaussian q/k (B=1, H=16)."""
+    configs = []
+    for window in (32, 64, 128):
+        for curves in (1, 2, 3):
+            configs.append(dict(n=4096, dk=3, window=window, curves=curves, bits=12))
+    configs += [dict(n=4096, dk=dk, window=64, curves=1, bits=12) for dk in (1, 2, 8)]
+    configs += [dict(n=4096, dk=3, window=64, curves=1, bits=b) for b in (6, 10, 16)]
+    configs += [dict(n=n, dk=3, window=64, curves=1, bits=12) for n in (1024, 16384)]
+    rows = []
+    for c in configs:
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        q = torch.randn(1, 16, c["n"], c["dk"], generator=gen, device="cuda")
+        k = torch.randn(1, 16, c["n"], c["dk"], generator=gen, device="cuda")
+        bits = min(c["bits"], 62 // c["dk"] - (c["curves"] > 1))
+        pattern = f"zeta:k=32,window={c['window']},curves={c['curves']},bits={bits},chunks=8,local=32"
+        for causal in (False, True):
+            recall = candidate_recall(q, k, pattern, causal=causal).nanmean().item()
+            rows.append({**c, "bits": bits, "causal": causal, "recall": recall})
+    return rows
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result.get("speed", [])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if rows:
+        ns = [r["N"] for r in rows]
+        for key, label in (("zeta_fwdbwd_ms", "ZETA 1 curve"), ("zeta_shifted_fwdbwd_ms", "ZETA 3 curves"), ("sdpa_fwdbwd_ms", "SDPA flash")):
+            axes[0].loglog(ns, [r[key] for r in rows], "o-", label=label, base=2)
+        axes[0].set(xlabel="N", ylabel="fwd+bwd ms (B=4, H=16, Dv=64, bf16, causal)", title="time")
+        axes[0].legend()
+        for key, label in (("zeta_peak_mb", "ZETA"), ("sdpa_peak_mb", "SDPA flash")):
+            axes[1].loglog(ns, [r[key] for r in rows], "o-", label=label, base=2)
+        axes[1].set(xlabel="N", ylabel="peak MB above inputs", title="memory")
+        axes[1].legend()
+    fig.suptitle(f"{PATTERN} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+
+
+def section(result: dict, name: str, fn) -> None:
+    try:
+        result[name] = fn()
+    except Exception as error:  # recorded, so the other sections still run
+        result[name + "_error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
+        traceback.print_exc()
+    torch.cuda.empty_cache()
+    print(name, json.dumps(result.get(name, result.get(name + "_error")))[:2000], flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {
+        "command": "PYTHONPATH=. python benchmarks/zeta_bench.py " + ("--quick" if args.quick else ""),
+        "commit": commit,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "pattern": PATTERN,
+        "shifted_pattern": SHIFTED,
+        "protocol": "causal, bf16, q/k width 3 (ZETA) or 64 (SDPA), Dv=64; times: CUDA-event median; memory: peak above inputs",
+    }
+    section(result, "correctness", correctness)
+    lengths = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
+    section(result, "speed", lambda: speed_and_memory(lengths))
+    section(result, "recall", recall_sweep)
+    if not args.quick:
+        section(result, "million", million)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "zeta_bench.json")
+    with open(path + ".tmp", "w") as handle:
+        json.dump(result, handle, indent=1)
+    os.replace(path + ".tmp", path)
+    plot(result, os.path.join(args.out, "zeta_bench.png"))
+
+
+if __name__ == "__main__":
+    main()
