@@ -34,7 +34,7 @@ class BoundInputs:
     separation: float
     sink_ratio: float
 
-    def floored(self) -> "BoundInputs":
+    def floored(self) -> BoundInputs:
         return BoundInputs(*(max(value, FLOOR) for value in (
             self.full_dispersion, self.heavy_dispersion, self.separation, self.sink_ratio
         )))

@@ -8,8 +8,8 @@ selection mask and the keys a query was allowed to pick.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -148,7 +148,7 @@ def _save(fig, path: str) -> None:
 
 
 def plot_landscapes(landscapes: dict[str, Landscape], path: str, levels: int = 30) -> None:
-    """Contour plots (log-spaced levels) of each mechanism's landscape side by side, one PNG."""
+    """Contour plots of each mechanism's landscape side by side on one log colour scale, one PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,9 +158,11 @@ def plot_landscapes(landscapes: dict[str, Landscape], path: str, levels: int = 3
     if not landscapes:
         raise ValueError("plot_landscapes needs at least one landscape")
     fig, axes = plt.subplots(1, len(landscapes), figsize=(4 * len(landscapes), 3.6), squeeze=False)
+    # one log scale for every panel, so that equal colours mean equal losses across mechanisms
+    low = max(min(float(land.loss.min()) for land in landscapes.values()), 1e-6)
+    high = max(max(float(land.loss.max()) for land in landscapes.values()), 2 * low)
+    bounds = np.geomspace(low, high * (1 + 1e-9), levels)
     for axis, (label, land) in zip(axes[0], landscapes.items()):
-        low, high = max(float(land.loss.min()), 1e-6), max(float(land.loss.max()), 2e-6)
-        bounds = np.geomspace(low, high * (1 + 1e-9), levels)
         shown = axis.contourf(land.alphas, land.alphas, land.loss.T, levels=bounds, norm=colors.LogNorm(low, high))
         axis.plot([0], [0], "w+", markersize=10)
         axis.set_title(label)

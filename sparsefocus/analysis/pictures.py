@@ -54,7 +54,7 @@ def random_queries_keys(pattern: Pattern, n: int, head_dim: int = 16, seed: int 
 
 
 def pattern_mask(
-    pattern: "str | Pattern", n: int, *, causal: bool = False, q: Tensor | None = None,
+    pattern: str | Pattern, n: int, *, causal: bool = False, q: Tensor | None = None,
     k: Tensor | None = None, seed: int = 0,
 ) -> np.ndarray:
     """[n, n] bool mask of a pattern (head 0), on the given q, k [1, H, n, D] or random ones."""

@@ -47,7 +47,7 @@ def exact_topk_mask(scores: Tensor, allowed: Tensor, count: int) -> Tensor:
         raise ValueError(f"top-k recall needs k >= 1, got {count}")
     allowed = allowed.expand_as(scores)
     masked = scores.masked_fill(~allowed, float("-inf"))
-    values, index = masked.topk(min(count, scores.shape[-1]), dim=-1)
+    _, index = masked.topk(min(count, scores.shape[-1]), dim=-1)
     top = torch.zeros_like(allowed).scatter_(-1, index, True)
     # slots that fell on -inf are disallowed keys of rows with fewer than count allowed keys
     return top & allowed

@@ -34,7 +34,7 @@ class LoadedRun:
     record: dict[str, Any]
 
 
-def find_runs(path: "str | Path") -> list[Path]:
+def find_runs(path: str | Path) -> list[Path]:
     """The run folders at or below ``path`` (folders with ``config.yaml`` and ``checkpoint.pt``), sorted.
 
     Raises:
@@ -58,7 +58,7 @@ def read_record(run_dir: Path) -> dict[str, Any]:
     return record
 
 
-def load_run(run_dir: "str | Path") -> LoadedRun:
+def load_run(run_dir: str | Path) -> LoadedRun:
     """Rebuild the model of one run folder from its checkpoint, and its task data for its seed.
 
     The model runs on CPU with ``impl="auto"`` whatever it was trained with.

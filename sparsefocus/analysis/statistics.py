@@ -135,14 +135,17 @@ class ScoreStatistics:
         default_factory=lambda: defaultdict(lambda: defaultdict(list))
     )
 
-    def add(self, layer: str, scores: Tensor, kept: Tensor, allowed: Tensor | None = None) -> None:
-        """Add one layer's batch: scores [B, H, N, M], kept / allowed bool broadcastable to it."""
+    def add(
+        self, layer: str, scores: Tensor, kept: Tensor, allowed: Tensor | None = None, keys_per_query: int | None = None
+    ) -> None:
+        """Add one layer's batch: scores [B, H, N, M], kept / allowed bool broadcastable to it;
+        ``keys_per_query`` overrides the sink-ratio k for this layer."""
         kept = _check_mask(scores, kept, "kept")
         allowed = torch.ones_like(kept) if allowed is None else _check_mask(scores, allowed, "allowed")
         sinks = sink_counts(kept).float()
         # a key no query may see (padding) is not a sink of count 0: leave it out
         sinks = torch.where(allowed.any(dim=-2), sinks, torch.full_like(sinks, float("nan")))
-        per_query = self.keys_per_query or max(kept.sum(-1).float().mean().item(), 1e-9)
+        per_query = keys_per_query or self.keys_per_query or max(kept.sum(-1).float().mean().item(), 1e-9)
         measured = {
             "full_dispersion": full_dispersion(scores, allowed),
             "dispersion": dispersion(scores, kept),

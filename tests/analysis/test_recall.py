@@ -109,6 +109,5 @@ def test_hooks_respect_causality_and_padding():
     kept = calls[0].kept()
     assert not (kept & ~calls[0].allowed()).any()
     assert len(attention_layers(model)) == 2
-    with pytest.raises(ValueError, match="no SparseAttention"):
-        with capture_attention(nn.Linear(2, 2), calls.append):
-            pass
+    with pytest.raises(ValueError, match="no SparseAttention"), capture_attention(nn.Linear(2, 2), calls.append):
+        pass

@@ -1,0 +1,344 @@
+"""``sparsefocus analyze RUN_DIR``: the Semantic Focus statistics of trained runs.
+
+For every mechanism of a run (or experiment) folder it loads the trained model, feeds it batches
+of its training data with hooks on every attention layer, and writes to ``RUN_DIR/analysis/``
+(or ``--out``) a Markdown and a JSON report: dispersion, separation and sink percentiles pooled
+and per layer (the paper's table: the FULL model's dispersion over all keys beside each sparse
+model's dispersion over its kept keys), the paper's bound check, top-k recall, and with
+``--landscape`` the loss landscapes and Lipschitz estimates as PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsefocus.analysis.bounds import check_columns, columns_from_summaries, format_bound_report, paper_bound_report
+from sparsefocus.analysis.hooks import AttentionCall, capture_attention
+from sparsefocus.analysis.landscape import Landscape, lipschitz_profile, loss_grid, plot_landscapes, plot_lipschitz
+from sparsefocus.analysis.recall import RecallStatistics
+from sparsefocus.analysis.runs import LoadedRun, find_runs, group_runs, load_run
+from sparsefocus.analysis.statistics import ScoreStatistics
+
+
+@dataclass
+class AnalyzeOptions:
+    """How much data to feed and what to compute. Defaults follow the paper: 10 batches of 100."""
+
+    batches: int = 10
+    batch_size: int = 100
+    all_seeds: bool = False
+    landscape: bool = False
+    grid: int = 11
+    radius: float = 1.0
+    landscape_samples: int = 500
+    direction_seed: int = 11111
+
+
+def pattern_k(call: AttentionCall) -> int | None:
+    """The k of the layer's pattern (sink ratio beta / k), None when it has none."""
+    k = getattr(call.module.pattern, "k", None)
+    return k if isinstance(k, int) and k >= 1 else None
+
+
+def collect(run: LoadedRun, options: AnalyzeOptions, stats: ScoreStatistics, recall: RecallStatistics | None) -> int:
+    """Feed up to batches x batch_size training examples through the model, adding every layer's
+    statistics; returns the number of examples used."""
+
+    def on_call(call: AttentionCall) -> None:
+        stats.add(call.layer, call.scores(), call.kept(), call.allowed(), pattern_k(call))
+        if recall is not None and call.module.pattern.family != "full":
+            recall(call)
+
+    inputs = run.data.train_inputs[: options.batches * options.batch_size]
+    run.model.eval()
+    with torch.no_grad(), capture_attention(run.model, on_call):
+        for start in range(0, inputs.shape[0], options.batch_size):
+            run.model(inputs[start : start + options.batch_size])
+    return int(inputs.shape[0])
+
+
+def landscape_of(run: LoadedRun, options: AnalyzeOptions) -> Landscape:
+    """Cross-entropy on the first ``landscape_samples`` training examples around the trained weights."""
+    from sparsefocus.train.loop import evaluate
+
+    inputs = run.data.train_inputs[: options.landscape_samples]
+    targets = run.data.train_targets[: options.landscape_samples]
+
+    def loss_fn(model: torch.nn.Module) -> float:
+        torch.manual_seed(0)  # paper-mode attention dropout stays on in eval: fix it per point
+        return evaluate(model, inputs, targets, options.batch_size)[0]
+
+    return loss_grid(
+        run.model, loss_fn, steps=options.grid, radius=options.radius, seed=options.direction_seed, progress=True
+    )
+
+
+def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str, Any], Landscape | None]:
+    """Statistics of one mechanism (first seed, or all seeds pooled) and its landscape (first seed)."""
+    stats, recall = ScoreStatistics(), RecallStatistics()
+    used, seeds, landscape, first = 0, [], None, None
+    for path in paths if options.all_seeds else paths[:1]:
+        run = load_run(path)
+        first = first or run
+        used += collect(run, options, stats, recall)
+        seeds.append(run.seed)
+        if options.landscape and landscape is None:
+            landscape = landscape_of(run, options)
+    result = {
+        "label": first.label,
+        "task": first.data.name,
+        "seeds": seeds,
+        "run_dirs": [str(p) for p in (paths if options.all_seeds else paths[:1])],
+        "samples_per_seed": used // max(len(seeds), 1),
+        "statistics": stats.summary(),
+        "recall": recall.summary() if recall.values else None,
+    }
+    return result, landscape
+
+
+def bound_checks(mechanisms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The bound check of every sparse mechanism against the FULL model's all-key dispersion
+    (against its own all-key dispersion when the run has no FULL model)."""
+    full = mechanisms.get("FULL")
+    out = {}
+    for label, result in mechanisms.items():
+        if label == "FULL":
+            continue
+        reference = full["statistics"] if full else result["statistics"]
+        try:
+            checks = check_columns(columns_from_summaries(reference, result["statistics"]))
+        except ValueError as error:
+            out[label] = {"error": str(error)}
+            continue
+        out[label] = {"full_dispersion_from": "FULL" if full else label, "columns": checks}
+    return out
+
+
+def fmt(value: float) -> str:
+    """3 significant digits; tiny numbers in scientific notation."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if value != 0 and abs(value) < 1e-3:
+        return f"{value:.0e}"
+    return f"{value:.3g}"
+
+
+def cell(percentiles: dict[str, float]) -> str:
+    return "/".join(fmt(v) for v in percentiles.values())
+
+
+def paper_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
+    """The paper's table layout: one row per sparse mechanism against the FULL model."""
+    full = mechanisms.get("FULL")
+    lines = [
+        (
+            "| mechanism | δ_s: FULL, all keys (p75/p90/p95/max) | δ_h: kept keys (p75/p90/p95/max) "
+            "| Δ separation (p25/p10/p5/min) | β sinks (p75/p90/p95/max) | β/k |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
+    for label, result in mechanisms.items():
+        if label == "FULL":
+            continue
+        pooled = result["statistics"]["pooled"]
+        full_cell = cell(full["statistics"]["pooled"]["full_dispersion"]) if full else "no FULL run"
+        lines.append(
+            f"| {label} | {full_cell} | {cell(pooled['dispersion'])} | {cell(pooled['separation'])} "
+            f"| {cell(pooled['sinks'])} | {cell(pooled['sink_ratio'])} |"
+        )
+    return lines
+
+
+def recall_cell(result: dict[str, Any]) -> str:
+    recall = result["recall"]
+    if not recall or not recall["pooled"]:
+        return "–"
+    ks = sorted(set(recall["k"].values()))
+    return f"{fmt(recall['pooled']['mean'])} / {fmt(recall['pooled']['p5'])} (k={','.join(map(str, ks))})"
+
+
+def mechanism_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
+    """Every mechanism's own statistics, including its dispersion over all keys and its recall."""
+    lines = [
+        (
+            "| mechanism | seeds | δ all keys (p75/p90/p95/max) | δ kept keys | Δ (p25/p10/p5/min) | β | β/k "
+            "| top-k recall mean / p5 |"
+        ),
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, result in mechanisms.items():
+        pooled = result["statistics"]["pooled"]
+        lines.append(
+            f"| {label} | {','.join(map(str, result['seeds']))} | {cell(pooled['full_dispersion'])} "
+            f"| {cell(pooled['dispersion'])} | {cell(pooled['separation'])} | {cell(pooled['sinks'])} "
+            f"| {cell(pooled['sink_ratio'])} | {recall_cell(result)} |"
+        )
+    return lines
+
+
+def layer_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [
+        "| mechanism | layer | δ all keys | δ kept keys | Δ | β | recall mean |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, result in mechanisms.items():
+        recall = (result["recall"] or {}).get("per_layer", {})
+        for layer, stats in result["statistics"]["per_layer"].items():
+            mean = fmt(recall[layer]["mean"]) if layer in recall else "–"
+            lines.append(
+                f"| {label} | {layer} | {cell(stats['full_dispersion'])} | {cell(stats['dispersion'])} "
+                f"| {cell(stats['separation'])} | {cell(stats['sinks'])} | {mean} |"
+            )
+    return lines
+
+
+def bound_lines(checks: dict[str, Any]) -> list[str]:
+    lines = ["```text"]
+    for label, check in checks.items():
+        if "error" in check:
+            lines.append(f"{label}: not checked ({check['error']})")
+        else:
+            lines.append(format_bound_report(f"{label} (δ_s from {check['full_dispersion_from']})", check["columns"]))
+    return lines + ["```"]
+
+
+def describe_protocol(result: dict[str, Any], options: dict[str, Any]) -> str:
+    return (
+        f"Scores s = <q, k>/sqrt(d) of every attention layer on the first {result['samples_per_seed']} "
+        f"training examples ({options['batches']} batches of {options['batch_size']}), pooled over layers, "
+        f"heads, queries and examples; separation percentiles floored at 1e-9; β = queries keeping a key, "
+        f"k = the pattern's k (else the mean number of kept keys)."
+    )
+
+
+def markdown_report(report: dict[str, Any]) -> str:
+    """The whole report as Markdown."""
+    options = report["options"]
+    lines = [f"# Analysis of `{report['run_dir']}`", ""]
+    for setting, section in report["settings"].items():
+        mechanisms = section["mechanisms"]
+        any_result = next(iter(mechanisms.values()))
+        lines += [
+            f"## Task `{any_result['task']}`" + ("" if setting == "default" else f", setting `{setting}`"),
+            "",
+            describe_protocol(any_result, options),
+            "",
+            "### The paper's table",
+            "",
+            *paper_table(mechanisms),
+            "",
+            "### Every mechanism",
+            "",
+            *mechanism_table(mechanisms),
+            "",
+            "### Bound check (W-form and X-form, per percentile column)",
+            "",
+            *bound_lines(section["bounds"]),
+            "",
+            "### Per layer",
+            "",
+            *layer_table(mechanisms),
+            "",
+        ]
+        lines += [f"![{name}]({name})" for name in section.get("figures", [])]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    os.replace(temp, path)
+
+
+def landscape_figures(setting: str, landscapes: dict[str, Landscape], out_dir: Path) -> tuple[list[str], dict]:
+    """Contour and Lipschitz PNGs of one setting; returns the file names and the JSON data."""
+    suffix = "" if setting == "default" else "-" + "".join(c if c.isalnum() else "_" for c in setting)
+    contour, lipschitz = f"landscape{suffix}.png", f"lipschitz{suffix}.png"
+    profiles = {label: lipschitz_profile(land) for label, land in landscapes.items()}
+    plot_landscapes(landscapes, str(out_dir / contour))
+    plot_lipschitz(profiles, str(out_dir / lipschitz))
+    data = {
+        label: {"alphas": land.alphas.tolist(), "loss": land.loss.tolist(), "lipschitz": profiles[label]}
+        for label, land in landscapes.items()
+    }
+    return [contour, lipschitz], data
+
+
+def analyze(run_dir: str | Path, options: AnalyzeOptions, out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Analyse every mechanism of a run or experiment folder; write analysis.md / analysis.json
+    (and landscape PNGs) to ``out_dir`` (default RUN_DIR/analysis). Returns the JSON report."""
+    run_dir = Path(run_dir)
+    out_dir = run_dir / "analysis" if out_dir is None else Path(out_dir)
+    settings: dict[str, Any] = {}
+    landscapes: dict[str, dict[str, Landscape]] = {}
+    for (setting, label), paths in group_runs(find_runs(run_dir)).items():
+        result, landscape = analyze_group(paths, options)
+        settings.setdefault(setting, {"mechanisms": {}})["mechanisms"][label] = result
+        if landscape is not None:
+            landscapes.setdefault(setting, {})[label] = landscape
+    for setting, section in settings.items():
+        section["mechanisms"] = dict(sorted(section["mechanisms"].items(), key=lambda item: item[0] != "FULL"))
+        section["bounds"] = bound_checks(section["mechanisms"])
+        if setting in landscapes:
+            ordered = {label: landscapes[setting][label] for label in section["mechanisms"] if label in landscapes[setting]}
+            section["figures"], section["landscape"] = landscape_figures(setting, ordered, out_dir)
+    report = {"run_dir": str(run_dir), "options": vars(options), "settings": settings}
+    write_atomic(out_dir / "analysis.json", json.dumps(report, indent=1, default=float))
+    write_atomic(out_dir / "analysis.md", markdown_report(report))
+    return report
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="sparsefocus analyze",
+        description="Dispersion, separation, sinks, bound check, top-k recall and (optionally) loss landscapes of trained runs.",
+    )
+    parser.add_argument("run_dir", nargs="?", help="a run folder or an experiment folder holding run folders")
+    parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/analysis)")
+    parser.add_argument("--batches", type=int, default=10, help="training batches per model (default 10)")
+    parser.add_argument("--batch-size", type=int, default=100, help="examples per batch (default 100)")
+    parser.add_argument("--all-seeds", action="store_true", help="pool every seed (default: the first seed)")
+    parser.add_argument("--landscape", action="store_true", help="also compute loss landscapes and Lipschitz estimates")
+    parser.add_argument("--grid", type=int, default=11, help="landscape points per axis (default 11; paper 200)")
+    parser.add_argument("--radius", type=float, default=1.0, help="landscape half-width (default 1.0)")
+    parser.add_argument("--landscape-samples", type=int, default=500, help="training examples per loss (default 500)")
+    parser.add_argument("--paper-bounds", action="store_true", help="print the bound check on the paper's own table and exit")
+    args = parser.parse_args(argv)
+    if not args.paper_bounds and args.run_dir is None:
+        parser.error("give RUN_DIR (or --paper-bounds)")
+    for name in ("batches", "batch_size", "grid", "landscape_samples"):
+        if getattr(args, name) < 1 or (name == "grid" and args.grid < 2):
+            parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``sparsefocus analyze``: see the module docstring."""
+    args = parse_args([] if argv is None else argv)
+    if args.paper_bounds:
+        print(paper_bound_report())
+        return 0
+    options = AnalyzeOptions(
+        batches=args.batches, batch_size=args.batch_size, all_seeds=args.all_seeds, landscape=args.landscape,
+        grid=args.grid, radius=args.radius, landscape_samples=args.landscape_samples,
+    )
+    try:
+        analyze(args.run_dir, options, args.out)
+    except ValueError as error:
+        print(f"sparsefocus analyze: {error}")
+        return 2
+    out_dir = Path(args.out) if args.out else Path(args.run_dir) / "analysis"
+    print((out_dir / "analysis.md").read_text())
+    print(f"wrote {out_dir / 'analysis.md'} and {out_dir / 'analysis.json'}")
+    return 0

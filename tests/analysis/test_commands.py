@@ -1,0 +1,60 @@
+import json
+
+import pytest
+
+pytest.importorskip("sparsefocus.train.experiment")
+
+from sparsefocus.analysis.commands import main
+from sparsefocus.analysis.pictures import main as patterns_main
+from sparsefocus.train.config import from_dict
+from sparsefocus.train.experiment import run_experiment
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """FULL and TOPK:3 trained for one epoch on 8-bit parity."""
+    config = from_dict({
+        "name": "tiny", "out_dir": str(tmp_path_factory.mktemp("runs")),
+        "task": {"name": "parity", "length": 8, "num_train": 60, "num_valid": 20},
+        "model": {"blocks": 2, "heads": 2, "dim": 8, "mlp_dim": 8},
+        "train": {"epochs": 1}, "mechanisms": ["FULL", "TOPK:3"], "seeds": [1],
+    })
+    return run_experiment(config, quiet=True)
+
+
+def test_analyze_writes_the_paper_table_bounds_recall_and_landscape(tiny_run, capsys):
+    argv = [str(tiny_run), "--batches", "2", "--batch-size", "30", "--landscape", "--grid", "3", "--landscape-samples", "20"]
+    assert main(argv) == 0
+    out = tiny_run / "analysis"
+    report = json.loads((out / "analysis.json").read_text())
+    mechanisms = report["settings"]["default"]["mechanisms"]
+    assert list(mechanisms) == ["FULL", "TOPK:3"]
+    topk = mechanisms["TOPK:3"]
+    assert topk["samples_per_seed"] == 60
+    assert list(topk["statistics"]["per_layer"]) == ["blocks.0.attn", "blocks.1.attn"]
+    assert topk["statistics"]["pooled"]["sinks"]["p100"] <= 8  # at most every query keeps a key
+    assert topk["recall"]["pooled"]["mean"] == 1.0  # exact top-k recalls itself
+    assert mechanisms["FULL"]["recall"] is None
+    full = mechanisms["FULL"]["statistics"]["pooled"]
+    assert full["dispersion"] == full["full_dispersion"]
+    assert len(report["settings"]["default"]["bounds"]["TOPK:3"]["columns"]) == 4
+    markdown = (out / "analysis.md").read_text()
+    assert "| TOPK:3 |" in markdown and "W-form" in markdown
+    for name in ("landscape.png", "lipschitz.png"):
+        assert (out / name).read_bytes().startswith(b"\x89PNG")
+    assert "The paper's table" in capsys.readouterr().out
+
+
+def test_patterns_on_a_run_and_its_attention_maps(tiny_run, tmp_path):
+    assert patterns_main(["TOPK:3", "BAND:3", "--run", str(tiny_run), "--out", str(tmp_path / "m.png")]) == 0
+    assert patterns_main(["--attention", "--run", str(tiny_run), "--layer", "1", "--out", str(tmp_path / "a.png")]) == 0
+    for name in ("m.png", "a.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+    assert patterns_main(["--attention", "--run", str(tiny_run), "--layer", "5", "--out", str(tmp_path / "x.png")]) == 2
+
+
+def test_analyze_errors_and_paper_bounds(tmp_path, capsys):
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().out
+    assert main(["--paper-bounds"]) == 0
+    assert "ListOps" in capsys.readouterr().out
