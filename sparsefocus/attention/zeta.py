@@ -76,13 +76,15 @@ def curve_codes(x: Tensor, bits: int, curve: int, curves: int) -> Tensor:
     """Morton codes of x [..., D] on curve ``curve`` of ``curves`` -> [...] int64.
 
     One curve: grid = floor(sigmoid(x) * 2**bits). Several: the squashed point is shifted by
-    curve / curves along the diagonal inside [0, 2)^D (shifted quadtrees, Chan 1998) and
-    quantised with bits + 1 bits, so curve 0 equals the single curve.
+    curve / p along the diagonal inside [0, 2)^D, p the smallest odd number >= curves (shifted
+    quadtrees, Chan 1998; a dyadic shift such as 1/2 would keep every cell boundary and give the
+    same order), and quantised with bits + 1 bits, so curve 0 equals the single curve.
     """
     unit = squash(x)
     levels = 1 << bits
     extra = 0 if curves == 1 else 1
-    grid = torch.floor((unit + curve / curves) * levels).long().clamp(0, (levels << extra) - 1)
+    shift = curve / (curves | 1)
+    grid = torch.floor((unit + shift) * levels).long().clamp(0, (levels << extra) - 1)
     return morton_codes(grid, bits + extra)
 
 

@@ -102,6 +102,13 @@ def test_recall_is_one_when_the_window_covers_every_key():
     assert torch.all(candidate_recall(q, k, "zeta:k=8,window=64,chunks=1,local=64", causal=True) == 1)
 
 
+def test_two_curves_are_not_a_dyadic_shift_of_one_another():
+    q, k, _ = _qkv(300, seed=13)
+    one = candidate_recall(q, k, "zeta:k=8,window=8")
+    two = candidate_recall(q, k, "zeta:k=8,window=8,curves=2")
+    assert two.mean() > one.mean() + 0.05
+
+
 def test_more_curves_never_lower_recall_and_recall_matches_a_direct_count():
     q, k, _ = _qkv(300, seed=7)
     one = candidate_recall(q, k, "zeta:k=8,window=8")
