@@ -1,0 +1,287 @@
+"""Indexed (gather) attention in Triton: each query attends to its own list of K key positions.
+
+The slow twin that defines the result is ``sparsefocus.attention.common.indexed_attention_ref``;
+this file computes the same thing without gathering [B, H, N, K, D] tensors:
+
+* forward: one program per (BLOCK_M queries, batch x head); it loads BLOCK_K slots of the key
+  lists at a time, gathers those keys and values as [BLOCK_M, BLOCK_K, D] tiles, and keeps an
+  online softmax (running max and sum, fp32) over the slots. Cauchy weights need no max.
+* backward: the same programs recompute the weights from the saved log-sum-exp (or Cauchy sum),
+  accumulate dq in registers, and scatter dk and dv with fp32 atomic adds (the lists are
+  arbitrary, so a key's contributions come from unknown programs).
+
+Scores per slot j of query i:  dot: scale * q.k_j;  neg_sqeuclid: -scale * ||q - k_j||^2;
+cauchy: weight 1 / (||q - k_j||^2 + gamma^2), normalised over the list.
+
+Not done here: a tensor-core variant for lists made of contiguous runs (sorted keys, windows);
+every list is gathered row by row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.attention.common import SCORE_KINDS, indexed_attention_ref
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+LOG2E = 1.4426950408889634
+SCORE_CODES = {name: code for code, name in enumerate(SCORE_KINDS)}  # dot 0, neg_sqeuclid 1, cauchy 2
+
+
+@triton.jit
+def _slot_weights(q, kt, idx, gamma_sq, scale, SCORE: tl.constexpr):
+    """Scores (log2 units, softmax kinds) or Cauchy weights of q [BM, BD] against kt [BM, BK, BD].
+
+    Returns (s [BM, BK] fp32, diff [BM, BK, BD] = q - k, or kt itself for dot scores)."""
+    valid = idx >= 0
+    if SCORE == 0:
+        s = tl.sum(q[:, None, :] * kt, axis=2) * (scale * 1.4426950408889634)
+        s = tl.where(valid, s, float("-inf"))
+        return s, kt
+    diff = q[:, None, :] - kt  # [BM, BK, BD]
+    sq_dist = tl.sum(diff * diff, axis=2)  # [BM, BK]
+    if SCORE == 1:
+        s = tl.where(valid, -sq_dist * (scale * 1.4426950408889634), float("-inf"))
+    else:
+        s = tl.where(valid, 1.0 / (sq_dist + gamma_sq), 0.0)
+    return s, diff
+
+
+@triton.jit
+def _indexed_fwd_kernel(
+    Q, K, V, IDX, GAMMA_SQ, OUT, STAT,
+    N, M, NUM_SLOTS, HQ, GROUP, scale,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    row_ok = rows < N
+    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
+    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
+    k_base, v_base = K + kv_bh.to(tl.int64) * M * D, V + kv_bh.to(tl.int64) * M * DV
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite start: all-masked tiles give exp(-inf) = 0
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for start in range(0, NUM_SLOTS, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
+        valid = (idx >= 0)[:, :, None]
+        kt = tl.load(k_base + idx[:, :, None] * D + offs_d[None, None, :], mask=valid & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
+        vt = tl.load(v_base + idx[:, :, None] * DV + offs_dv[None, None, :], mask=valid & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
+        s, _ = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
+        if SCORE == 2:
+            p = s
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha
+            acc = acc * alpha[:, None]
+            m_i = m_new
+        l_i += tl.sum(p, axis=1)
+        acc += tl.sum(p[:, :, None] * vt, axis=1)
+    has_key = l_i > 0
+    out = acc / tl.where(has_key, l_i, 1.0)[:, None]
+    tl.store(OUT + row_offs[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    if SCORE == 2:
+        stat = l_i  # Cauchy: the sum of weights (0 for empty rows)
+    else:
+        stat = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))  # log2-sum-exp; +inf zeroes empty rows in backward
+    tl.store(STAT + row_offs, stat, mask=row_ok)
+
+
+@triton.jit
+def _indexed_bwd_kernel(
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA,
+    N, M, NUM_SLOTS, HQ, GROUP, scale,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    row_ok = rows < N
+    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
+    d_ok, dv_ok = offs_d < D, offs_dv < DV
+    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
+    o = tl.load(OUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+    do = tl.load(DOUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)  # [BM]: sum_j p_j dp_j
+    stat = tl.load(STAT + row_offs, mask=row_ok, other=0.0)
+    gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
+    inv_total = 1.0 / tl.where(stat > 0, stat, 1.0)
+    k_base, v_base = kv_bh.to(tl.int64) * M * D, kv_bh.to(tl.int64) * M * DV
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dgamma_sq = tl.zeros([BLOCK_M], tl.float32)
+    for start in range(0, NUM_SLOTS, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
+        valid = (idx >= 0)[:, :, None]
+        k_offs = k_base + idx[:, :, None] * D + offs_d[None, None, :]
+        v_offs = v_base + idx[:, :, None] * DV + offs_dv[None, None, :]
+        k_mask, v_mask = valid & d_ok[None, None, :], valid & dv_ok[None, None, :]
+        kt = tl.load(K + k_offs, mask=k_mask, other=0.0).to(tl.float32)
+        vt = tl.load(V + v_offs, mask=v_mask, other=0.0).to(tl.float32)
+        s, diff = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
+        dp = tl.sum(do[:, None, :] * vt, axis=2)  # [BM, BK]
+        if SCORE == 2:
+            p = s * inv_total[:, None]
+            d_sq = -(dp - delta[:, None]) * s * p  # d loss / d squared distance = -(dp - delta) w^2 / S
+            dgamma_sq += tl.sum(d_sq, axis=1)
+            coef = 2.0 * d_sq  # d loss / d (q - k) = 2 d_sq (q - k)
+        else:
+            p = tl.exp2(s - stat[:, None])
+            ds = p * (dp - delta[:, None])
+            if SCORE == 0:
+                coef = ds * scale
+            else:
+                coef = -2.0 * scale * ds
+        dq += tl.sum(coef[:, :, None] * diff, axis=1)
+        if SCORE == 0:
+            dk = coef[:, :, None] * q[:, None, :]
+        else:
+            dk = -coef[:, :, None] * diff
+        tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
+        tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
+    tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SCORE == 2:
+        tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
+
+
+def _blocks(d: int, dv: int, backward: bool) -> dict:
+    """Tile sizes: keep a [BLOCK_M, BLOCK_K, D] gathered tile around 8K elements per program."""
+    block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
+    widest = max(block_d, block_dv)
+    block_k = max(1, min(16, 512 // widest)) if not backward else max(1, min(8, 256 // widest))
+    return dict(BLOCK_M=16, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4 if not backward else 8)
+
+
+TILE_OVERRIDES: dict[str, dict] = {}
+"""Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
+
+
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool) -> tuple[tuple, dict]:
+    batch, q_heads, n_queries, dim = q.shape
+    blocks = _blocks(dim, v.shape[-1], backward) | TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
+    grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
+    sizes = (n_queries, k.shape[2], index.shape[-1], q_heads, q_heads // k.shape[1])
+    return (grid, sizes), blocks
+
+
+def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel. Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
+    batch, q_heads, n_queries, _ = q.shape
+    out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
+    stat = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
+    _indexed_fwd_kernel[grid](
+        q, k, v, index, gamma_sq, out, stat, *sizes, scale,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, **blocks,
+    )
+    return out, stat
+
+
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code):
+    """Launch the backward kernel. Returns dq, dk, dv (input dtypes) and d gamma^2 per head [Hq] fp32."""
+    dq = torch.empty_like(q)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dgamma_sq = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)  # [B, Hq, N]
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True)
+    _indexed_bwd_kernel[grid](
+        q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *sizes, scale,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, **blocks,
+    )
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2))
+
+
+class IndexedAttentionFunction(torch.autograd.Function):
+    """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, gamma, scale, score_code):
+        gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
+        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat)
+        ctx.scale, ctx.score_code = scale, score_code
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, index, gamma, out, stat = ctx.saved_tensors
+        gamma_sq = gamma.float().pow(2).contiguous()
+        dq, dk, dv, dgamma_sq = _indexed_backward(
+            q, k, v, index, gamma_sq, out, grad_out.contiguous(), stat, ctx.scale, ctx.score_code
+        )
+        dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
+        return dq, dk, dv, None, dgamma, None, None
+
+
+def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
+    """Gamma as an [Hq] tensor for the kernel (a view of a trainable tensor, so gradients flow back)."""
+    if isinstance(gamma, Tensor):
+        if gamma.numel() not in (1, num_heads):
+            raise ValueError(f"gamma must be a scalar or have one value per query head ({num_heads}), got {tuple(gamma.shape)}")
+        return gamma.reshape(-1).expand(num_heads)
+    value = 1.0 if gamma is None else float(gamma)
+    return torch.full((num_heads,), value, dtype=torch.float32, device=device)
+
+
+def _check_index(q: Tensor, k: Tensor, v: Tensor, index: Tensor, score: str) -> None:
+    if score not in SCORE_KINDS:
+        raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORE_KINDS)}")
+    if index.dim() != 4 or index.shape[2] != q.shape[2] or index.is_floating_point():
+        raise ValueError(f"index must be an integer tensor [B, Hq, N, K] with N = {q.shape[2]}, got {index.dtype} {tuple(index.shape)}")
+    if q.shape[1] % k.shape[1] != 0 or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def indexed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    *,
+    scale: float | None = None,
+    score: str = "dot",
+    gamma: Tensor | float | None = None,
+) -> Tensor:
+    """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
+
+    Same signature and result as ``indexed_attention_ref`` (fp32 accumulation inside)::
+
+        query i, slots j = 0..K-1:  key index[b, h, i, j]  (-1 = unused slot)
+        out[i] = sum_j w_ij v[index_ij] / sum_j w_ij   (softmax or Cauchy weights)
+
+    Args:
+        q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv]; Hq % Hk == 0 (query head h reads
+            kv head h // (Hq // Hk)). fp16, bf16 or fp32 (the interpreter on CPU: fp16/fp32).
+        index: [B or 1, Hq or 1, N, K] integer key positions in [0, M), -1 for unused slots.
+            Repeated positions count as many times as they appear.
+        scale: multiplies dot scores / squared distances. Default: 1/sqrt(D).
+        score: "dot", "neg_sqeuclid" or "cauchy" (weights 1/(||q-k||^2 + gamma^2); scale unused).
+        gamma: Cauchy width, float or tensor with 1 or Hq values; a tensor that requires grad
+            receives its gradient. Default: 1.
+    Returns:
+        [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
+    """
+    index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
+    _check_index(q, k, v, index, score)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
+    if q.shape[2] == 0 or index.shape[-1] == 0 or k.shape[2] == 0:
+        return indexed_attention_ref(q, k, v, index, scale=scale, score=score, gamma=gamma).to(q.dtype)
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    index = index.to(torch.int32).contiguous()
+    return IndexedAttentionFunction.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score]
+    )
