@@ -179,7 +179,8 @@ def encode_split(tokenizer: Tokenizer, splits: TextSplits, split: str, *, cache:
     lines = splits.split(split)
     if not lines:
         raise ValueError(f"{splits.name}: the {split} split is empty")
-    settings = f"{tokenizer.kind}|{tokenizer.vocab_size}|{getattr(tokenizer, 'path', '')}"
+    # The tokenizer file's name carries its own key; its folder may move with the cache.
+    settings = f"{tokenizer.kind}|{tokenizer.vocab_size}|{Path(getattr(tokenizer, 'path', '') or '').name}"
     key = _key(splits.fingerprint(split), settings, 0)
     path = (cache or cache_dir()) / "encoded" / f"{splits.name}-{split}-{key[:16]}.npz"
     if path.is_file():
