@@ -199,7 +199,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     values = {}
     for key, value in data.items():
         if key not in names:
-            raise ValueError(f"unknown config key {prefix}{key!r}; valid keys: {', '.join(names)}")
+            raise ValueError(f"unknown config key '{prefix}{key}'; valid keys: {', '.join(names)}")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             values[key] = _build(hint, value, f"{prefix}{key}.")
