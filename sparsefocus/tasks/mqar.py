@@ -45,7 +45,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 def distinct_integers(rng: np.random.Generator, count: int, size: int, low: int, high: int) -> np.ndarray:
     """[count, size] rows, each a uniformly random ordered choice of ``size`` distinct ints in [low, high)."""
     span = high - low
-    if size * size <= span:
+    if size * size <= 2 * span:  # a row repeats with probability < ~1 - exp(-1): redrawing is cheap
         return low + _redraw_until_distinct(rng, count, size, span)
     out = np.empty((count, size), dtype=np.int64)
     rows_per_chunk = max(1, (1 << 22) // span)  # bounds the [rows, span] random block to 32 MB

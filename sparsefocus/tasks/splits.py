@@ -64,14 +64,17 @@ def draw_distinct(task: str, sample: Sampler, total: int, max_rounds: int = 64) 
             break
         inputs, targets = sample(need + need // 16 + 4)  # a little extra so one round usually suffices
         keep = _first_unseen_rows(inputs, seen, need)
-        kept_inputs.append(inputs[keep])
-        kept_targets.append(targets[keep])
+        rows = slice(0, len(keep)) if keep == list(range(len(keep))) else keep  # a view in the usual case
+        kept_inputs.append(inputs[rows])
+        kept_targets.append(targets[rows])
         count += len(keep)
     if count < total:
         raise ValueError(
             f"{task}: drew only {count} distinct sequences of the {total} asked for (num_train + num_valid "
             f"+ num_test); the sequence space is too small: lower the sizes or lengthen the sequences"
         )
+    if len(kept_inputs) == 1:
+        return kept_inputs[0], kept_targets[0]
     return np.concatenate(kept_inputs), np.concatenate(kept_targets)
 
 
