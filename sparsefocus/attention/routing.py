@@ -43,7 +43,12 @@ def lloyd_iterations(points: Tensor, weight: Tensor, centroids: Tensor, iters: i
 
 
 def routed_scores(
-    query_cluster: Tensor, key_cluster: Tensor, key_score: Tensor, rows: slice, causal: bool, key_padding_mask
+    query_cluster: Tensor,
+    key_cluster: Tensor,
+    key_score: Tensor,
+    rows: slice,
+    causal: bool,
+    key_padding_mask: Tensor | None,
 ) -> Tensor:
     """[B, H, R, M] candidate scores of rows ``rows``: a key's similarity to its centroid where it
     shares the query's cluster and is allowed (causal, unpadded), -inf elsewhere."""
