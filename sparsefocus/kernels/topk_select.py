@@ -29,6 +29,8 @@ from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpret
 
 MAX_KERNEL_K = 128
 FALLBACK_ROW_CHUNK = 1024
+TILE_OVERRIDES: dict = {}
+"""Benchmark hook: BLOCK_M / BLOCK_N / num_warps replacing the launcher's choice."""
 
 
 @triton.jit
@@ -139,13 +141,13 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     block_m, block_n = 64, max(64, kk_pow2 // 2)
     if q.device.type == "cpu":
         block_m, block_n = 64, max(16, kk_pow2 // 2)  # the interpreter: fewer, larger programs run faster
-    grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
+    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if block_m >= 64 else 4) | TILE_OVERRIDES
+    grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
     _topk_select_kernel[grid](
         q, k, pad, out, count, buf_s, buf_i, n_queries, k.shape[2], q_heads, q_heads // k.shape[1], scale,
         D=dim, KK=kk, KKP=kk_pow2, CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        num_warps=8 if block_m >= 64 else 4,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), **tiles,
     )
     return out, count
 
