@@ -437,7 +437,8 @@ class RandomKeys(FixedPattern):
         return self.device_mask_mod(n_queries, n_keys, causal, torch.device("cpu"))
 
     def position_indices(self, n_queries, n_keys, causal, device):
-        return _cached_random_keys(self, n_queries, n_keys, causal).to(device)[None, None]
+        # A copy, so that no caller can modify the cached draw in place.
+        return _cached_random_keys(self, n_queries, n_keys, causal).to(device, copy=True)[None, None]
 
 
 @register
@@ -528,5 +529,5 @@ class BigBird(FixedPattern):
 
     def position_indices(self, n_queries, n_keys, causal, device):
         window = Band(self.window).position_indices(n_queries, n_keys, causal, device)
-        random_keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device)[None, None]
+        random_keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device, copy=True)[None, None]
         return torch.cat([window, random_keys], dim=-1)  # [1, 1, N, w + r]
