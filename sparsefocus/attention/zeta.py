@@ -218,9 +218,6 @@ class Zeta(Pattern):
         v_ext = torch.cat([v, mean_v.to(v.dtype)], dim=2)  # [B, Hk, M + T, Dv]
         return kernel(q, k_ext, v_ext, index, score="cauchy", gamma=self.gamma_of(params))
 
-    def label(self) -> str:
-        return f"ZETA:{self.k}"
-
 
 def squared_distances(q: Tensor, k: Tensor) -> Tensor:
     """||q_i - k_j||^2 from explicit differences: q [B, H, N, D], k [B, H, M, D] -> [B, H, N, M].
