@@ -161,14 +161,19 @@ class TreeSampler:
                     return size
         if largest <= SCAN_STEPS:
             return last_positive  # only reached through rounding
-        tail = self.tables.subtree[depth][SCAN_STEPS + 1 : largest + 1] * self.tables.sums[depth][after][
-            after : rest - SCAN_STEPS
-        ][::-1]  # weights of m = SCAN_STEPS + 1 .. largest
+        return self._tail_length(depth, rest, after, total, target) or last_positive
+
+    def _tail_length(self, depth: int, rest: int, after: int, total: float, target: float) -> int:
+        """The m in SCAN_STEPS+1 .. rest-after where the running weight first exceeds ``target``; 0 if none."""
+        largest = rest - after
+        subtree = self.tables.subtree[depth][SCAN_STEPS + 1 : largest + 1]
+        others = self.tables.sums[depth][after][after : rest - SCAN_STEPS][::-1]  # sums[rest - m] in the same order
+        tail = subtree * others
         index = int(np.searchsorted(total + np.cumsum(tail), target, side="right"))
         if index < len(tail):
             return SCAN_STEPS + 1 + index
-        positive = np.flatnonzero(tail > 0)
-        return SCAN_STEPS + 1 + int(positive[-1]) if len(positive) else last_positive
+        positive = np.flatnonzero(tail > 0)  # rounding: fall back to the largest possible m
+        return SCAN_STEPS + 1 + int(positive[-1]) if len(positive) else 0
 
 
 def _pick(weights: Sequence[float], target: float) -> int:

@@ -35,6 +35,7 @@ def require_choice(task: str, field: str, value: Any, choices: Sequence[str]) ->
 
 
 def require_bool(task: str, field: str, value: Any) -> None:
+    """ValueError naming ``field`` unless ``value`` is True or False."""
     if not isinstance(value, bool):
         raise ValueError(f"{task}: {field} must be true or false, got {value!r}")
 

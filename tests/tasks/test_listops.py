@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sparsefocus.tasks import build_task
+from sparsefocus.tasks import build_task, listops
 from sparsefocus.tasks.listops import (
     OPERATORS,
     TOKENIZATIONS,
@@ -141,7 +141,9 @@ def conditioned_trees(max_depth, max_args, lengths, seed):
     return trees
 
 
-def test_conditioned_sampler_matches_lra_rejection_sampling():
+@pytest.mark.parametrize("scan_steps", [32, 2])  # 2: child lengths > 2 go through the numpy tail
+def test_conditioned_sampler_matches_lra_rejection_sampling(scan_steps, monkeypatch):
+    monkeypatch.setattr(listops, "SCAN_STEPS", scan_steps)
     max_depth, max_args, low, high, count = 4, 4, 6, 30, 3000
     rnd = random.Random(0)
     rejected = []
