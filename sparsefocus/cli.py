@@ -1,4 +1,4 @@
-"""The ``sparsefocus`` command: demo, train, report, bench, analyze, patterns.
+"""The ``sparsefocus`` command: demo, train, report, bench, analyze, patterns, corpus, list.
 
 Each subcommand hands its remaining arguments to the ``main(argv)`` of the module that owns it,
 imported only when used, so the core never imports ``analysis`` or ``bench``.
@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("sparsefocus.bench.run", "time and memory of patterns against SDPA, FlexAttention and naive PyTorch"),
     "analyze": ("sparsefocus.analysis.commands", "dispersion, separation, sinks, landscape, recall of a trained run"),
     "patterns": ("sparsefocus.analysis.pictures", "draw the selection masks of patterns"),
+    "corpus": ("sparsefocus.tasks.corpus", "fetch, verify and cache the Brown corpus: sparsefocus corpus fetch|status"),
     "list": ("sparsefocus.attention.catalogue", "list every registered pattern with its parameters and cost"),
 }
 
