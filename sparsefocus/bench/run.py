@@ -110,6 +110,7 @@ def main(argv: list[str]) -> int:
         "triton": _triton_version(),
         "shape": {k: getattr(args, k) for k in ("batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "warmup", "repeats")},
         "ceilings": {"tflops": PEAK_TFLOPS, "tbps": PEAK_TBPS},
+        "kernel_tiles": _kernel_tiles(),
         "results": rows,
     }
     write_json_atomic(args.out, payload)
@@ -119,6 +120,16 @@ def main(argv: list[str]) -> int:
         plot_results(payload, args.out.with_suffix(".png"))
     print(f"wrote {args.out}", flush=True)
     return 0
+
+
+def _kernel_tiles() -> dict:
+    """Tile overrides in force in the kernels (set by benchmarks/gpu_session.py's tile pick)."""
+    tiles = {}
+    for name in ("indexed", "topk_select"):
+        module = sys.modules.get(f"sparsefocus.kernels.{name}")
+        if module is not None:
+            tiles[name] = dict(getattr(module, "TILE_OVERRIDES", {}))
+    return tiles
 
 
 def _triton_version() -> str | None:

@@ -158,11 +158,12 @@ def _indexed_bwd_kernel(
 
 
 def _blocks(d: int, dv: int, backward: bool) -> dict:
-    """Tile sizes: keep a [BLOCK_M, BLOCK_K, D] gathered tile around 8K elements per program."""
+    """Tile sizes: a [BLOCK_M, BLOCK_K, D] gathered tile of at most 8K (forward) / 1K (backward) elements."""
     block_d, block_dv = triton.next_power_of_2(d), triton.next_power_of_2(dv)
     widest = max(block_d, block_dv)
-    block_k = max(1, min(16, 512 // widest)) if not backward else max(1, min(8, 256 // widest))
-    return dict(BLOCK_M=16, BLOCK_K=block_k, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4 if not backward else 8)
+    if backward:  # smaller tiles measured faster on the H200 (atomics dominate): 16 x 4 slots
+        return dict(BLOCK_M=16, BLOCK_K=max(1, min(4, 256 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
 
 
 TILE_OVERRIDES: dict[str, dict] = {}

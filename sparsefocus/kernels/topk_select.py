@@ -80,7 +80,7 @@ def _topk_select_kernel(
     Q, K, PAD, OUT, COUNT, BUF_S, BUF_I,
     N, M, HQ, GROUP, scale,
     D: tl.constexpr, KK: tl.constexpr, KKP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, PREFIX_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
@@ -105,12 +105,18 @@ def _topk_select_kernel(
 
     CAP: tl.constexpr = 2 * KKP
     count = tl.zeros([BLOCK_M], tl.int32)
+    tile_cols = tl.arange(0, BLOCK_N)
+    upper = (tile_cols[:, None] <= tile_cols[None, :]).to(tl.float16)  # [BN, BN]
     for start in range(0, hi, BLOCK_N):
         s, allowed, cols = _score_tile(q, k_ptr, pad_ptr, rows, start, M, scale, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
         hit = (allowed & (s >= bound[:, None]) & (rows[:, None] < N)).to(tl.int32)
         hits = tl.sum(hit, axis=1)
         if tl.sum(hits) > 0:
-            slot = count[:, None] + tl.cumsum(hit, axis=1) - 1
+            if PREFIX_DOT:  # inclusive prefix count on the tensor cores: hit @ upper-triangular ones
+                prefix = tl.dot(hit.to(tl.float16), upper, out_dtype=tl.float32).to(tl.int32)
+            else:
+                prefix = tl.cumsum(hit, axis=1)
+            slot = count[:, None] + prefix - 1
             keep = (hit != 0) & (slot < CAP)
             tl.store(BUF_S + row_offs[:, None] * CAP + slot, s, mask=keep)
             tl.store(BUF_I + row_offs[:, None] * CAP + slot, cols[None, :] + 0 * slot, mask=keep)
@@ -138,10 +144,8 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     buf_s = torch.empty(batch * q_heads * n_queries, 2 * kk_pow2, dtype=torch.float32, device=q.device)
     buf_i = torch.empty(batch * q_heads * n_queries, 2 * kk_pow2, dtype=torch.int32, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else count
-    block_m, block_n = 64, max(64, kk_pow2 // 2)
-    if q.device.type == "cpu":
-        block_m, block_n = 64, max(16, kk_pow2 // 2)  # the interpreter: fewer, larger programs run faster
-    tiles = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8 if block_m >= 64 else 4) | TILE_OVERRIDES
+    block_n = max(32 if q.is_cuda else 16, kk_pow2 // 2)  # 2 * BLOCK_N bound candidates >= kk
+    tiles = dict(BLOCK_M=64, BLOCK_N=block_n, PREFIX_DOT=True, num_warps=4) | TILE_OVERRIDES
     grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
     _topk_select_kernel[grid](
         q, k, pad, out, count, buf_s, buf_i, n_queries, k.shape[2], q_heads, q_heads // k.shape[1], scale,
