@@ -94,6 +94,14 @@ def columns_from_summaries(full: dict, sparse: dict) -> list[BoundInputs]:
     ]
 
 
+def keeps_top_scores(sparse: dict) -> list[bool]:
+    """Per column, whether the sparse model's unfloored separation percentile is >= 0 (ties give
+    0): the bound reasons about keeping the top scores, which a model whose dropped keys outscore
+    its kept ones (input-agnostic patterns) does not do. Summaries without raw values pass."""
+    raw = sparse["pooled"].get("separation_raw")
+    return [True] * len(COLUMNS) if raw is None else [raw[c] >= 0 for c in SEPARATION_COLUMNS]
+
+
 def check_columns(columns: list[BoundInputs]) -> list[dict[str, float | bool]]:
     """``check_column`` on each column; NaN inputs (a statistic that was undefined) raise ValueError."""
     for column in columns:
@@ -106,6 +114,9 @@ def format_bound_report(name: str, results: list[dict[str, float | bool]]) -> st
     """Lines saying, per column, the left sides and on which side of each condition the task falls."""
     lines = [f"{name}:"]
     for label, result in zip(("p75", "p90", "p95", "max"), results):
+        if not result.get("applies", True):
+            lines.append(f"  {label:<4} not applicable: separation < 0 (dropped keys outscore kept ones)")
+            continue
         w_side = "holds (favours heavy hitters)" if result["w_holds"] else "fails"
         x_side = "holds (favours heavy hitters)" if result["x_holds"] else "fails"
         lines.append(

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from sparsefocus.analysis.bounds import check_columns, columns_from_summaries, format_bound_report, paper_bound_report
+from sparsefocus.analysis.bounds import (
+    check_columns,
+    columns_from_summaries,
+    format_bound_report,
+    paper_bound_report,
+    keeps_top_scores,
+)
 from sparsefocus.analysis.hooks import AttentionCall, capture_attention
 from sparsefocus.analysis.landscape import Landscape, lipschitz_profile, loss_grid, plot_landscapes, plot_lipschitz
 from sparsefocus.analysis.recall import RecallStatistics
@@ -107,7 +113,8 @@ def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str,
 
 def bound_checks(mechanisms: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The bound check of every sparse mechanism against the FULL model's all-key dispersion
-    (against its own all-key dispersion when the run has no FULL model)."""
+    (against its own all-key dispersion when the run has no FULL model). Columns where the
+    mechanism's unfloored separation is < 0 are marked ``applies: False``."""
     full = mechanisms.get("FULL")
     out = {}
     for label, result in mechanisms.items():
@@ -119,6 +126,8 @@ def bound_checks(mechanisms: dict[str, dict[str, Any]]) -> dict[str, Any]:
         except ValueError as error:
             out[label] = {"error": str(error)}
             continue
+        for check, applies in zip(checks, keeps_top_scores(result["statistics"])):
+            check["applies"] = applies
         out[label] = {"full_dispersion_from": "FULL" if full else label, "columns": checks}
     return out
 
@@ -170,7 +179,7 @@ def mechanism_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
     """Every mechanism's own statistics, including its dispersion over all keys and its recall."""
     lines = [
         (
-            "| mechanism | seeds | δ all keys (p75/p90/p95/max) | δ kept keys | Δ (p25/p10/p5/min) | β | β/k "
+            "| mechanism | seeds | δ all keys (p75/p90/p95/max) | δ kept keys | Δ unfloored (p25/p10/p5/min) | β | β/k "
             "| top-k recall mean / p5 |"
         ),
         "|---|---|---|---|---|---|---|---|",
@@ -179,7 +188,7 @@ def mechanism_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
         pooled = result["statistics"]["pooled"]
         lines.append(
             f"| {label} | {','.join(map(str, result['seeds']))} | {cell(pooled['full_dispersion'])} "
-            f"| {cell(pooled['dispersion'])} | {cell(pooled['separation'])} | {cell(pooled['sinks'])} "
+            f"| {cell(pooled['dispersion'])} | {cell(pooled['separation_raw'])} | {cell(pooled['sinks'])} "
             f"| {cell(pooled['sink_ratio'])} | {recall_cell(result)} |"
         )
     return lines
@@ -187,7 +196,7 @@ def mechanism_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
 
 def layer_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
-        "| mechanism | layer | δ all keys | δ kept keys | Δ | β | recall mean |",
+        "| mechanism | layer | δ all keys | δ kept keys | Δ unfloored | β | recall mean |",
         "|---|---|---|---|---|---|---|",
     ]
     for label, result in mechanisms.items():
@@ -196,7 +205,7 @@ def layer_table(mechanisms: dict[str, dict[str, Any]]) -> list[str]:
             mean = fmt(recall[layer]["mean"]) if layer in recall else "–"
             lines.append(
                 f"| {label} | {layer} | {cell(stats['full_dispersion'])} | {cell(stats['dispersion'])} "
-                f"| {cell(stats['separation'])} | {cell(stats['sinks'])} | {mean} |"
+                f"| {cell(stats['separation_raw'])} | {cell(stats['sinks'])} | {mean} |"
             )
     return lines
 

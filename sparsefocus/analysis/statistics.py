@@ -166,10 +166,19 @@ class ScoreStatistics:
         return np.concatenate(parts) if parts else np.zeros(0)
 
     def summary(self) -> dict:
-        """``{"pooled": {metric: {"p75": ...}}, "per_layer": {layer: {metric: {...}}}}``."""
-        pooled = {metric: metric_percentiles(metric, self.pooled(metric)) for metric in METRICS}
+        """``{"pooled": {metric: {"p75": ...}}, "per_layer": {layer: {metric: {...}}}}``.
+
+        Besides ``METRICS`` it gives ``separation_raw``: the separation percentiles before the
+        1e-9 floor (negative when dropped keys outscore kept ones)."""
+        pooled = self._describe({metric: self.pooled(metric) for metric in METRICS})
         per_layer = {
-            layer: {metric: metric_percentiles(metric, np.concatenate(self.values[metric][layer])) for metric in METRICS}
+            layer: self._describe({metric: np.concatenate(self.values[metric][layer]) for metric in METRICS})
             for layer in self.layers()
         }
         return {"pooled": pooled, "per_layer": per_layer}
+
+    @staticmethod
+    def _describe(arrays: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+        out = {metric: metric_percentiles(metric, values) for metric, values in arrays.items()}
+        out["separation_raw"] = percentiles(arrays["separation"], LOW_PERCENTILES)
+        return out

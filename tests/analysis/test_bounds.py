@@ -10,6 +10,7 @@ from sparsefocus.analysis.bounds import (
     columns_from_table,
     format_bound_report,
     paper_bound_report,
+    keeps_top_scores,
     w_form_lhs,
     x_form_sides,
 )
@@ -73,3 +74,13 @@ def test_nan_statistics_and_short_rows_are_rejected():
         check_columns([BoundInputs(float("nan"), 1.0, 1.0, 1.0)])
     with pytest.raises(ValueError, match="4 values"):
         columns_from_table({"full_dispersion": [1.0]})
+
+
+def test_columns_with_non_positive_raw_separation_are_not_applicable():
+    sparse = {"pooled": {"separation_raw": {"p25": 0.1, "p10": -0.5, "p5": -1.0, "p0": -3.0}}}
+    assert keeps_top_scores(sparse) == [True, False, False, False]
+    assert keeps_top_scores({"pooled": {}}) == [True] * 4
+    results = check_columns(columns_from_table(PAPER_TABLE["Parity"]))
+    results[1]["applies"] = False
+    lines = format_bound_report("BAND", results).splitlines()
+    assert "not applicable" in lines[2] and "W-form" in lines[1]

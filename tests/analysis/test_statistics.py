@@ -112,3 +112,12 @@ def test_keys_nobody_may_see_are_not_counted_as_sinks():
     stats.add("layer0", SCORES[None, None], kept[None, None], allowed)
     assert np.isnan(stats.pooled("sinks")).sum() == 1
     assert np.nanmax(stats.pooled("sinks")) == 2.0
+
+
+def test_summary_keeps_the_unfloored_separation():
+    band = torch.tensor([[0, 1, 1, 0, 0]], dtype=torch.bool)  # drops the top score 5
+    stats = ScoreStatistics()
+    stats.add("layer0", SCORES[None, None, :1], band[None, None])
+    pooled = stats.summary()["pooled"]
+    assert pooled["separation_raw"]["p0"] == -4.0
+    assert pooled["separation"]["p0"] == 1e-9
