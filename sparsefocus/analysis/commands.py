@@ -25,8 +25,8 @@ from sparsefocus.analysis.bounds import (
     check_columns,
     columns_from_summaries,
     format_bound_report,
-    paper_bound_report,
     keeps_top_scores,
+    paper_bound_report,
 )
 from sparsefocus.analysis.hooks import AttentionCall, capture_attention
 from sparsefocus.analysis.landscape import Landscape, lipschitz_profile, loss_grid, plot_landscapes, plot_lipschitz

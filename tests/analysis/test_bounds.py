@@ -9,8 +9,8 @@ from sparsefocus.analysis.bounds import (
     columns_from_summaries,
     columns_from_table,
     format_bound_report,
-    paper_bound_report,
     keeps_top_scores,
+    paper_bound_report,
     w_form_lhs,
     x_form_sides,
 )
