@@ -17,14 +17,17 @@ def plot_results(payload: dict, path: Path) -> None:
     series: dict[tuple[str, str], list[dict]] = {}
     for row in payload["results"]:
         series.setdefault((row["case"], row["mode"]), []).append(row)
+    colours = plt.get_cmap("tab20").colors
+    cases = list(dict.fromkeys(case for case, _ in series))
     for (case, mode), rows in series.items():
+        colour = colours[(2 * cases.index(case)) % len(colours)]
         ok = [r for r in sorted(rows, key=lambda r: r["n"]) if r["status"] == "ok"]
         style = "-" if mode == "fwd+bwd" else "--"
         if ok:
-            line = ax_time.plot([r["n"] for r in ok], [r["ms"] for r in ok], style, marker="o", label=f"{case} {mode}")[0]
+            ax_time.plot([r["n"] for r in ok], [r["ms"] for r in ok], style, marker="o", color=colour, label=f"{case} {mode}")
             mem = [r for r in ok if r.get("peak_mb") is not None]
             if mem:
-                ax_mem.plot([r["n"] for r in mem], [r["peak_mb"] for r in mem], style, marker="o", color=line.get_color(), label=f"{case} {mode}")
+                ax_mem.plot([r["n"] for r in mem], [r["peak_mb"] for r in mem], style, marker="o", color=colour, label=f"{case} {mode}")
     for ax, label in ((ax_time, "time (ms, median)"), (ax_mem, "peak memory (MB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")

@@ -1,0 +1,63 @@
+"""The fused top-k selection kernel against the PyTorch selections: exact positions (same tie
+rule), causal and padded keys never chosen, -1 fill for short rows, the overflow fallback."""
+
+import pytest
+import torch
+
+from sparsefocus.attention.common import expand_kv, row_slice
+from sparsefocus.attention.topk import select_extreme_keys
+from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(
+    "n,m,kk,causal,padded",
+    [(1, 1, 1, True, False), (7, 7, 3, True, False), (63, 63, 5, True, False), (100, 37, 8, False, True), (100, 100, 32, True, False)],
+)
+def test_topk_select_equals_torch_selection(n, m, kk, causal, padded):
+    q = torch.randn(1, 4, n, 5, device=DEVICE)
+    k = torch.randn(1, 2, m, 5, device=DEVICE)
+    key_padding_mask = torch.rand(1, m, device=DEVICE) > 0.3 if padded else None
+    got = topk_select(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+    assert got.shape == (1, 4, n, kk) and got.dtype == torch.int32
+    assert torch.equal(got, topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask))
+    reference = select_extreme_keys(q, expand_kv(k, 4), row_slice(n), kk, True, causal, key_padding_mask)
+    width = reference.shape[-1]
+    assert torch.equal(got.long().sort(-1).values[..., -width:].sort(-1).values, reference.sort(-1).values)
+
+
+def test_topk_select_never_picks_future_or_padded_keys_and_fills_minus_one():
+    q, k = torch.randn(1, 2, 40, 4, device=DEVICE), torch.randn(1, 2, 40, 4, device=DEVICE)
+    key_padding_mask = torch.ones(1, 40, dtype=torch.bool, device=DEVICE)
+    key_padding_mask[0, 5:9] = False
+    got = topk_select(q, k, 6, causal=True, key_padding_mask=key_padding_mask).long()
+    rows = torch.arange(40, device=DEVICE)[:, None]
+    assert ((got <= rows) | (got == -1)).all()
+    assert not ((got >= 5) & (got < 9)).any()
+    assert (got[0, :, 0, 1:] == -1).all() and (got[0, :, 0, 0] == 0).all()
+
+
+def test_topk_select_ties_take_smaller_positions_via_overflow_fallback():
+    """Constant inputs: every key ties, the candidate list overflows and the fallback runs."""
+    q, k = torch.ones(1, 1, 80, 4, device=DEVICE), torch.ones(1, 1, 80, 4, device=DEVICE)
+    got = topk_select(q, k, 3, causal=False)
+    assert (got == torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)).all()
+
+
+def test_topk_select_fp16_picks_the_largest_scores():
+    q = torch.randn(1, 2, 50, 16, device=DEVICE).half()
+    k = torch.randn(1, 2, 50, 16, device=DEVICE).half()
+    got = topk_select(q, k, 7, causal=True).long()
+    scores = (q.float() @ k.float().transpose(-1, -2)).masked_fill(torch.ones(50, 50, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+    best = scores.topk(7, dim=-1).values
+    best = best.masked_fill(torch.isinf(best), 0)  # early rows have fewer than 7 keys
+    picked = torch.gather(scores, -1, got.clamp_min(0)).masked_fill(got < 0, 0)
+    assert torch.allclose(picked.sum(-1), best.sum(-1), atol=1e-3)
+
+
+def test_topk_select_large_k_uses_torch_path_and_validates():
+    q, k = torch.randn(1, 1, 9, 4, device=DEVICE), torch.randn(1, 1, 200, 4, device=DEVICE)
+    assert torch.equal(topk_select(q, k, 150), topk_select_torch(q, k, 150))
+    with pytest.raises(ValueError, match="kk"):
+        topk_select(q, k, 0)
