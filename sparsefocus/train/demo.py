@@ -34,7 +34,6 @@ DEMO_OVERRIDES = [
     "optim.schedule=constant",
     "optim.grad_clip=1.0",
     "train.epochs=15",
-    "train.train_loss=running",
     f"mechanisms={MECHANISMS}",
 ]
 

@@ -1,0 +1,161 @@
+"""Training runs: loss decreases on every task, resume after interruption, broken checkpoints,
+reports, the schedules and the paper's speed-up statistic."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import sparsefocus.train.experiment as experiment_module
+from sparsefocus.tasks.base import TASKS, _load_all
+from sparsefocus.train import commands
+from sparsefocus.train.checkpoint import CheckpointError
+from sparsefocus.train.config import OptimConfig, load_config
+from sparsefocus.train.experiment import run_experiment
+from sparsefocus.train.loop import RunSpec, build_data, build_model, evaluate, lr_factor, train_run
+from sparsefocus.train.report import epochs_to_reach, paper_speedup, write_report
+
+TINY = [
+    "task={name: parity, length: 12, num_train: 60, num_valid: 30}",
+    "model.blocks=1",
+    "model.dim=16",
+    "model.mlp_dim=16",
+    "model.impl=reference",
+    "optim.name=adamw",
+    "optim.lr=0.003",
+    "train.epochs=3",
+    "train.batch_size=20",
+    "seeds=[1]",
+]
+
+# Small sizes per task; tasks that need files (real text) are skipped when they cannot build.
+TASK_SIZES = {
+    "listops": {"preset": "lra", "max_depth": 2, "max_args": 3, "min_length": 8, "max_length": 24, "num_train": 64, "num_valid": 16},
+    "mqar": {"vocab_size": 32, "seq_len": 16, "num_kv_pairs": 2, "num_train": 64, "num_valid": 16},
+    "assoc_recall": {"num_pairs": 4, "num_keys": 8, "num_values": 8, "num_train": 64, "num_valid": 16},
+}
+
+
+def tiny(tmp_path, *overrides):
+    return load_config(None, [f"out_dir={tmp_path}", "name=exp", *TINY, *overrides])
+
+
+def task_names():
+    _load_all()
+    return sorted(TASKS)
+
+
+@pytest.mark.parametrize("name", task_names())
+def test_training_lowers_the_training_loss_on_every_task(name, tmp_path):
+    fields = TASK_SIZES.get(name, {"length": 12, "num_train": 64, "num_valid": 16})
+    overrides = [f"task={json.dumps({'name': name, **fields})}", "train.epochs=6", "optim.lr=0.01", "optim.grad_clip=1.0"]
+    config = tiny(tmp_path, *overrides)
+    try:
+        data = build_data(config, 1, torch.device("cpu"))
+    except (ValueError, TypeError, FileNotFoundError, OSError) as error:
+        pytest.skip(f"{name} cannot be built at a tiny size offline: {error}")
+    torch.manual_seed(1)
+    before, _ = evaluate(build_model(config.model, "TOPK:3", data), data.train_inputs, data.train_targets, 64)
+    metrics = train_run(RunSpec(tmp_path / "run", config, "default", "TOPK:3", 1))
+    assert len(metrics) == 6
+    assert metrics[-1]["train_loss"] < 0.97 * before
+
+
+def test_interrupted_experiment_resumes_without_retraining_finished_runs(tmp_path, monkeypatch):
+    config = tiny(tmp_path, "mechanisms=[FULL,TOPK:3]")
+    calls = []
+
+    def interrupted(spec, on_epoch=None):
+        calls.append(spec.label)
+        if spec.label == "TOPK:3":
+            def stop():
+                raise KeyboardInterrupt
+            return train_run(spec, on_epoch=stop)  # killed after its first epoch
+        return train_run(spec, on_epoch)
+
+    monkeypatch.setattr(experiment_module, "train_run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(config, quiet=True)
+    first = tmp_path / "exp/default/FULL/seed-1/checkpoint.pt"
+    first_bytes = first.read_bytes()
+
+    calls.clear()
+    monkeypatch.setattr(experiment_module, "train_run", lambda spec, on_epoch=None: calls.append(spec.label) or train_run(spec, on_epoch))
+    run_experiment(config, quiet=True)
+    assert calls == ["TOPK:3"]
+    assert first.read_bytes() == first_bytes
+    resumed = [json.loads(line) for line in (tmp_path / "exp/default/TOPK-3/seed-1/metrics.jsonl").read_text().splitlines()]
+
+    fresh = train_run(RunSpec(tmp_path / "fresh", config, "default", "TOPK:3", 1))
+    assert [m["epoch"] for m in resumed] == [1, 2, 3]
+    for a, b in zip(resumed, fresh):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing"])
+def test_broken_checkpoint_is_reported_not_retrained(tmp_path, damage):
+    config = tiny(tmp_path, "train.epochs=1")
+    run_experiment(config, quiet=True)
+    checkpoint = tmp_path / "exp/default/FULL/seed-1/checkpoint.pt"
+    if damage == "corrupt":
+        checkpoint.write_bytes(b"not a checkpoint")
+    else:
+        checkpoint.unlink()
+    with pytest.raises(CheckpointError, match=f"{damage} checkpoint .*FULL/seed-1"):
+        run_experiment(config, quiet=True)
+
+
+def test_changed_config_for_an_existing_run_folder_is_refused(tmp_path):
+    run_experiment(tiny(tmp_path, "train.epochs=1"), quiet=True)
+    with pytest.raises(ValueError, match="model.dim"):
+        run_experiment(tiny(tmp_path, "train.epochs=1", "model.dim=8"), quiet=True)
+
+
+def test_train_command_writes_runs_report_and_curves(tmp_path, capsys):
+    overrides = [f"out_dir={tmp_path}", "name=exp", *TINY, "mechanisms=[FULL,TOPK:3,BAND:3(1)]", "seeds=[1,2]", "train.epochs=2"]
+    assert commands.main(["defaults", *overrides]) == 0
+    out = capsys.readouterr().out
+    report = tmp_path / "exp/report.md"
+    assert str(report) in out and (tmp_path / "exp/curves.png").stat().st_size > 1000
+    text = report.read_text()
+    for label in ("FULL", "TOPK:3", "BAND:3(1)"):
+        assert f"| {label} | 2 |" in text
+    assert "speed-up over FULL" in text and "paper's max speed-up" in text
+    metrics = (tmp_path / "exp/default/BAND-3-1/seed-2/metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 2 and set(json.loads(metrics[0])) >= {"train_loss", "valid_loss", "valid_acc"}
+
+
+def test_train_command_reports_a_bad_key_without_training(tmp_path, capsys):
+    assert commands.main(["defaults", f"out_dir={tmp_path}", "model.widht=3"]) == 2
+    assert "model.widht" in capsys.readouterr().out
+    assert not any(tmp_path.iterdir())
+
+
+def test_parallel_jobs_train_every_run(tmp_path):
+    root = run_experiment(tiny(tmp_path, "mechanisms=[FULL,BLOC:4]", "train.jobs=2", "train.epochs=1"), quiet=True)
+    report, pictures = write_report(root)
+    assert "| BLOC:4 | 1 |" in report.read_text() and pictures[0].exists()
+
+
+def test_step_schedule_decays_once_per_epoch_and_cosine_ends_at_the_floor():
+    step = OptimConfig(schedule="step", decay=0.5)
+    assert [lr_factor(step, s, 10, 3) for s in (0, 9, 10, 25)] == [1.0, 1.0, 0.5, 0.25]
+    cosine = OptimConfig(schedule="cosine", warmup_epochs=1, min_lr_ratio=0.1)
+    assert lr_factor(cosine, 4, 10, 3) == pytest.approx(0.5)
+    assert lr_factor(cosine, 10, 10, 3) == pytest.approx(1.0)
+    assert lr_factor(cosine, 30, 10, 3) == pytest.approx(0.1)
+
+
+def test_paper_speedup_statistic_on_hand_made_curves():
+    full = np.array([4.0, 3.0, 2.0, 1.0])
+    topk = np.array([3.0, 2.0, 1.0, 0.5])
+    stats = paper_speedup(full, topk)
+    # epoch i=3 (0-based): v1=1.0, topk below it at j in {2}: 100*1/4; i=2: v1=2, j in {1}: 100*1/3;
+    # i=1: v1=3, j in {0}: 100*1/2 -> max 50% at epoch 2.
+    assert stats["max_speedup"] == pytest.approx(50.0) and stats["max_speedup_epoch"] == 2
+    assert stats["max_gap"] == pytest.approx(1.0)
+    assert stats["max_relative_gap"] == pytest.approx(50.0)
+    assert epochs_to_reach(topk, 1.0) == 3 and epochs_to_reach(full, 0.5) is None
+    assert math.isclose(paper_speedup(full, full)["max_gap"], 0.0)
