@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ from sparsefocus.analysis.landscape import Landscape, lipschitz_profile, loss_gr
 from sparsefocus.analysis.recall import RecallStatistics
 from sparsefocus.analysis.runs import LoadedRun, find_runs, group_runs, load_run
 from sparsefocus.analysis.statistics import ScoreStatistics
+from sparsefocus.train.checkpoint import write_text_atomic
 
 
 @dataclass
@@ -262,14 +261,6 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temp, path)
-
-
 def landscape_figures(setting: str, landscapes: dict[str, Landscape], out_dir: Path) -> tuple[list[str], dict]:
     """Contour and Lipschitz PNGs of one setting; returns the file names and the JSON data."""
     suffix = "" if setting == "default" else "-" + "".join(c if c.isalnum() else "_" for c in setting)
@@ -303,8 +294,9 @@ def analyze(run_dir: str | Path, options: AnalyzeOptions, out_dir: str | Path | 
             ordered = {label: landscapes[setting][label] for label in section["mechanisms"] if label in landscapes[setting]}
             section["figures"], section["landscape"] = landscape_figures(setting, ordered, out_dir)
     report = {"run_dir": str(run_dir), "options": vars(options), "settings": settings}
-    write_atomic(out_dir / "analysis.json", json.dumps(report, indent=1, default=float))
-    write_atomic(out_dir / "analysis.md", markdown_report(report))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out_dir / "analysis.json", json.dumps(report, indent=1, default=float))
+    write_text_atomic(out_dir / "analysis.md", markdown_report(report))
     return report
 
 

@@ -11,14 +11,14 @@ a, b in linspace(-radius, radius, steps), and estimate the local Lipschitz const
 from __future__ import annotations
 
 import contextlib
-import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
+
+from sparsefocus.analysis.files import save_figure
 
 LIPSCHITZ_PERCENTILES = (50, 75, 95, 99)
 
@@ -133,20 +133,6 @@ def lipschitz_profile(
     return profile
 
 
-def _save(fig, path: str) -> None:
-    """Write a figure atomically (temp name then os.replace)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temp = tempfile.mkstemp(suffix=".png", dir=folder)
-    os.close(handle)
-    try:
-        fig.savefig(temp, dpi=120)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
-
-
 def plot_landscapes(landscapes: dict[str, Landscape], path: str, levels: int = 30) -> None:
     """Contour plots of each mechanism's landscape side by side on one log colour scale, one PNG."""
     import matplotlib
@@ -170,7 +156,7 @@ def plot_landscapes(landscapes: dict[str, Landscape], path: str, levels: int = 3
         axis.set_ylabel("direction 2")
         fig.colorbar(shown, ax=axis, format="%.3g")
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -194,5 +180,5 @@ def plot_lipschitz(profiles: dict[str, dict[str, list[float]]], path: str) -> No
     axis.set_ylabel("|L(a) - L(b)| / |a - b| between neighbours")
     axis.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)

@@ -11,31 +11,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 import textwrap
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from sparsefocus.analysis.files import save_figure
 from sparsefocus.analysis.hooks import AttentionCall, capture_attention
 from sparsefocus.attention import parse_pattern, selection_mask, sparse_attention
 from sparsefocus.attention.patterns import Pattern
-
-
-def save_figure(fig, path: str) -> None:
-    """Write a matplotlib figure to ``path`` atomically (temp name in the same folder, then os.replace)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    handle, temp = tempfile.mkstemp(suffix=os.path.splitext(path)[1] or ".png", dir=folder)
-    os.close(handle)
-    try:
-        fig.savefig(temp, dpi=120)
-        os.replace(temp, path)
-    finally:
-        if os.path.exists(temp):
-            os.remove(temp)
 
 
 def pattern_params(pattern: Pattern) -> dict[str, Tensor] | None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from torch import nn
 
@@ -61,12 +62,14 @@ def read_record(run_dir: Path) -> dict[str, Any]:
 def load_run(run_dir: str | Path) -> LoadedRun:
     """Rebuild the model of one run folder from its checkpoint, and its task data for its seed.
 
-    The model runs on CPU with ``impl="auto"`` whatever it was trained with.
+    The model runs on CPU with the implementation it was trained with, except that Triton and
+    FlexAttention fall back to ``impl="auto"`` without CUDA.
     """
     run_dir = Path(run_dir)
     record = read_record(run_dir)
     config = from_dict(record["config"])
-    config.model.impl = "auto"
+    if config.model.impl in ("triton", "flex") and not torch.cuda.is_available():
+        config.model.impl = "auto"  # Triton's interpreter and eager FlexAttention are far slower on CPU
     seed = int(record["seed"])
     data = make_task_config(config.task).build(seed)
     model = build_model(config.model, record["mechanism"], data)
