@@ -2,8 +2,9 @@
 
 Recall of one query = |kept keys & exact top-k keys| / |exact top-k keys|, where the exact top-k
 is taken among the keys the query may pick (causal cut, padding) by the score the selector
-approximates: the pattern's class variable ``score`` when it declares one ("dot" for most,
-"neg_sqeuclid"/"cauchy" for ZETA, ranked by -||q - k||^2), else the dot product. k is the
+approximates: the pattern's class variable ``score`` when it declares one (distance scores
+"neg_sqeuclid"/"cauchy" rank by -||q - k||^2), -||q - k||^2 for ZETA (its Z-order search looks
+for nearest keys), else the dot product. k is the
 pattern's field ``k`` when it has one, else the mean number of keys the selector keeps per query.
 """
 
@@ -18,15 +19,26 @@ from torch import Tensor
 
 from sparsefocus.analysis.hooks import AttentionCall
 from sparsefocus.analysis.statistics import percentiles
-from sparsefocus.attention.patterns import Pattern
+from sparsefocus.attention.patterns import IndexedPattern, Pattern
 
 DISTANCE_SCORES = ("neg_sqeuclid", "cauchy")
 RECALL_PERCENTILES = (50, 25, 10, 5)
 
 
+# Selectors that rank by distance without declaring a ``score`` of their own.
+DISTANCE_SELECTORS = {"zeta": "neg_sqeuclid"}
+
+
 def selector_score(pattern: Pattern) -> str:
-    """The score a pattern ranks keys by: its ``score`` class variable, default "dot"."""
-    return str(getattr(type(pattern), "score", "dot"))
+    """The score a pattern ranks keys by: a ``score`` class variable its own class hierarchy
+    declares (the base ``IndexedPattern`` default does not count), else ``DISTANCE_SELECTORS``,
+    else "dot"."""
+    for cls in type(pattern).__mro__:
+        if cls in (IndexedPattern, Pattern):
+            break
+        if "score" in vars(cls):
+            return str(vars(cls)["score"])
+    return DISTANCE_SELECTORS.get(pattern.name, "dot")
 
 
 def ranking_scores(q: Tensor, k: Tensor, score: str = "dot") -> Tensor:

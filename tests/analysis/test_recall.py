@@ -111,3 +111,22 @@ def test_hooks_respect_causality_and_padding():
     assert len(attention_layers(model)) == 2
     with pytest.raises(ValueError, match="no SparseAttention"), capture_attention(nn.Linear(2, 2), calls.append):
         pass
+
+
+def test_zeta_is_ranked_by_distance():
+    assert selector_score(parse_pattern("zeta:k=4,window=6,chunks=3,local=3")) == "neg_sqeuclid"
+    assert selector_score(parse_pattern("lsh:buckets=4,chunk=4")) == "dot"
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["zeta:k=4,window=6,chunks=3,local=3", "lsh:buckets=4,chunk=4", "routing:clusters=3,window=8", "block_topk:block=4,top=2"],
+)
+def test_recall_of_approximate_selectors_is_a_share(spec):
+    model = nn.Sequential(SparseAttention(8, 2, spec))
+    stats = RecallStatistics()
+    with torch.no_grad(), capture_attention(model, stats):
+        model(torch.randn(2, 16, 8))
+    summary = stats.summary()
+    assert 0.0 <= summary["pooled"]["p5"] <= summary["pooled"]["mean"] <= 1.0
+    assert summary["k"]["0"] >= 1
