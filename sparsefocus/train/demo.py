@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         already = sum(check_run_folder(spec)[0] == "done" for spec in specs)
         run_experiment(config)
     except (ValueError, CheckpointError) as error:
-        print(f"error: {error}")
+        print(f"error: {error}\n`sparsefocus demo --fresh` deletes the previous demo folder and starts over")
         return 2
     seconds = time.perf_counter() - began
     preface = [
