@@ -115,6 +115,9 @@ def indexed_attention_ref(
     scale: float | None = None,
     score: str = "dot",
     gamma: Tensor | float | None = None,
+    extra_key: Tensor | None = None,
+    extra_value: Tensor | None = None,
+    extra_mask: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys (the slow twin of the Triton kernel).
 
@@ -126,6 +129,10 @@ def indexed_attention_ref(
         score: "dot" (softmax of scale*q.k), "neg_sqeuclid" (softmax of -scale*||q-k||^2) or
             "cauchy" (weights 1/(||q-k||^2 + gamma^2) normalised over the list; scale unused).
         gamma: Cauchy width, scalar or [Hq] tensor. Default: 1.
+        extra_key, extra_value: optional one more slot per query, its own key [B, Hq or Hk, N, D]
+            and value [B, Hq or Hk, N, Dv] (e.g. ZETA's cumulative mean token), scored like the
+            listed keys; both or neither. Default: none.
+        extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
     Returns:
         [B, Hq, N, Dv] in fp32; rows with no valid key are zero.
     """
@@ -136,12 +143,31 @@ def indexed_attention_ref(
     safe = index.clamp_min(0).long()
     keys = gather_keys(upcast(k), safe)  # [B, Hq, N, K, D]
     values = gather_keys(upcast(v), safe)  # [B, Hq, N, K, Dv]
+    if extra_key is not None or extra_value is not None:
+        keys, values, valid = _append_extra_slot(keys, values, valid, extra_key, extra_value, extra_mask)
     raw = indexed_scores(upcast(q), keys, score, scale)
     if score == "cauchy":
         weights = cauchy_weights(raw, valid, gamma, q.shape[1])
     else:
         weights = masked_softmax(raw, valid)
     return torch.einsum("bhnk,bhnkd->bhnd", weights, values)
+
+
+def _append_extra_slot(
+    keys: Tensor, values: Tensor, valid: Tensor, extra_key: Tensor, extra_value: Tensor | None, extra_mask: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Append one slot per query: keys [B, Hq, N, K, D] -> [B, Hq, N, K+1, D] (values, valid alike)."""
+    if extra_key is None or extra_value is None:
+        raise ValueError("extra_key and extra_value must be given together")
+    q_heads = keys.shape[1]
+    extra_k = expand_kv(upcast(extra_key), q_heads).expand(*keys.shape[:3], -1)  # [B, Hq, N, D]
+    extra_v = expand_kv(upcast(extra_value), q_heads).expand(*values.shape[:3], -1)  # [B, Hq, N, Dv]
+    mask = torch.ones_like(valid[..., 0]) if extra_mask is None else extra_mask.expand_as(valid[..., 0])
+    return (
+        torch.cat([keys, extra_k[..., None, :]], dim=-2),
+        torch.cat([values, extra_v[..., None, :]], dim=-2),
+        torch.cat([valid, mask[..., None]], dim=-1),
+    )
 
 
 def cauchy_weights(sq_dist: Tensor, valid: Tensor, gamma: Tensor | float | None, num_heads: int) -> Tensor:

@@ -13,11 +13,17 @@ this file computes the same thing without gathering [B, H, N, K, D] tensors:
 Scores per slot j of query i:  dot: scale * q.k_j;  neg_sqeuclid: -scale * ||q - k_j||^2;
 cauchy: weight 1 / (||q - k_j||^2 + gamma^2), normalised over the list.
 
+An optional extra slot per query (``extra_key``/``extra_value``, e.g. ZETA's cumulative mean
+token) is scored like a listed key but read from per-row tensors, so its gradients are plain
+per-row stores (no atomics) and the caller need not append it to k and v.
+
 Not done here: a tensor-core variant for lists made of contiguous runs (sorted keys, windows);
 every list is gathered row by row.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -51,10 +57,59 @@ def _slot_weights(q, kt, idx, gamma_sq, scale, SCORE: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(m_i, l_i, acc, s, vt, SCORE: tl.constexpr):
+    """Online-softmax (or Cauchy sum) update of (max, sum, acc) with weights s [BM, BK], values vt [BM, BK, BDV]."""
+    if SCORE == 2:
+        p = s
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha
+        acc = acc * alpha[:, None]
+        m_i = m_new
+    l_i += tl.sum(p, axis=1)
+    acc += tl.sum(p[:, :, None] * vt, axis=1)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE: tl.constexpr):
+    """Gradients of one tile of slots: (p [BM, BK], d gamma^2 [BM], dq [BM, BD], dk [BM, BK, BD])."""
+    dp = tl.sum(do[:, None, :] * vt, axis=2)  # [BM, BK]
+    if SCORE == 2:
+        p = s * inv_total[:, None]
+        d_sq = -(dp - delta[:, None]) * s * p  # d loss / d squared distance = -(dp - delta) w^2 / S
+        dgamma_sq = tl.sum(d_sq, axis=1)
+        coef = 2.0 * d_sq  # d loss / d (q - k) = 2 d_sq (q - k)
+    else:
+        p = tl.exp2(s - stat[:, None])
+        ds = p * (dp - delta[:, None])
+        dgamma_sq = tl.sum(ds * 0.0, axis=1)
+        if SCORE == 0:
+            coef = ds * scale
+        else:
+            coef = -2.0 * scale * ds
+    dq = tl.sum(coef[:, :, None] * diff, axis=1)
+    if SCORE == 0:
+        dk = coef[:, :, None] * q[:, None, :]
+    else:
+        dk = -coef[:, :, None] * diff
+    return p, dgamma_sq, dq, dk
+
+
+@triton.jit
+def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
+    """Flat element offsets [BM] of the extra slot's rows (strided: expanded tensors are not copied)."""
+    b, h = bh // HQ, (bh % HQ) // EGROUP
+    return b.to(tl.int64) * SB + h.to(tl.int64) * SH + rows.to(tl.int64) * SN
+
+
+@triton.jit
 def _indexed_fwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, STAT,
-    N, M, NUM_SLOTS, HQ, GROUP, scale,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr,
+    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK,
+    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -69,6 +124,15 @@ def _indexed_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite start: all-masked tiles give exp(-inf) = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if HAS_EXTRA:
+        e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
+        e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
+        ek_offs = _extra_offsets(bh, rows, HQ, EGROUP, EK_SB, EK_SH, EK_SN)
+        ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
+        ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=e_ok[:, None, None] & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
+        evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=e_ok[:, None, None] & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
+        s, _ = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)
+        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s, evt, SCORE)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
@@ -76,17 +140,7 @@ def _indexed_fwd_kernel(
         kt = tl.load(k_base + idx[:, :, None] * D + offs_d[None, None, :], mask=valid & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
         vt = tl.load(v_base + idx[:, :, None] * DV + offs_dv[None, None, :], mask=valid & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
         s, _ = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
-        if SCORE == 2:
-            p = s
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-            m_i = m_new
-        l_i += tl.sum(p, axis=1)
-        acc += tl.sum(p[:, :, None] * vt, axis=1)
+        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s, vt, SCORE)
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     tl.store(OUT + row_offs[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
@@ -99,9 +153,9 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA,
-    N, M, NUM_SLOTS, HQ, GROUP, scale,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV,
+    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -122,6 +176,20 @@ def _indexed_bwd_kernel(
     k_base, v_base = kv_bh.to(tl.int64) * M * D, kv_bh.to(tl.int64) * M * DV
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dgamma_sq = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_EXTRA:
+        e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
+        e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
+        ek_offs = _extra_offsets(bh, rows, HQ, EGROUP, EK_SB, EK_SH, EK_SN)
+        ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
+        ek_mask, ev_mask = e_ok[:, None, None] & d_ok[None, None, :], e_ok[:, None, None] & dv_ok[None, None, :]
+        ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=ek_mask, other=0.0).to(tl.float32)
+        evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=ev_mask, other=0.0).to(tl.float32)
+        s, diff = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)
+        p, dg, dq_extra, dk = _slot_grads(q, s, diff, evt, do, delta, stat, inv_total, scale, SCORE)
+        dgamma_sq += dg
+        dq += dq_extra
+        tl.store(DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk, mask=row_ok[:, None, None] & d_ok[None, None, :])
+        tl.store(DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :], p[:, :, None] * do[:, None, :], mask=row_ok[:, None, None] & dv_ok[None, None, :])
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
@@ -132,24 +200,9 @@ def _indexed_bwd_kernel(
         kt = tl.load(K + k_offs, mask=k_mask, other=0.0).to(tl.float32)
         vt = tl.load(V + v_offs, mask=v_mask, other=0.0).to(tl.float32)
         s, diff = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
-        dp = tl.sum(do[:, None, :] * vt, axis=2)  # [BM, BK]
-        if SCORE == 2:
-            p = s * inv_total[:, None]
-            d_sq = -(dp - delta[:, None]) * s * p  # d loss / d squared distance = -(dp - delta) w^2 / S
-            dgamma_sq += tl.sum(d_sq, axis=1)
-            coef = 2.0 * d_sq  # d loss / d (q - k) = 2 d_sq (q - k)
-        else:
-            p = tl.exp2(s - stat[:, None])
-            ds = p * (dp - delta[:, None])
-            if SCORE == 0:
-                coef = ds * scale
-            else:
-                coef = -2.0 * scale * ds
-        dq += tl.sum(coef[:, :, None] * diff, axis=1)
-        if SCORE == 0:
-            dk = coef[:, :, None] * q[:, None, :]
-        else:
-            dk = -coef[:, :, None] * diff
+        p, dg, dq_tile, dk = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE)
+        dgamma_sq += dg
+        dq += dq_tile
         tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
         tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -178,53 +231,92 @@ def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool)
     return (grid, sizes), blocks
 
 
-def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code) -> tuple[Tensor, Tensor]:
+def _extra_args(q: Tensor, extra: "Extra | None") -> tuple[tuple, dict]:
+    """Kernel arguments of the extra slot: pointers (dummies when absent), group and strides."""
+    if extra is None:
+        return (q, q, q), dict(sizes=(1, 0, 0, 0, 0, 0, 0), HAS_EXTRA=False)
+    group = q.shape[1] // extra.key.shape[1]
+    strides = (*extra.key.stride()[:3], *extra.value.stride()[:3])
+    return (extra.key, extra.value, extra.mask), dict(sizes=(group, *strides), HAS_EXTRA=True)
+
+
+def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     stat = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
+    pointers, extra_kw = _extra_args(q, extra)
     _indexed_fwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, stat, *sizes, scale,
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, **blocks,
+        q, k, v, index, gamma_sq, out, stat, *pointers, *sizes, scale, *extra_kw["sizes"],
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
     )
     return out, stat
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code):
-    """Launch the backward kernel. Returns dq, dk, dv (input dtypes) and d gamma^2 per head [Hq] fp32."""
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None):
+    """Launch the backward kernel. Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq] fp32
+    and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra)."""
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     dgamma_sq = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)  # [B, Hq, N]
+    d_extra_k = d_extra_v = None
+    if extra is not None:
+        d_extra_k = torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)
+        d_extra_v = torch.empty(*q.shape[:3], v.shape[-1], dtype=extra.value.dtype, device=q.device)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True)
+    pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *sizes, scale,
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, **blocks,
+        q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
+        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
+        *sizes, scale, *extra_kw["sizes"],
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
     )
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2))
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
+
+
+class Extra(NamedTuple):
+    """The extra slot as the kernels read it: key [B, He, N, D], value [B, He, N, Dv] (strided, last
+    dim contiguous, He = Hq or Hk) and mask [B, Hq, N] int8 (contiguous)."""
+
+    key: Tensor
+    value: Tensor
+    mask: Tensor
+
+
+def _group_sum(grad: Tensor, heads: int) -> Tensor:
+    """[B, Hq, N, X] per-query-head gradient -> [B, heads, N, X], summing each head group."""
+    batch, q_heads, n, width = grad.shape
+    return grad if heads == q_heads else grad.view(batch, heads, q_heads // heads, n, width).sum(2)
 
 
 class IndexedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K]."""
+    """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
+    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code):
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None):
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat)
+        extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
+        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask)
         ctx.scale, ctx.score_code = scale, score_code
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat = ctx.saved_tensors
+        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask = ctx.saved_tensors
+        extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         gamma_sq = gamma.float().pow(2).contiguous()
-        dq, dk, dv, dgamma_sq = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out.contiguous(), stat, ctx.scale, ctx.score_code
+        dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v = _indexed_backward(
+            q, k, v, index, gamma_sq, out, grad_out.contiguous(), stat, ctx.scale, ctx.score_code, extra
         )
         dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
-        return dq, dk, dv, None, dgamma, None, None
+        if extra is not None:
+            d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
+            d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
+        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -255,6 +347,9 @@ def indexed_attention(
     scale: float | None = None,
     score: str = "dot",
     gamma: Tensor | float | None = None,
+    extra_key: Tensor | None = None,
+    extra_value: Tensor | None = None,
+    extra_mask: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -272,17 +367,52 @@ def indexed_attention(
         score: "dot", "neg_sqeuclid" or "cauchy" (weights 1/(||q-k||^2 + gamma^2); scale unused).
         gamma: Cauchy width, float or tensor with 1 or Hq values; a tensor that requires grad
             receives its gradient. Default: 1.
+        extra_key, extra_value: optional one more slot per query with its own key
+            [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
+            place, not copied); scored like the listed keys; both receive gradients. Default: none.
+        extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
     index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
     _check_index(q, k, v, index, score)
+    _check_extra(q, v, extra_key, extra_value, extra_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
-    if q.shape[2] == 0 or index.shape[-1] == 0 or k.shape[2] == 0:
-        return indexed_attention_ref(q, k, v, index, scale=scale, score=score, gamma=gamma).to(q.dtype)
+    if q.shape[2] == 0 or (index.shape[-1] == 0 and extra_key is None) or k.shape[2] == 0:
+        return indexed_attention_ref(
+            q, k, v, index, scale=scale, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask
+        ).to(q.dtype)
     k, v = k.to(q.dtype), v.to(q.dtype)
     index = index.to(torch.int32).contiguous()
+    extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score]
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras
     )
+
+
+def _check_extra(q: Tensor, v: Tensor, extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None) -> None:
+    if extra_key is None and extra_value is None:
+        return
+    if extra_key is None or extra_value is None:
+        raise ValueError("extra_key and extra_value must be given together")
+    for name, x, width in (("extra_key", extra_key, q.shape[-1]), ("extra_value", extra_value, v.shape[-1])):
+        heads = x.shape[1] if x.dim() == 4 else -1
+        if x.dim() != 4 or x.shape[0] != q.shape[0] or x.shape[2] != q.shape[2] or x.shape[3] != width or q.shape[1] % heads:
+            raise ValueError(f"{name} must be [B, Hq or Hk, N, {width}] = [{q.shape[0]}, ., {q.shape[2]}, {width}], got {tuple(x.shape)}")
+    if extra_mask is not None and (extra_mask.dim() != 3 or extra_mask.shape[0] != q.shape[0] or extra_mask.shape[2] != q.shape[2]):
+        raise ValueError(f"extra_mask must be [B, 1 or Hq, N] bool, got {tuple(extra_mask.shape)}")
+
+
+def _kernel_extras(q: Tensor, extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None) -> tuple:
+    """(key, value, int8 mask [B, Hq, N]) for the kernels, or () without an extra slot. Key and
+    value keep their strides (an expanded mean is not copied) as long as the last dim is dense."""
+    if extra_key is None:
+        return ()
+    key, value = extra_key.to(q.dtype), extra_value.to(q.dtype)
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+    if extra_mask is None:
+        mask = torch.ones(q.shape[:3], dtype=torch.int8, device=q.device)
+    else:
+        mask = extra_mask.expand(*q.shape[:3]).to(torch.int8).contiguous()
+    return key, value, mask

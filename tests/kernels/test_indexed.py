@@ -78,3 +78,47 @@ def test_indexed_kernel_rejects_bad_index():
         indexed_attention(q, k, v, index.float())
     with pytest.raises(ValueError, match="score"):
         indexed_attention(q, k, v, index, score="cosine")
+
+
+def _extras(kind: str, n: int, heads: int, dim: int, dim_v: int):
+    """Extra key/value per query: per query head, per kv head (GQA) or one expanded row (a view)."""
+    if kind == "expanded":
+        return (torch.randn(2, heads, 1, dim, device=DEVICE).expand(-1, -1, n, -1),
+                torch.randn(2, heads, 1, dim_v, device=DEVICE).expand(-1, -1, n, -1))
+    return torch.randn(2, heads, n, dim, device=DEVICE), torch.randn(2, heads, n, dim_v, device=DEVICE)
+
+
+@pytest.mark.parametrize("score", ["dot", "neg_sqeuclid", "cauchy"])
+@pytest.mark.parametrize("kind,heads", [("per_query_head", 4), ("per_kv_head", 2), ("expanded", 2)])
+def test_indexed_kernel_extra_slot_matches_reference(score, kind, heads):
+    n, m = 19, 11
+    q, k, v, index, gamma = make_case(n, m, score, torch.float32)
+    index[1, 2, 3] = -1  # a row kept alive by its extra slot alone
+    extra_k, extra_v = _extras(kind, n, heads, 6, 3)
+    extra_mask = torch.rand(2, 1, n, device=DEVICE) > 0.3
+    extra_mask[0, 0, 0] = False  # row (0, 0, 0) has no listed key and no extra slot: zero
+    grad_out = torch.randn(2, 4, n, 3, device=DEVICE)
+    results = []
+    for fn in (indexed_attention, indexed_attention_ref):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v)]
+        g = None if gamma is None else gamma.clone().requires_grad_()
+        out = fn(*leaves[:3], index, scale=0.4, score=score, gamma=g, extra_key=leaves[3], extra_value=leaves[4], extra_mask=extra_mask)
+        grads = torch.autograd.grad(out.float(), leaves + ([g] if g is not None else []), grad_out)
+        results.append([out, *grads])
+    for name, x, y in zip(["out", "dq", "dk", "dv", "d_extra_k", "d_extra_v", "dgamma"], *results):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
+        assert rel_err(x, y) < 1e-5, f"{score} {kind} {name}: relative error {rel_err(x, y):.2e}"
+    assert (results[0][0][0, 0, 0] == 0).all()
+    assert results[0][5].abs().sum() > 0, "the extra value gets a gradient"
+
+
+def test_indexed_kernel_extra_slot_without_listed_keys_and_bad_shapes():
+    q, k, v, _, _ = make_case(5, 4, "cauchy", torch.float32)
+    empty = torch.empty(2, 4, 5, 0, dtype=torch.long, device=DEVICE)
+    extra_k, extra_v = _extras("per_query_head", 5, 4, 6, 3)
+    out = indexed_attention(q, k, v, empty, score="cauchy", extra_key=extra_k, extra_value=extra_v)
+    torch.testing.assert_close(out, extra_v)  # the extra slot alone: its value, whatever the weight
+    with pytest.raises(ValueError, match="together"):
+        indexed_attention(q, k, v, empty, extra_key=extra_k)
+    with pytest.raises(ValueError, match="extra_value"):
+        indexed_attention(q, k, v, empty, extra_key=extra_k, extra_value=extra_v[..., :2])
