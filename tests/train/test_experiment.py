@@ -32,7 +32,9 @@ TINY = [
 
 # Small sizes per task; tasks that need files (real text) are skipped when they cannot build.
 TASK_SIZES = {
-    "listops": {"preset": "lra", "max_depth": 2, "max_args": 3, "min_length": 8, "max_length": 24, "num_train": 64, "num_valid": 16},
+    "listops": {"preset": "lra", "max_depth": 3, "max_args": 3, "min_length": 10, "max_length": 40, "num_train": 64, "num_valid": 16},
+    "lm": {"max_train": 64, "max_valid": 16, "block_size": 32},
+    "lm_window": {"max_train": 64, "max_valid": 16},
     "mqar": {"vocab_size": 32, "seq_len": 16, "num_kv_pairs": 2, "num_train": 64, "num_valid": 16},
     "assoc_recall": {"num_pairs": 4, "num_keys": 8, "num_values": 8, "num_train": 64, "num_valid": 16},
 }
