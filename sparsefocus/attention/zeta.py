@@ -100,25 +100,63 @@ def code_bits(bits: int, dims: int, curves: int) -> int:
     return min(bits, usable)
 
 
+MEAN_BUDGET = 1 << 25  # fp32 elements of one block of the chunked cumulative mean
+
+
 def mean_tokens(k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
     """Mean key, mean value and whether any key was averaged, per query slot.
 
     Args:
         k: [B, H, M, D]; v: [B, H, M, Dv]; key_padding_mask: [B, M] bool (True = real).
     Returns:
-        mean_k [B, H, T, D], mean_v [B, H, T, Dv] in fp32 and present [B, 1, T] bool, with
-        T = M (causal: mean of the real keys 0..i, a cumulative sum) or T = 1 (all real keys).
+        mean_k [B, H, T, D], mean_v [B, H, T, Dv] in the inputs' dtypes (sums in fp32) and
+        present [B, 1, T] bool, with T = M (causal: mean of the real keys 0..i) or T = 1 (all
+        real keys). The causal mean runs over row blocks with a carried sum, so no fp32 copy
+        of v is ever held whole, in the forward or the backward.
     """
     real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    weight = real[:, None, :, None].to(upcast(k).dtype)  # [B, 1, M, 1]
     if causal:
-        count = weight.cumsum(2)  # [B, 1, M, 1]
-        sum_k, sum_v = (upcast(k) * weight).cumsum(2), (upcast(v) * weight).cumsum(2)
-    else:
-        count = weight.sum(2, keepdim=True)
-        sum_k, sum_v = (upcast(k) * weight).sum(2, keepdim=True), (upcast(v) * weight).sum(2, keepdim=True)
-    denominator = count.clamp_min(1.0)
-    return sum_k / denominator, sum_v / denominator, count[..., 0] > 0
+        count = real.to(upcast(k).dtype).cumsum(-1)  # [B, M]
+        return CausalMean.apply(k, real, count), CausalMean.apply(v, real, count), (count > 0)[:, None, :]
+    weight = real[:, None, :, None].to(upcast(k).dtype)  # [B, 1, M, 1]
+    count = weight.sum(2, keepdim=True)  # [B, 1, 1, 1]
+    means = [((upcast(x) * weight).sum(2, keepdim=True) / count.clamp_min(1.0)).to(x.dtype) for x in (k, v)]
+    return means[0], means[1], count[..., 0] > 0
+
+
+class CausalMean(torch.autograd.Function):
+    """mean[i] = sum_{j <= i, real} x[j] / count[i] along dim 2 of x [B, H, M, X], in row blocks.
+
+    Forward and backward (a reversed cumulative sum) carry an fp32 running sum from block to
+    block, so the temporaries are one block, not a copy of x."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, real: Tensor, count: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        carry = torch.zeros(*x.shape[:2], 1, x.shape[3], dtype=upcast(x).dtype, device=x.device)
+        for rows in _mean_blocks(x):
+            total = (upcast(x[:, :, rows]) * real[:, None, rows, None]).cumsum(2) + carry
+            out[:, :, rows] = total / count[:, None, rows, None].clamp_min(1.0)
+            carry = total[:, :, -1:]
+        ctx.save_for_backward(real, count)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        real, count = ctx.saved_tensors
+        dx = torch.empty_like(grad)
+        carry = torch.zeros(*grad.shape[:2], 1, grad.shape[3], dtype=upcast(grad).dtype, device=grad.device)
+        for rows in reversed(list(_mean_blocks(grad))):
+            share = upcast(grad[:, :, rows]) / count[:, None, rows, None].clamp_min(1.0)
+            total = share.flip(2).cumsum(2).flip(2) + carry  # sum over i >= j of grad_i / count_i
+            dx[:, :, rows] = total * real[:, None, rows, None]
+            carry = total[:, :, :1]
+        return dx, None, None
+
+
+def _mean_blocks(x: Tensor) -> list[slice]:
+    step = max(1, MEAN_BUDGET // max(1, x.shape[0] * x.shape[1] * x.shape[3]))
+    return [slice(start, min(start + step, x.shape[2])) for start in range(0, x.shape[2], step)]
 
 
 @register
@@ -192,31 +230,32 @@ class Zeta(Pattern):
         return dense_cauchy_attention(q, k, v, mask, causal, key_padding_mask, self.gamma_of(params))
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
-        return self._attend(q, k, v, causal, key_padding_mask, params, indexed_attention_ref)
+        index = select_keys(self, q, k, causal, key_padding_mask)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention_ref)
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.indexed import indexed_attention
 
-        return self._attend(q, k, v, causal, key_padding_mask, params, indexed_attention)
+        index = select_keys_fused(self, q, k, causal, key_padding_mask)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention)
 
-    def _attend(self, q, k, v, causal, key_padding_mask, params, kernel) -> Tensor:
-        """Selected keys plus the mean token through an indexed Cauchy kernel.
+    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel) -> Tensor:
+        """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
 
-        The mean tokens are appended after the M real keys (k_ext [B, Hk, M + T, D]) and each
-        query's list gets the slot of its own mean, so the kernel's gradients flow into the
-        cumulative sums and from there to every key and value.
+        The mean token is the kernel's extra slot: per query its own mean key and value
+        ([B, Hk, N, *], or one row expanded when not causal), so v is not extended and the
+        gradients flow through the cumulative mean to every key and value.
         """
-        index = select_keys(self, q, k, causal, key_padding_mask)  # [B, Hq, N, K]
         mean_k, mean_v, present = mean_tokens(k, v, causal, key_padding_mask)
-        n_keys, n_queries = k.shape[2], q.shape[2]
-        slot = torch.arange(n_queries, device=q.device) if causal else torch.zeros(n_queries, dtype=torch.long, device=q.device)
-        has_mean = present[:, :, slot]  # [B, 1, N]
-        mean_index = torch.where(has_mean, n_keys + slot, torch.full_like(has_mean, -1, dtype=torch.long))
-        mean_index = mean_index[..., None].expand(index.shape[0], index.shape[1], n_queries, 1)
-        index = torch.cat([index, mean_index.to(index.dtype)], dim=-1).to(torch.int32)  # [B, Hq, N, K+1]
-        k_ext = torch.cat([k, mean_k.to(k.dtype)], dim=2)  # [B, Hk, M + T, D]
-        v_ext = torch.cat([v, mean_v.to(v.dtype)], dim=2)  # [B, Hk, M + T, Dv]
-        return kernel(q, k_ext, v_ext, index, score="cauchy", gamma=self.gamma_of(params))
+        n_queries = q.shape[2]
+        if causal:
+            mean_k, mean_v, present = mean_k[:, :, :n_queries], mean_v[:, :, :n_queries], present[:, :, :n_queries]
+        else:
+            mean_k, mean_v = mean_k.expand(-1, -1, n_queries, -1), mean_v.expand(-1, -1, n_queries, -1)
+            present = present.expand(-1, -1, n_queries)
+        return kernel(
+            q, k, v, index, score="cauchy", gamma=self.gamma_of(params), extra_key=mean_k, extra_value=mean_v, extra_mask=present
+        )
 
 
 def squared_distances(q: Tensor, k: Tensor) -> Tensor:
@@ -254,6 +293,22 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
                     candidates = torch.cat([candidates, _local_band(sub, prefix, spec.local, real, q.shape[1])], dim=-1)
                 out[:, :, sub] = _nearest(q32[:, :, sub], k32, candidates, width, dedup=spec.curves > 1)
         return out
+
+
+def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    """``select_keys`` through the fused Triton kernel (``sparsefocus/kernels/zeta_select.py``):
+    the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots."""
+    from sparsefocus.kernels.zeta_select import zeta_select
+
+    with torch.no_grad():
+        bits = code_bits(spec.bits, q.shape[-1], spec.curves)
+        codes_q, codes_k = _codes(spec, upcast(q), bits), _codes(spec, upcast(k), bits)  # [S, B, Hq, N], [S, B, Hk, M]
+        local = spec.local if causal else 0
+        return zeta_select(
+            q, k, codes_q, codes_k, key_padding_mask,
+            width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local,
+            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL,
+        )
 
 
 def _real_keys(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -12,8 +12,10 @@ from sparsefocus.attention.zeta import (
     candidate_recall,
     curve_codes,
     dense_selection,
+    mean_tokens,
     morton_codes,
     select_keys,
+    select_keys_fused,
 )
 from sparsefocus.layers import SparseAttention
 
@@ -202,3 +204,51 @@ def test_triton_path_equals_lean_in_the_interpreter(causal):
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
     for name, lean, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
         torch.testing.assert_close(tri, lean, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "pattern",
+    ["zeta:k=8,window=16,chunks=4,local=4", "zeta:k=6,window=5,curves=3,chunks=3,local=0", "zeta:k=5,window=4,bits=3", "zeta:k=4,window=8,curves=2,chunks=3,local=3"],
+)
+def test_fused_selection_kernel_equals_lean_selection(pattern, causal):
+    q, k, _ = _qkv(70, seed=14)
+    padding = torch.rand(2, 70, generator=torch.Generator().manual_seed(15)) > 0.2
+    spec = sf.parse_pattern(pattern)
+    lean = select_keys(spec, q, k, causal, padding)
+    fused = select_keys_fused(spec, q, k, causal, padding)
+    assert fused.shape == lean.shape
+    assert torch.equal(mask_from_indices(fused, 70), mask_from_indices(lean, 70))
+
+
+def test_chunked_causal_mean_equals_cumulative_sum_with_gradients(monkeypatch):
+    monkeypatch.setattr("sparsefocus.attention.zeta.MEAN_BUDGET", 7 * 2 * 2 * 5)  # blocks of 7 rows (B = H = 2, Dv = 5)
+    _, k, v = _qkv(30, kv_heads=2, seed=16)
+    v = v.double().requires_grad_()
+    padding = torch.rand(2, 30, generator=torch.Generator().manual_seed(17)) > 0.3
+    _, mean_v, present = mean_tokens(k, v, True, padding)
+    weight = padding[:, None, :, None].double()
+    count = weight.cumsum(2)
+    want = (v * weight).cumsum(2) / count.clamp_min(1)
+    torch.testing.assert_close(mean_v, want)
+    assert torch.equal(present[:, 0], count[:, 0, :, 0] > 0)
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(mean_v, v, grad)[0], torch.autograd.grad(want, v, grad)[0])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_triton_path_equals_reference_with_padding(causal):
+    q, k, v = (x.requires_grad_() for x in _qkv(40, heads=2, kv_heads=1, seed=18))
+    padding = torch.rand(2, 40, generator=torch.Generator().manual_seed(19)) > 0.25
+    padding[1, :3] = False  # leading padded keys: causal rows 0..2 of batch 1 see nothing
+    results = []
+    for impl in ("reference", "triton"):
+        gamma = torch.tensor([0.6, 1.7], requires_grad=True)
+        out = sf.sparse_attention(
+            q, k, v, "zeta:k=5,window=6,chunks=3,local=3", causal=causal, impl=impl, key_padding_mask=padding, params={"gamma": gamma}
+        )
+        results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
+    for name, ref, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
+        torch.testing.assert_close(tri, ref, atol=1e-4, rtol=1e-3, msg=name)
+    if causal:
+        assert (results[1][0][1, :, :3] == 0).all()

@@ -1,0 +1,181 @@
+"""ZETA's key selection fused in one Triton kernel: binary search, candidate window, local band,
+exact squared distances and the k nearest, without [N, candidates] tensors in memory.
+
+The slow twin that defines the result is ``sparsefocus.attention.zeta.select_keys`` (torch sort,
+searchsorted, gathers and topk over row blocks). Here:
+
+* torch sorts the keys' Morton codes once per curve (stable, padded keys last), and for every
+  causal prefix (the keys of chunks < m) keeps the sorted keys inside it by a cumulative count.
+  The keys of a prefix in sorted order are the global order filtered, so one sort serves all
+  prefixes.
+* one program per (BLOCK_M queries, batch x query head) searches each query's code in its
+  prefix (binary search on int64 codes), loads the ``window`` sorted positions around it on each
+  curve and the ``local`` most recent keys of its own chunk, computes exact squared distances in
+  fp32 and keeps the ``width`` nearest. A candidate is packed as (distance bits << 32 | position)
+  in an int64, so ties go to the smaller position and a key proposed by two curves is one value.
+  The nearest are taken by ``width`` rounds of "smallest value above the last one", which also
+  drops repeats.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+PACKED_NONE = 0x7FFFFFFFFFFFFFFF  # packed value of an empty candidate slot
+
+
+@triton.jit
+def _lower_bound(SCODES, base, count, code, ok, STEPS: tl.constexpr):
+    """[BM] number of entries below ``code`` in the sorted runs SCODES[base : base + count]."""
+    lo = tl.zeros_like(count)
+    hi = count
+    for _ in tl.static_range(STEPS):
+        active = (lo < hi) & ok
+        mid = (lo + hi) // 2
+        found = tl.load(SCODES + base + mid, mask=active, other=0)
+        right = found < code
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (found >= code), mid, hi)
+    return lo
+
+
+@triton.jit
+def _zeta_select_kernel(
+    Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
+    N, M, B, HQ, HK, GROUP, CHUNK,
+    D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
+    CAUSAL: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, hq = bh // HQ, bh % HQ
+    hk = hq // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    cols = tl.arange(0, BLOCK_C)
+    if CAUSAL:
+        chunk_start = (rows // CHUNK) * CHUNK
+        prefix = rows // CHUNK - 1  # queries of chunk 0 search nothing
+    else:
+        chunk_start = rows * 0
+        prefix = rows * 0
+    searching = row_ok & (prefix >= 0)
+    prefix = tl.maximum(prefix, 0)
+    count = tl.load(NVALID + prefix * B + b, mask=searching, other=0)  # [BM] searchable keys
+    cand = tl.full([BLOCK_M, BLOCK_C], -1, tl.int32)
+    for s in tl.static_range(CURVES):
+        code = tl.load(CODES_Q + ((s * B + b) * HQ + hq).to(tl.int64) * N + rows, mask=row_ok, other=0)
+        base = (((prefix * CURVES + s) * B + b) * HK + hk).to(tl.int64) * M  # [BM]
+        insert = _lower_bound(SCODES, base, count, code, searching, STEPS)
+        start = tl.minimum(tl.maximum(insert - WINDOW // 2, 0), tl.maximum(count - WINDOW, 0))
+        slot = start[:, None] + cols[None, :] - s * WINDOW  # [BM, BC]
+        mine = (cols[None, :] >= s * WINDOW) & (cols[None, :] < (s + 1) * WINDOW)
+        ok = mine & searching[:, None] & (slot < count[:, None])
+        found = tl.load(SPOS + base[:, None] + slot, mask=ok, other=-1)
+        cand = tl.where(mine, found, cand)
+    if CAUSAL and LOCAL > 0:
+        back = cols - CURVES * WINDOW  # band slot l: position i - l
+        mine = (back >= 0) & (back < LOCAL)
+        position = rows[:, None] - back[None, :]
+        ok = mine[None, :] & row_ok[:, None] & (position >= chunk_start[:, None]) & (position < M)
+        real = tl.load(REAL + b.to(tl.int64) * M + position, mask=ok, other=0) != 0
+        cand = tl.where(mine[None, :], tl.where(ok & real, position, -1), cand)
+    valid = cand >= 0
+    distance = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    k_base = K + (b * HK + hk).to(tl.int64) * M * D
+    q_base = Q + (bh.to(tl.int64) * N + rows) * D
+    for d in tl.static_range(D):
+        q_d = tl.load(q_base + d, mask=row_ok, other=0.0).to(tl.float32)
+        k_d = tl.load(k_base + cand.to(tl.int64) * D + d, mask=valid, other=0.0).to(tl.float32)
+        diff = q_d[:, None] - k_d
+        distance += diff * diff
+    packed = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cand.to(tl.int64)
+    packed = tl.where(valid, packed, PACKED_NONE)
+    out_cols = tl.arange(0, BLOCK_W)
+    out = tl.full([BLOCK_M, BLOCK_W], -1, tl.int32)
+    last = tl.full([BLOCK_M], -1, tl.int64)
+    for r in tl.static_range(WIDTH):
+        last = tl.min(tl.where(packed > last[:, None], packed, PACKED_NONE), axis=1)
+        picked = tl.where(last == PACKED_NONE, -1, last.to(tl.int32))  # the low 32 bits: the position
+        out = tl.where(out_cols[None, :] == r, picked[:, None], out)
+    out_ptrs = OUT + (bh.to(tl.int64) * N + rows)[:, None] * WIDTH + out_cols[None, :]
+    tl.store(out_ptrs, out, mask=row_ok[:, None] & (out_cols[None, :] < WIDTH))
+
+
+def sorted_prefixes(codes_k: Tensor, real: Tensor, limits: list[int], sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sorted codes and positions of the real keys below each limit.
+
+    Args:
+        codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool; limits: P key counts;
+        sentinel: a code above every real code (given to padded keys and unused tail slots).
+    Returns:
+        codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
+        int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
+        position order, as one stable sort of the prefix alone would.
+    """
+    codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
+    sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
+    n_keys = codes_k.shape[-1]
+    limit = torch.tensor(limits, device=codes_k.device).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
+    keep = (order[None] < limit) & (sorted_codes[None] < sentinel)  # [P, S, B, Hk, M]
+    dest = torch.where(keep, keep.cumsum(-1) - 1, n_keys)  # [P, S, B, Hk, M]; M = dropped
+    shape = (*keep.shape[:-1], n_keys + 1)
+    out_codes = torch.full(shape, sentinel, dtype=torch.int64, device=codes_k.device)
+    out_codes.scatter_(-1, dest, sorted_codes[None].expand_as(keep))
+    out_pos = torch.full(shape, -1, dtype=torch.int32, device=codes_k.device)
+    out_pos.scatter_(-1, dest, order[None].expand_as(keep).to(torch.int32))
+    count = keep[:, 0, :, 0].sum(-1).to(torch.int32)  # [P, B]: the same for every curve and head
+    return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
+
+
+def zeta_select(
+    q: Tensor,
+    k: Tensor,
+    codes_q: Tensor,
+    codes_k: Tensor,
+    key_padding_mask: Tensor | None,
+    *,
+    width: int,
+    window: int,
+    local: int,
+    chunk: int | None,
+    sentinel: int,
+) -> Tensor:
+    """The ``width`` nearest candidates of every query (ZETA's selection), fused.
+
+    Args:
+        q: [B, Hq, N, D]; k: [B, Hk, M, D] (distances are exact, in fp32, on these).
+        codes_q: [S, B, Hq, N] int64 and codes_k: [S, B, Hk, M] int64 Morton codes per curve.
+        key_padding_mask: [B, M] bool, True = real key, or None.
+        width: keys kept per query; window: sorted neighbours per curve; local: recent keys of
+        the own chunk (causal only); chunk: causal chunk length, or None for non-causal
+        (one search over every real key); sentinel: a code above every real code.
+    Returns:
+        [B, Hq, N, width] int32 key positions, nearest first, -1 for unused slots.
+    """
+    curves, batch, q_heads, n_queries = codes_q.shape
+    kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
+    real = torch.ones(batch, n_keys, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
+    if chunk is None:
+        limits = [n_keys]
+    else:
+        limits = [min((p + 1) * chunk, n_keys) for p in range(max(1, math.ceil(n_queries / chunk) - 1))]
+    scodes, spos, count = sorted_prefixes(codes_k, real, limits, sentinel)
+    out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
+    block_c = triton.next_power_of_2(curves * window + (local if chunk is not None else 0))
+    block_m = max(1, min(32, 4096 // block_c))
+    grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
+    _zeta_select_kernel[grid](
+        q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
+        n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1,
+        D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
+        STEPS=max(1, n_keys.bit_length() + 1), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(width),
+        num_warps=4,
+    )
+    return out
