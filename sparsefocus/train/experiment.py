@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from sparsefocus.attention import parse_pattern
 from sparsefocus.models.blocks import is_softmax_over_kept_keys
 from sparsefocus.models.config import block_patterns, mechanism_label
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic

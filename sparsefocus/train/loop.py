@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from sparsefocus.models import Decoder, Encoder, ModelConfig, mechanism_label
 from sparsefocus.tasks.base import TaskData
-from sparsefocus.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_text_atomic
+from sparsefocus.train.checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, OptimConfig, make_task_config
 
 # Keys that may change between an interrupted run and its resumption without changing its result.
