@@ -161,3 +161,17 @@ def test_paper_speedup_statistic_on_hand_made_curves():
     assert stats["max_relative_gap"] == pytest.approx(50.0)
     assert epochs_to_reach(topk, 1.0) == 3 and epochs_to_reach(full, 0.5) is None
     assert math.isclose(paper_speedup(full, full)["max_gap"], 0.0)
+
+
+def test_demo_trains_its_four_mechanisms_and_prints_the_report(tmp_path, capsys):
+    from sparsefocus.train import demo
+
+    argv = ["--out", str(tmp_path), "--seeds", "1", "--jobs", "1", "train.epochs=1", "task.num_train=50", "task.num_valid=20"]
+    assert demo.main(argv) == 0
+    out = capsys.readouterr().out
+    report = tmp_path / "demo/report.md"
+    assert f"report: {report}" in out and (tmp_path / "demo/curves.png").exists()
+    text = report.read_text()
+    assert "trained 4 of 4 runs" in text
+    for label in ("FULL", "TOPK:5", "BAND:5(1)", "BLOC:5(1)"):
+        assert f"| {label} | 1 |" in text
