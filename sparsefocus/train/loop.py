@@ -109,13 +109,19 @@ def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int)
     model.eval()
     loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, inputs.shape[0], batch_size):
-        loss, right, scored = loss_and_counts(model(inputs[start : start + batch_size]), targets[start : start + batch_size])
+        rows = slice(start, start + batch_size)
+        loss, right, scored = loss_and_counts(model(inputs[rows]), targets[rows])
         loss_sum, correct, count = loss_sum + float(loss) * scored, correct + right, count + scored
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
 def train_epoch(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data: TaskData, config: ExperimentConfig, generator: torch.Generator
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data: TaskData,
+    config: ExperimentConfig,
+    generator: torch.Generator,
 ) -> tuple[float, float]:
     """One shuffled pass over the training set; returns the running (mean batch) loss and accuracy."""
     model.train()
@@ -135,7 +141,13 @@ def train_epoch(
 
 
 def epoch_metrics(
-    epoch: int, model: nn.Module, data: TaskData, config: ExperimentConfig, running: tuple[float, float], lr: float, seconds: float
+    epoch: int,
+    model: nn.Module,
+    data: TaskData,
+    config: ExperimentConfig,
+    running: tuple[float, float],
+    lr: float,
+    seconds: float,
 ) -> dict[str, float]:
     """One line of metrics.jsonl: the paper evaluates the whole training set in eval mode each epoch."""
     if config.train.train_loss == "full_eval":

@@ -164,9 +164,11 @@ def speed_table(curves: dict[str, Curves]) -> list[str]:
     target = float(full[-1])
     full_epochs = epochs_to_reach(full, target)
     rows = [
-        f"Target: {reference}'s final median training loss {target:.4f}, which its median curve first reaches at epoch {full_epochs}.",
+        f"Target: {reference}'s final median training loss {target:.4f}, "
+        f"which its median curve first reaches at epoch {full_epochs}.",
         "",
-        f"| mechanism | epochs to reach target | speed-up over {reference} | paper's max speed-up (% epochs saved, at epoch) | max loss gap | max relative gap (%) |",
+        f"| mechanism | epochs to reach target | speed-up over {reference} "
+        "| paper's max speed-up (% epochs saved, at epoch) | max loss gap | max relative gap (%) |",
         "|---|---|---|---|---|---|",
     ]
     for curve in curves.values():
