@@ -6,6 +6,7 @@ import torch
 
 from sparsefocus.attention.common import expand_kv, row_slice
 from sparsefocus.attention.topk import select_extreme_keys
+from sparsefocus.kernels import topk_select as topk_select_module
 from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,3 +62,39 @@ def test_topk_select_large_k_uses_torch_path_and_validates():
     assert torch.equal(topk_select(q, k, 150), topk_select_torch(q, k, 150))
     with pytest.raises(ValueError, match="kk"):
         topk_select(q, k, 0)
+
+
+@pytest.mark.parametrize(
+    "tiles,kk,causal",
+    [
+        ({"bound": {"BLOCK_N": 64}, "collect": {"BLOCK_M": 16, "BLOCK_N": 64}, "finish": {"BLOCK_M": 8}}, 4, True),
+        ({"bound": {"BLOCK_M": 16, "BLOCK_N": 32}, "collect": {"BLOCK_N": 128}}, 16, False),
+    ],
+)
+def test_topk_select_tile_shapes_multiword_masks_and_top1_bound(monkeypatch, tiles, kk, causal):
+    """Wider collect tiles (2 and 4 mask words per tile) and the top-1 bound (kk=4 with 64
+    column classes) select exactly what PyTorch selects; GQA, causal and not."""
+    monkeypatch.setattr(topk_select_module, "TILE_OVERRIDES", tiles)
+    q, k = torch.randn(1, 2, 150, 6, device=DEVICE), torch.randn(1, 1, 150, 6, device=DEVICE)
+    assert torch.equal(topk_select(q, k, kk, causal=causal), topk_select_torch(q, k, kk, causal=causal))
+
+
+def test_topk_select_keys_on_the_sign_bit_of_a_mask_word():
+    """Keys 31, 63, 95 (bit 31 of their 32-key mask words) are the best keys of every row."""
+    q = torch.randn(1, 1, 100, 4, device=DEVICE).abs() + 0.1
+    k = torch.randn(1, 1, 100, 4, device=DEVICE) * 0.01
+    k[0, 0, [31, 63, 95]] = torch.tensor([3.0, 2.0, 1.0], device=DEVICE)[:, None]
+    got = topk_select(q, k, 5, causal=False)
+    assert (got[..., :3] == torch.tensor([31, 63, 95], dtype=torch.int32, device=DEVICE)).all()
+    assert torch.equal(got, topk_select_torch(q, k, 5))
+
+
+def test_topk_select_reports_overflow_rows_and_the_bound_never_exceeds_the_kth_score():
+    """The candidate counts are at least kk (the bound is a lower bound), at most a small
+    multiple of kk on random data, and constant inputs overflow (count > CAP)."""
+    q, k = torch.randn(1, 2, 120, 8, device=DEVICE), torch.randn(1, 2, 120, 8, device=DEVICE)
+    _, count = topk_select_module._launch(q, k, 8, True, None)
+    rows = torch.arange(120, device=DEVICE)
+    assert (count >= torch.clamp(rows + 1, max=8)).all() and (count <= 16).all()
+    _, count = topk_select_module._launch(torch.ones_like(q), torch.ones_like(k), 8, False, None)
+    assert (count > 16).all()
