@@ -2,9 +2,10 @@
 SDPA-FlashAttention, the 1M-token run, and candidate recall of the exact top-k.
 
 Usage (on a CUDA machine, from the repo root):
-    PYTHONPATH=. python benchmarks/zeta_bench.py --out benchmarks/results [--quick]
-Writes zeta_bench.json and zeta_bench.png into --out. Every section is wrapped so that one
-failure (an OOM, say) is recorded in the JSON and the others still run.
+    SPARSEFOCUS_COMMIT=$(git rev-parse HEAD) PYTHONPATH=. python benchmarks/zeta_bench.py --out benchmarks/results [--quick]
+Writes zeta_bench.json (after every section, so a run cut short keeps what it measured) and
+zeta_bench.png into --out. Every section is wrapped so that one failure (an OOM, say) is recorded
+in the JSON and the others still run. The wide and shifted patterns are timed at --ratio-n only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 import traceback
 
@@ -21,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import sparsefocus as sf
-from sparsefocus.attention.zeta import candidate_recall, select_keys
+from sparsefocus.attention.common import mask_from_indices
+from sparsefocus.attention.patterns import parse_pattern
+from sparsefocus.attention.zeta import candidate_recall, select_keys, select_keys_fused
 
 PATTERN = "zeta:k=32,window=64,chunks=8,local=32"
 SINGLE_WIDE = "zeta:k=32,window=160,chunks=8,local=32"  # the one-curve window that reaches 60% recall
@@ -98,10 +102,17 @@ def correctness() -> dict:
             results[f"N{n}_{impl_ref}_causal{causal}"] = {
                 name: rel_err(a, b) for name, a, b in zip(names, grads["triton"], grads[impl_ref])
             }
+    for pattern in (PATTERN, SHIFTED):
+        q, k, _, _ = zeta_inputs(2, 4, 4096, seed=5)
+        spec = parse_pattern(pattern)
+        for causal in (False, True):
+            lean = mask_from_indices(select_keys(spec, q, k, causal, None), 4096)
+            fused = mask_from_indices(select_keys_fused(spec, q, k, causal, None), 4096)
+            results[f"fused_selection_rows_differing_{pattern}_causal{causal}"] = (lean != fused).any(-1).float().mean().item()
     return results
 
 
-def speed_and_memory(lengths, batch=4, heads=16) -> list[dict]:
+def speed_and_memory(lengths, ratio_lengths, batch=4, heads=16) -> list[dict]:
     rows = []
     for n in lengths:
         row = {"N": n, "B": batch, "H": heads}
@@ -109,9 +120,12 @@ def speed_and_memory(lengths, batch=4, heads=16) -> list[dict]:
         reps = 5 if n <= 16384 else 3
         row["zeta_fwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, backward=False), reps)
         row["zeta_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma), reps)
-        row["zeta_select_ms"] = timed_ms(lambda: select_keys(sf.parse_pattern(PATTERN), q, k, True, None), reps)
-        row["zeta_wide_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, SINGLE_WIDE), reps)
-        row["zeta_shifted_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, SHIFTED), reps)
+        row["zeta_select_ms"] = timed_ms(lambda: select_keys_fused(parse_pattern(PATTERN), q, k, True, None), reps)
+        if n in ratio_lengths:
+            row["zeta_wide_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, SINGLE_WIDE), reps)
+            row["zeta_wide_select_ms"] = timed_ms(lambda: select_keys_fused(parse_pattern(SINGLE_WIDE), q, k, True, None), reps)
+            row["zeta_shifted_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, SHIFTED), reps)
+            row["zeta_shifted_select_ms"] = timed_ms(lambda: select_keys_fused(parse_pattern(SHIFTED), q, k, True, None), reps)
         row["zeta_peak_mb"] = peak_mb(zeta_step(q, k, v, gamma))
         del q, k, v
         qs, ks, vs, _ = zeta_inputs(batch, heads, n, dk=64)
@@ -137,8 +151,10 @@ def million(n=1 << 20) -> dict:
     return row
 
 
-def recall_sweep() -> list[dict]:
-    """Mean recall of the exact top-32 on Gaussian q/k (B=1, H=16)."""
+def recall_sweep(small: bool = False) -> list[dict]:
+    """Mean recall of the exact top-32 on Gaussian q/k (B=1, H=16); ``small``: the target configs only."""
+    if small:
+        return _recall_rows([dict(n=4096, dk=3, window=w, curves=c, bits=12) for w, c in ((64, 1), (128, 1), (160, 1), (40, 3))])
     configs = []
     for window in (32, 40, 64, 128, 160):
         for curves in (1, 2, 3):
@@ -146,6 +162,10 @@ def recall_sweep() -> list[dict]:
     configs += [dict(n=4096, dk=dk, window=64, curves=1, bits=12) for dk in (1, 2, 8)]
     configs += [dict(n=4096, dk=3, window=64, curves=1, bits=b) for b in (6, 10, 16)]
     configs += [dict(n=n, dk=3, window=64, curves=1, bits=12) for n in (1024, 16384)]
+    return _recall_rows(configs)
+
+
+def _recall_rows(configs: list[dict]) -> list[dict]:
     rows = []
     for c in configs:
         gen = torch.Generator(device="cuda").manual_seed(1)
@@ -171,7 +191,8 @@ def plot(result: dict, path: str) -> None:
         ns = [r["N"] for r in rows]
         curves = (("zeta_fwdbwd_ms", "ZETA window 64"), ("zeta_wide_fwdbwd_ms", "ZETA window 160"), ("zeta_shifted_fwdbwd_ms", "ZETA 3 curves x 40"), ("sdpa_fwdbwd_ms", "SDPA flash"))
         for key, label in curves:
-            axes[0].loglog(ns, [r[key] for r in rows], "o-", label=label, base=2)
+            points = [(r["N"], r[key]) for r in rows if key in r]
+            axes[0].loglog([p[0] for p in points], [p[1] for p in points], "o-", label=label, base=2)
         axes[0].set(xlabel="N", ylabel="fwd+bwd ms (B=4, H=16, Dv=64, bf16, causal)", title="time")
         axes[0].legend()
         for key, label in (("zeta_peak_mb", "ZETA"), ("sdpa_peak_mb", "SDPA flash")):
@@ -191,17 +212,22 @@ def section(result: dict, name: str, fn) -> None:
         result[name + "_error"] = "".join(traceback.format_exception_only(type(error), error)).strip()
         traceback.print_exc()
     torch.cuda.empty_cache()
-    print(name, json.dumps(result.get(name, result.get(name + "_error")))[:2000], flush=True)
+    print(time.strftime("%X"), name, json.dumps(result.get(name, result.get(name + "_error")))[:3000], flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--n", type=int, nargs="+", default=None, help="lengths (default 4K..64K; --quick: 4K, 8K)")
+    parser.add_argument("--ratio-n", type=int, nargs="+", default=None, help="lengths that also time the wide and shifted patterns (default: all)")
+    parser.add_argument("--recall", choices=("full", "small", "none"), default="full")
+    parser.add_argument("--no-million", action="store_true")
     args = parser.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("SPARSEFOCUS_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lengths = args.n or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536])
     result = {
-        "command": "PYTHONPATH=. python benchmarks/zeta_bench.py " + ("--quick" if args.quick else ""),
+        "command": "PYTHONPATH=. python benchmarks/zeta_bench.py " + " ".join(sys.argv[1:]),
         "commit": commit,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -211,17 +237,18 @@ def main() -> None:
         "shifted_pattern": SHIFTED,
         "protocol": "causal, bf16, q/k width 3 (ZETA) or 64 (SDPA), Dv=64; times: CUDA-event median; memory: peak above inputs",
     }
-    section(result, "correctness", correctness)
-    lengths = [4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536]
-    section(result, "speed", lambda: speed_and_memory(lengths))
-    section(result, "recall", recall_sweep)
-    if not args.quick:
-        section(result, "million", million)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "zeta_bench.json")
-    with open(path + ".tmp", "w") as handle:
-        json.dump(result, handle, indent=1)
-    os.replace(path + ".tmp", path)
+    sections = [("correctness", correctness), ("speed", lambda: speed_and_memory(lengths, args.ratio_n or lengths))]
+    if args.recall != "none":
+        sections.append(("recall", lambda: recall_sweep(small=args.recall == "small")))
+    if not (args.quick or args.no_million):
+        sections.append(("million", million))
+    for name, fn in sections:
+        section(result, name, fn)
+        with open(path + ".tmp", "w") as handle:
+            json.dump(result, handle, indent=1)
+        os.replace(path + ".tmp", path)
     plot(result, os.path.join(args.out, "zeta_bench.png"))
 
 

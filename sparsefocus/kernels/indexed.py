@@ -131,8 +131,8 @@ def _indexed_fwd_kernel(
         ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
         ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=e_ok[:, None, None] & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
         evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=e_ok[:, None, None] & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
-        s, _ = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)
-        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s, evt, SCORE)
+        s_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)[0]  # names apart from the loop's: types differ
+        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s_x, evt, SCORE)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
@@ -184,12 +184,12 @@ def _indexed_bwd_kernel(
         ek_mask, ev_mask = e_ok[:, None, None] & d_ok[None, None, :], e_ok[:, None, None] & dv_ok[None, None, :]
         ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=ek_mask, other=0.0).to(tl.float32)
         evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=ev_mask, other=0.0).to(tl.float32)
-        s, diff = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)
-        p, dg, dq_extra, dk = _slot_grads(q, s, diff, evt, do, delta, stat, inv_total, scale, SCORE)
-        dgamma_sq += dg
-        dq += dq_extra
-        tl.store(DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk, mask=row_ok[:, None, None] & d_ok[None, None, :])
-        tl.store(DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :], p[:, :, None] * do[:, None, :], mask=row_ok[:, None, None] & dv_ok[None, None, :])
+        s_x, diff_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)  # names apart from the loop's: types differ
+        p_x, dg_x, dq_x, dk_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, SCORE)
+        dgamma_sq += dg_x
+        dq += dq_x
+        tl.store(DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk_x, mask=row_ok[:, None, None] & d_ok[None, None, :])
+        tl.store(DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :], p_x[:, :, None] * do[:, None, :], mask=row_ok[:, None, None] & dv_ok[None, None, :])
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)

@@ -28,15 +28,15 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
-PACKED_NONE = 0x7FFFFFFFFFFFFFFF  # packed value of an empty candidate slot
+PACKED_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # packed value of an empty candidate slot
 
 
 @triton.jit
-def _lower_bound(SCODES, base, count, code, ok, STEPS: tl.constexpr):
+def _lower_bound(SCODES, base, count, code, ok, steps):
     """[BM] number of entries below ``code`` in the sorted runs SCODES[base : base + count]."""
     lo = tl.zeros_like(count)
     hi = count
-    for _ in tl.static_range(STEPS):
+    for _ in range(steps):
         active = (lo < hi) & ok
         mid = (lo + hi) // 2
         found = tl.load(SCODES + base + mid, mask=active, other=0)
@@ -49,9 +49,9 @@ def _lower_bound(SCODES, base, count, code, ok, STEPS: tl.constexpr):
 @triton.jit
 def _zeta_select_kernel(
     Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
-    N, M, B, HQ, HK, GROUP, CHUNK,
+    N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
-    CAUSAL: tl.constexpr, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
@@ -100,7 +100,7 @@ def _zeta_select_kernel(
     out_cols = tl.arange(0, BLOCK_W)
     out = tl.full([BLOCK_M, BLOCK_W], -1, tl.int32)
     last = tl.full([BLOCK_M], -1, tl.int64)
-    for r in tl.static_range(WIDTH):
+    for r in range(WIDTH):  # a loop, not unrolled: compile time stays short
         last = tl.min(tl.where(packed > last[:, None], packed, PACKED_NONE), axis=1)
         picked = tl.where(last == PACKED_NONE, -1, last.to(tl.int32))  # the low 32 bits: the position
         out = tl.where(out_cols[None, :] == r, picked[:, None], out)
@@ -173,9 +173,8 @@ def zeta_select(
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
         q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
-        n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1,
-        D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
-        STEPS=max(1, n_keys.bit_length() + 1), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(width),
+        n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
+        D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(width),
         num_warps=4,
     )
     return out
