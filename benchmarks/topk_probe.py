@@ -6,7 +6,8 @@ Usage on the GPU machine:  PYTHONPATH=. python benchmarks/topk_probe.py OUT_DIR 
 2. with --variants, times each of the three kernels (torch.profiler) under several tile choices
    at N=16K, B=4, H=16, D=64, causal, and keeps the fastest per kernel in TILE_OVERRIDES;
 3. times the whole selection at 16K and 64K and TOPK:32 / SDPA forward+backward at 16K;
-4. with --bench-args, runs ``sparsefocus bench`` with the arguments that follow.
+4. with --bench-args, runs ``sparsefocus bench`` with the arguments that follow (with the tiles
+   kept in step 2, recorded in the bench JSON), unless a check of step 1 failed.
 Prints short lines; writes OUT_DIR/topk_probe.json.
 """
 
@@ -133,7 +134,10 @@ def main(argv):
     report["best_tiles"] = json.loads(json.dumps(topk_module.TILE_OVERRIDES))
     report["timings"] = timings(log)
     (out_dir / "topk_probe.json").write_text(json.dumps(report, indent=1))
-    if "--bench-args" in argv:
+    exact = all(row["sets_identical"] > 0.999 for row in report["checks"])
+    if "--bench-args" in argv and not exact:
+        log("bench skipped: the selection does not match PyTorch")
+    elif "--bench-args" in argv:
         from sparsefocus.bench.run import main as bench_main
 
         bench_main(argv[argv.index("--bench-args") + 1:])
