@@ -14,6 +14,7 @@ from sparsefocus.attention.zeta import (
     dense_selection,
     mean_tokens,
     morton_codes,
+    row_cumsum,
     select_keys,
     select_keys_fused,
 )
@@ -252,3 +253,9 @@ def test_triton_path_equals_reference_with_padding(causal):
         torch.testing.assert_close(tri, ref, atol=1e-4, rtol=1e-3, msg=name)
     if causal:
         assert (results[1][0][1, :, :3] == 0).all()
+
+
+@pytest.mark.parametrize("rows,part", [(1, 4), (7, 4), (64, 8), (100, 64)])
+def test_row_cumsum_equals_cumsum(rows, part):
+    x = torch.randn(2, 3, rows, 5, generator=torch.Generator().manual_seed(rows), dtype=torch.float64)
+    torch.testing.assert_close(row_cumsum(x, part), x.cumsum(2))
