@@ -33,8 +33,6 @@ VARIANTS = [
      "finish": dict(BLOCK_M=32, num_warps=4)},
     {"bound": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2), "collect": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
      "finish": dict(BLOCK_M=8, num_warps=2)},
-    {"bound": dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=2), "collect": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=4),
-     "finish": dict(BLOCK_M=16, num_warps=2)},
 ]
 
 
