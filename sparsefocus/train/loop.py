@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from sparsefocus.models import Decoder, Encoder, ModelConfig, mechanism_label
 from sparsefocus.tasks.base import TaskData
+from sparsefocus.tasks.lm import perplexity
 from sparsefocus.train.checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, OptimConfig, make_task_config
 
@@ -155,7 +156,7 @@ def epoch_metrics(
     else:
         train_loss, train_acc = running
     valid_loss, valid_acc = evaluate(model, data.valid_inputs, data.valid_targets, config.train.eval_batch_size)
-    return {
+    metrics = {
         "epoch": epoch,
         "train_loss": train_loss,
         "train_acc": train_acc,
@@ -164,13 +165,26 @@ def epoch_metrics(
         "lr": lr,
         "seconds": round(seconds, 4),
     }
+    if data.kind == "next_token":
+        metrics |= language_model_metrics(model, data, config.train.eval_batch_size, valid_loss)
+    return metrics
+
+
+def language_model_metrics(model: nn.Module, data: TaskData, batch_size: int, valid_loss: float) -> dict[str, float]:
+    """Per-token perplexity exp(mean NLL) on the held-out split, and on the test split if the task has one."""
+    metrics = {"valid_ppl": perplexity(valid_loss)}
+    if data.test_inputs is not None:
+        test_loss, test_acc = evaluate(model, data.test_inputs, data.test_targets, batch_size)
+        metrics |= {"test_loss": test_loss, "test_acc": test_acc, "test_ppl": perplexity(test_loss)}
+    return metrics
 
 
 def build_data(config: ExperimentConfig, seed: int, device: torch.device) -> TaskData:
     """The task's data for ``seed``, tensors moved to ``device``."""
     data = make_task_config(config.task).build(seed)
-    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
-        setattr(data, name, getattr(data, name).to(device))
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets", "test_inputs", "test_targets"):
+        if getattr(data, name) is not None:
+            setattr(data, name, getattr(data, name).to(device))
     return data
 
 

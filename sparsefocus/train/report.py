@@ -146,6 +146,22 @@ def final_table(curves: dict[str, Curves]) -> list[str]:
     return rows
 
 
+def perplexity_table(curves: dict[str, Curves]) -> list[str]:
+    """Markdown rows of final per-token perplexities (language-model tasks only; empty otherwise)."""
+    if not all("valid_ppl" in curve.values for curve in curves.values()):
+        return []
+    has_test = all("test_ppl" in curve.values for curve in curves.values())
+    rows = [
+        "| mechanism | final held-out perplexity | best held-out perplexity |" + (" final test perplexity |" if has_test else ""),
+        "|---|---|---|" + ("---|" if has_test else ""),
+    ]
+    for curve in curves.values():
+        best = curve.values["valid_ppl"].min(axis=1)
+        test = f" {_iqr(curve.values['test_ppl'][:, -1], 2)} |" if has_test else ""
+        rows.append(f"| {curve.label} | {_iqr(curve.values['valid_ppl'][:, -1], 2)} | {_iqr(best, 2)} |{test}")
+    return rows + [""]
+
+
 def _convergence(accuracy: np.ndarray) -> str:
     """The paper's convergence epoch: first epoch with held-out accuracy >= 95%, mean ± std over
     the seeds that reach it."""
@@ -234,7 +250,7 @@ def write_report(root: "str | Path", *, preface: list[str] | None = None) -> tup
         if setting != "default":
             lines += [f"## {setting}", ""]
         lines += [f"![curves]({picture.name})", "", "Final metrics, median [25%, 75%] over seeds:", ""]
-        lines += final_table(curves) + [""] + speed_table(curves) + [""]
+        lines += final_table(curves) + [""] + perplexity_table(curves) + speed_table(curves) + [""]
     if not grouped:
         lines += ["No finished run yet.", ""]
     report = root / "report.md"

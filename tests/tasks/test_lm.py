@@ -151,6 +151,31 @@ def test_training_smoke_run_lowers_held_out_perplexity(corpus_dir, tmp_path):
     assert last < first < 16
     unigram = build_task("lm", 0, **{k: v for k, v in task.items() if k != "name"}).info["unigram_perplexity"]["valid"]
     assert last < unigram  # the grammar's word order is learnable; a unigram model cannot use it
+    assert metrics[-1]["valid_ppl"] == pytest.approx(last)
+    assert metrics[-1]["test_ppl"] == pytest.approx(perplexity(metrics[-1]["test_loss"])) and metrics[-1]["test_ppl"] < 16
+
+
+def test_report_has_a_perplexity_table_for_language_models(corpus_dir, tmp_path):
+    from sparsefocus.train.config import from_dict
+    from sparsefocus.train.experiment import run_experiment
+    from sparsefocus.train.report import write_report
+
+    task = {"name": "lm", "corpus": "folder", "path": str(corpus_dir), "tokenizer": "word", "vocab_size": 16, "block_size": 14}
+    config = from_dict(
+        {
+            "name": "lm_report",
+            "out_dir": str(tmp_path),
+            "task": task,
+            "mechanisms": ["FULL", "BAND:3"],
+            "seeds": [0],
+            "model": {"blocks": 1, "dim": 16, "mlp_dim": 32, "dropout": 0.0},
+            "optim": {"name": "adamw", "lr": 0.01, "schedule": "constant"},
+            "train": {"epochs": 1, "batch_size": 16, "train_loss": "running"},
+        }
+    )
+    report, _ = write_report(run_experiment(config, quiet=True))
+    text = report.read_text()
+    assert "final held-out perplexity" in text and "final test perplexity" in text and "| BAND:3 |" in text
 
 
 @pytest.mark.skipif(not REAL_BROWN.is_dir(), reason=f"Brown corpus not cached at {REAL_BROWN}; run the setup step")
