@@ -288,18 +288,23 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     batch, q_heads, n_queries, dim = q.shape
     rows = batch * q_heads * n_queries
     cap = 2 * triton.next_power_of_2(kk)
-    new = lambda *shape, dtype=torch.int32: torch.empty(*shape, dtype=dtype, device=q.device)  # noqa: E731
-    out, count, bound, nent = new(batch, q_heads, n_queries, kk), new(batch, q_heads, n_queries), new(rows, dtype=torch.float32), new(rows)
-    ent = new(rows, cap, dtype=torch.int64)
+
+    def scratch(*shape: int, dtype: torch.dtype = torch.int32) -> Tensor:
+        return torch.empty(*shape, dtype=dtype, device=q.device)
+
+    def grid(kernel: str) -> tuple[int, int]:
+        return triton.cdiv(n_queries, tiles[kernel]["BLOCK_M"]), batch * q_heads
+
+    out, count = scratch(batch, q_heads, n_queries, kk), scratch(batch, q_heads, n_queries)
+    bound, nent, ent = scratch(rows, dtype=torch.float32), scratch(rows), scratch(rows, cap, dtype=torch.int64)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else nent
     tiles = _tiles(q, cap // 2)
-    shape_args = (n_queries, k.shape[2], q_heads, q_heads // k.shape[1])
+    sizes = (n_queries, k.shape[2], q_heads, q_heads // k.shape[1])
     common = dict(D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)))
     masks = dict(CAUSAL=causal, HAS_PAD=key_padding_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    grid = lambda name: (triton.cdiv(n_queries, tiles[name]["BLOCK_M"]), batch * q_heads)  # noqa: E731
-    _bound_kernel[grid("bound")](q, k, pad, bound, *shape_args, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
-    _collect_kernel[grid("collect")](q, k, pad, bound, nent, ent, *shape_args, CAP=cap, **common, **masks, **tiles["collect"])
-    _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *shape_args, KK=kk, CAP=cap, **common, **tiles["finish"])
+    _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
+    _collect_kernel[grid("collect")](q, k, pad, bound, nent, ent, *sizes, CAP=cap, **common, **masks, **tiles["collect"])
+    _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
     return out, count
 
 
