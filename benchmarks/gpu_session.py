@@ -17,7 +17,7 @@ from sparsefocus.attention import sparse_attention
 from sparsefocus.attention.common import indexed_attention_ref
 from sparsefocus.bench.registry import BenchShape, random_indices
 from sparsefocus.bench.runner import median_ms
-from sparsefocus.kernels import indexed, topk_select as topk_module
+from sparsefocus.kernels import indexed
 from sparsefocus.kernels.indexed import indexed_attention
 from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
 
@@ -114,12 +114,7 @@ def tune(log):
     indexed.TILE_OVERRIDES["bwd"] = bwd_overrides
     chosen = {"indexed_bwd": fastest("indexed bwd N=64K", [{}, {"BLOCK_M": 16, "BLOCK_K": 2, "num_warps": 2}, {"BLOCK_M": 32, "BLOCK_K": 4, "num_warps": 4}, {"BLOCK_M": 8, "BLOCK_K": 8, "num_warps": 4}],
                                       bwd_overrides, lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), log)}
-    del q, k, v, o, do
-    n = 16384
-    q16 = torch.randn(4, 16, n, 64, device=DEV, dtype=torch.bfloat16)
-    k16 = torch.randn(4, 16, n, 64, device=DEV, dtype=torch.bfloat16)
-    chosen["topk_select"] = fastest("topk_select N=16K k=32 causal", [{}, {"PREFIX_DOT": False}, {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}],
-                                    topk_module.TILE_OVERRIDES, lambda: topk_select(q16, k16, 32, causal=True), log)
+    # The top-k selection's tiles (three kernels, nested overrides) are tuned by benchmarks/topk_probe.py.
     log(f"TILES {json.dumps(chosen)}")
 
 
