@@ -200,25 +200,16 @@ def _split_values(body: str) -> list[str]:
 
 
 def _convert(cls: type[Pattern], field_name: str, raw: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    kind = hints[field_name]
-    origin = typing.get_origin(kind)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        kind = next(a for a in typing.get_args(kind) if a is not type(None))
-        if raw.lower() == "none":
-            return None
+    """Turn the text of one parameter into its field's type (int, float, str or bool)."""
+    kind = typing.get_type_hints(cls)[field_name]
     try:
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise ValueError
             return raw.lower() in ("true", "1")
-        if kind is tuple or typing.get_origin(kind) is tuple:
-            return tuple(int(x) for x in raw.split("x"))
         return kind(raw)
     except (ValueError, TypeError):
-        raise ValueError(
-            f"pattern {cls.name}: parameter {field_name!r} must be {getattr(kind, '__name__', kind)}, got {raw!r}"
-        ) from None
+        raise ValueError(f"pattern {cls.name}: parameter {field_name!r} must be {kind.__name__}, got {raw!r}") from None
 
 
 def _parse_body(cls: type[Pattern], body: str) -> dict[str, Any]:
