@@ -19,26 +19,15 @@ from torch import Tensor
 
 from sparsefocus.analysis.hooks import AttentionCall
 from sparsefocus.analysis.statistics import percentiles
-from sparsefocus.attention.patterns import IndexedPattern, Pattern
+from sparsefocus.attention.patterns import Pattern
 
 DISTANCE_SCORES = ("neg_sqeuclid", "cauchy")
 RECALL_PERCENTILES = (50, 25, 10, 5)
 
 
-# Selectors that rank by distance without declaring a ``score`` of their own.
-DISTANCE_SELECTORS = {"zeta": "neg_sqeuclid"}
-
-
 def selector_score(pattern: Pattern) -> str:
-    """The score a pattern ranks keys by: a ``score`` class variable its own class hierarchy
-    declares (the base ``IndexedPattern`` default does not count), else ``DISTANCE_SELECTORS``,
-    else "dot"."""
-    for cls in type(pattern).__mro__:
-        if cls in (IndexedPattern, Pattern):
-            break
-        if "score" in vars(cls):
-            return str(vars(cls)["score"])
-    return DISTANCE_SELECTORS.get(pattern.name, "dot")
+    """The score a pattern ranks keys by: its ``score`` class variable ("dot" by default)."""
+    return str(getattr(pattern, "score", "dot"))
 
 
 def ranking_scores(q: Tensor, k: Tensor, score: str = "dot") -> Tensor:

@@ -114,7 +114,7 @@ def test_hooks_respect_causality_and_padding():
 
 
 def test_zeta_is_ranked_by_distance():
-    assert selector_score(parse_pattern("zeta:k=4,window=6,chunks=3,local=3")) == "neg_sqeuclid"
+    assert selector_score(parse_pattern("zeta:k=4,window=6,chunks=3,local=3")) == "cauchy"  # ranked by distance
     assert selector_score(parse_pattern("lsh:buckets=4,chunk=4")) == "dot"
 
 
