@@ -10,7 +10,8 @@ Built-in cases:
     naive:PATTERN   the pattern's dense PyTorch reference (impl="reference"), N x N memory
     lean:PATTERN    the pattern's memory-lean PyTorch path (impl="lean")
     indexed[:K]     the indexed-attention kernel on K random keys per query (default 32)
-    PATTERN         any pattern string, e.g. TOPK:32, "BAND:256", "zeta:k=32"
+    zeta[:PARAMS]   ZETA on the first d_K channels of q, k, with a ``recall`` column (zeta_cases.py)
+    PATTERN         any pattern string, e.g. TOPK:32, "BAND:256"
 
 Adding a case (e.g. from another module, before calling ``sparsefocus.bench.run.main``)::
 
@@ -28,7 +29,7 @@ Adding a case (e.g. from another module, before calling ``sparsefocus.bench.run.
 
 ``extra`` is called once per (case, N) outside the timed region; its dict is stored in the
 result row. Register at import time of a module that ``sparsefocus.bench.run`` imports
-(``BUILTIN_CASE_MODULES`` lists the modules imported for their cases).
+(as ``sparsefocus/bench/zeta_cases.py`` is).
 """
 
 from __future__ import annotations

@@ -55,3 +55,17 @@ def test_mean_keys_counts_causal_rows():
     shape = BenchShape(1, 1, 1, 8, 4, torch.float32, True, torch.device("cpu"))
     assert mean_keys(shape, 8) == pytest.approx(4.5)  # (1 + ... + 8) / 8
     assert mean_keys(shape, 2) == pytest.approx((6 * 2 + 1 + 2) / 8)
+
+
+def test_zeta_case_reports_candidate_recall(tmp_path):
+    out = tmp_path / "zeta.json"
+    argv = ["zeta:k=4,window=6,chunks=2,local=2", "zeta:k=4,window=64,chunks=1,local=0", "--n", "24", "--batch", "1",
+            "--heads", "2", "--head-dim", "8", "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--device", "cpu",
+            "--out", str(out), "--no-plot", "--modes", "fwd"]
+    assert main(argv) == 0
+    narrow, wide = json.loads(out.read_text())["results"]
+    assert narrow["status"] == wide["status"] == "ok"
+    assert 0.0 < narrow["recall"] <= 1.0
+    assert wide["recall"] == pytest.approx(1.0)  # one chunk and a window wider than N sees every key
+    with pytest.raises(ValueError, match="wider than"):
+        registry.parse_case("zeta:dk=16", BenchShape(1, 1, 1, 8, 8, torch.float32, False, torch.device("cpu")))
