@@ -195,3 +195,35 @@ def drop_padded_keys(index: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     flat = index.clamp_min(0).long().reshape(batch, -1)  # [B, H*N*K]
     real = torch.gather(key_padding_mask, 1, flat).reshape(index.shape)
     return torch.where(real & (index >= 0), index, torch.full_like(index, -1))
+
+
+def run_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: Tensor,
+    width: int | Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+) -> Tensor:
+    """Attention of each query over the contiguous run of keys [start, start + width) (the slow
+    twin of ``sparsefocus.kernels.runs.run_attention``), as an index list for ``indexed_attention_ref``.
+
+    Args:
+        q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv] with Hq % Hk == 0.
+        start: [B or 1, Hq or 1, N] integer first key per query; the run is clipped to [0, M).
+        width: keys per run (int >= 0) or an integer tensor [B or 1, Hq or 1, N] of lengths.
+        scale: multiplies q.k. Default: 1/sqrt(D).
+        causal: also drop keys j > i.
+    Returns:
+        [B, Hq, N, Dv] in fp32; rows with an empty run are zero.
+    """
+    rows = (q.shape[0], q.shape[1], q.shape[2])
+    lengths = width.expand(*rows).long() if isinstance(width, Tensor) else torch.full(rows, int(width), device=q.device)
+    slots = torch.arange(int(lengths.max().clamp_min(0)) if lengths.numel() else 0, device=q.device)
+    index = start.expand(*rows).long()[..., None] + slots  # [B, Hq, N, W]
+    cut = (slots >= lengths[..., None]) | (index < 0) | (index >= k.shape[-2])
+    if causal:
+        cut |= index > torch.arange(q.shape[-2], device=q.device)[:, None]
+    return indexed_attention_ref(q, k, v, torch.where(cut, -1, index), scale=scale)
