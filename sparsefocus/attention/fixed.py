@@ -166,6 +166,20 @@ class Band(FixedPattern):
         start = torch.clamp(query_pos - self._left(), 0, n_keys - width)
         return (start + torch.arange(width, device=device)[None, :])[None, None]
 
+    def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        """Without global tokens or padding every row is one contiguous run of keys, so the
+        tensor-core run kernel replaces the per-row gathers of the indexed kernel."""
+        if self.g or key_padding_mask is not None:
+            return super().triton(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
+        from sparsefocus.kernels.runs import run_attention
+
+        query_pos = torch.arange(q.shape[-2], device=q.device)
+        if causal:  # the k most recent keys; the kernel clips the run at 0 and at the query
+            return run_attention(q, k, v, (query_pos - self.k + 1)[None, None], self.k, scale=scale, causal=True)
+        width = min(self.k, k.shape[-2])
+        start = torch.clamp(query_pos - self._left(), 0, k.shape[-2] - width)  # [N], as position_indices
+        return run_attention(q, k, v, start[None, None], width, scale=scale)
+
     def label(self) -> str:
         return f"BAND:{self.k}({self.g})" if self.g else f"BAND:{self.k}"
 
