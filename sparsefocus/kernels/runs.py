@@ -143,6 +143,8 @@ def _blocks(q: Tensor, dim_v: int, backward: bool) -> dict:
     block_dv = max(16, triton.next_power_of_2(dim_v))
     if q.device.type == "cpu":
         block_m = block_n = 16
+    elif q.dtype == torch.float32 and max(block_d, block_dv) > 128:  # 64-wide fp32 tiles overflow shared memory (sm_90)
+        block_m = block_n = 32
     else:
         block_m, block_n = (64, 32) if backward else (64, 64)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # fp32 stays exact; 16-bit ignores it
