@@ -4,11 +4,8 @@ import pytest
 import torch
 
 import sparsefocus as sf
+from pattern_checks import assert_equals_full, random_qk
 
-
-def _qk(n, heads=2, dim=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(2, heads, n, dim, generator=gen), torch.randn(2, heads, n, dim, generator=gen)
 
 
 def _kept_blocks(mask_row, block):
@@ -54,21 +51,15 @@ def test_minmax_bound_uses_min_for_negative_query_components():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_top_covering_every_block_is_full(causal):
-    q, k = _qk(30)
+    q, k = random_qk(30)
     v = torch.randn(2, 2, 30, 5)
     spec = "block_topk:block=4,top=8"
-    torch.testing.assert_close(
-        sf.sparse_attention(q, k, v, spec, causal=causal, impl="lean"),
-        sf.sparse_attention(q, k, v, "FULL", causal=causal, impl="reference"),
-        atol=1e-5,
-        rtol=1e-5,
-    )
-    assert torch.equal(sf.selection_mask(spec, q, k, causal=causal), sf.selection_mask("FULL", q, k, causal=causal))
+    assert_equals_full(spec, q, k, v, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_own_block_is_always_kept_and_top_zero_is_block_local(causal):
-    q, k = _qk(30, seed=1)
+    q, k = random_qk(30, seed=1)
     for top in (0, 1, 3):
         mask = sf.selection_mask(f"block_topk:block=4,top={top}", q, k, causal=causal)
         bloc = sf.selection_mask("BLOC:4", q, k, causal=causal)
@@ -78,14 +69,14 @@ def test_own_block_is_always_kept_and_top_zero_is_block_local(causal):
 
 
 def test_every_row_keeps_own_block_plus_exactly_top_blocks_when_enough_candidates():
-    q, k = _qk(40, seed=2)
+    q, k = random_qk(40, seed=2)
     mask = sf.selection_mask("block_topk:block=5,top=3", q, k)
     per_block = mask.reshape(2, 2, 40, 8, 5).any(-1).sum(-1)  # [B, H, N] kept blocks
     assert torch.equal(per_block, torch.full_like(per_block, 4))
 
 
 def test_causal_selection_reads_no_key_of_the_own_or_later_blocks():
-    q, k = _qk(40, seed=3)
+    q, k = random_qk(40, seed=3)
     spec = "block_topk:block=8,top=2,pool=minmax"
     before = sf.selection_mask(spec, q, k, causal=True)
     k2 = k.clone()

@@ -6,28 +6,19 @@ import torch
 import sparsefocus as sf
 from sparsefocus.attention.common import mask_from_indices
 from sparsefocus.attention.lsh import hash_buckets, random_rotations
+from pattern_checks import assert_equals_full, random_qk
 
-
-def _qk(n, m=None, heads=2, dim=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, heads, n, dim, generator=gen)
-    k = torch.randn(2, heads, n if m is None else m, dim, generator=gen)
-    return q, k
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_bucket_with_chunk_covering_everything_is_full(causal):
-    q, k = _qk(37)
+    q, k = random_qk(37)
     v = torch.randn(2, 2, 37, 5)
-    lsh = sf.sparse_attention(q, k, v, "lsh:buckets=1,chunk=37", causal=causal, impl="lean")
-    full = sf.sparse_attention(q, k, v, "FULL", causal=causal, impl="reference")
-    torch.testing.assert_close(lsh, full, atol=1e-5, rtol=1e-5)
-    mask = sf.selection_mask("lsh:buckets=1,chunk=37", q, k, causal=causal)
-    assert torch.equal(mask, sf.selection_mask("FULL", q, k, causal=causal))
+    assert_equals_full("lsh:buckets=1,chunk=37", q, k, v, causal)
 
 
 def test_one_bucket_keeps_own_and_previous_chunk_of_positions():
-    q, k = _qk(12)
+    q, k = random_qk(12)
     mask = sf.selection_mask("lsh:buckets=1,chunk=4", q, k)[0, 0]
     query_chunk = torch.arange(12)[:, None] // 4
     key_chunk = torch.arange(12)[None, :] // 4
@@ -37,7 +28,7 @@ def test_one_bucket_keeps_own_and_previous_chunk_of_positions():
 
 
 def test_kept_keys_share_the_query_bucket_except_the_own_position():
-    q, k = _qk(40, seed=1)
+    q, k = random_qk(40, seed=1)
     spec = sf.parse_pattern("lsh:buckets=4,chunk=40")
     rotation = random_rotations(1, 8, 4, 0, q)[0]
     same = hash_buckets(q, rotation, 4)[..., :, None] == hash_buckets(k, rotation, 4)[..., None, :]
@@ -49,7 +40,7 @@ def test_kept_keys_share_the_query_bucket_except_the_own_position():
 
 
 def test_more_rounds_keep_a_superset_of_pairs():
-    q, k = _qk(50, seed=2)
+    q, k = random_qk(50, seed=2)
     one = sf.selection_mask("lsh:buckets=8,chunk=4,rounds=1", q, k)
     three = sf.selection_mask("lsh:buckets=8,chunk=4,rounds=3", q, k)
     assert not (one & ~three).any()
@@ -57,7 +48,7 @@ def test_more_rounds_keep_a_superset_of_pairs():
 
 
 def test_same_seed_same_mask_and_different_seed_different_mask():
-    q, k = _qk(50, seed=3)
+    q, k = random_qk(50, seed=3)
     first = sf.selection_mask("lsh:buckets=8,chunk=4,seed=1", q, k)
     again = sf.selection_mask("lsh:buckets=8,chunk=4,seed=1", q, k)
     other = sf.selection_mask("lsh:buckets=8,chunk=4,seed=2", q, k)
@@ -67,7 +58,7 @@ def test_same_seed_same_mask_and_different_seed_different_mask():
 
 @pytest.mark.parametrize("n, m", [(30, 20), (20, 30)])
 def test_key_lists_equal_dense_definition_when_lengths_differ(n, m):
-    q, k = _qk(n, m, seed=4)
+    q, k = random_qk(n, m, seed=4)
     padding = torch.rand(2, m, generator=torch.Generator().manual_seed(0)) > 0.3
     spec = sf.parse_pattern("lsh:buckets=4,chunk=3,rounds=2")
     dense = spec.full_mask(q, k, False, padding, None)
@@ -76,7 +67,7 @@ def test_key_lists_equal_dense_definition_when_lengths_differ(n, m):
 
 
 def test_causal_selection_of_past_rows_ignores_future_queries_and_keys():
-    q, k = _qk(40, seed=5)
+    q, k = random_qk(40, seed=5)
     before = sf.selection_mask("lsh:buckets=4,chunk=3,rounds=2", q, k, causal=True)
     q2, k2 = q.clone(), k.clone()
     q2[:, :, 25:] = torch.randn_like(q2[:, :, 25:])
@@ -86,7 +77,7 @@ def test_causal_selection_of_past_rows_ignores_future_queries_and_keys():
 
 
 def test_padded_keys_take_no_chunk_slot():
-    q, k = _qk(16, seed=6)
+    q, k = random_qk(16, seed=6)
     padding = torch.ones(2, 16, dtype=torch.bool)
     padding[:, ::2] = False
     mask = sf.selection_mask("lsh:buckets=1,chunk=2", q, k, key_padding_mask=padding)[0, 0]

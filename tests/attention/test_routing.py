@@ -6,32 +6,21 @@ import torch.nn.functional as F
 
 import sparsefocus as sf
 from sparsefocus.attention.common import mask_from_indices
+from pattern_checks import assert_equals_full, random_qk
 
-
-def _qk(n, m=None, heads=2, dim=8, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(2, heads, n, dim, generator=gen)
-    k = torch.randn(2, heads, n if m is None else m, dim, generator=gen)
-    return q, k
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_cluster_with_window_covering_everything_is_full(causal):
-    q, k = _qk(33)
+    q, k = random_qk(33)
     v = torch.randn(2, 2, 33, 5)
     spec = "routing:clusters=1,window=33"
-    torch.testing.assert_close(
-        sf.sparse_attention(q, k, v, spec, causal=causal, impl="lean"),
-        sf.sparse_attention(q, k, v, "FULL", causal=causal, impl="reference"),
-        atol=1e-5,
-        rtol=1e-5,
-    )
-    assert torch.equal(sf.selection_mask(spec, q, k, causal=causal), sf.selection_mask("FULL", q, k, causal=causal))
+    assert_equals_full(spec, q, k, v, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_kept_keys_are_the_window_nearest_keys_of_the_query_cluster(causal):
-    q, k = _qk(40, seed=1)
+    q, k = random_qk(40, seed=1)
     spec = sf.parse_pattern("routing:clusters=3,window=5")
     query_cluster, key_cluster, key_score = spec.assign(q, k, causal, None)
     mask = sf.selection_mask(spec, q, k, causal=causal)
@@ -45,7 +34,7 @@ def test_kept_keys_are_the_window_nearest_keys_of_the_query_cluster(causal):
 
 
 def test_non_causal_queries_of_one_cluster_share_one_key_set():
-    q, k = _qk(40, seed=2)
+    q, k = random_qk(40, seed=2)
     spec = sf.parse_pattern("routing:clusters=3,window=6")
     query_cluster, _, _ = spec.assign(q, k, False, None)
     mask = sf.selection_mask(spec, q, k)[0, 0] & ~torch.eye(40, dtype=torch.bool)
@@ -59,7 +48,7 @@ def test_non_causal_queries_of_one_cluster_share_one_key_set():
 
 
 def test_causal_centroids_and_selection_ignore_future_queries_and_keys():
-    q, k = _qk(40, seed=3)
+    q, k = random_qk(40, seed=3)
     spec = "routing:clusters=3,window=4,iters=3"
     before = sf.selection_mask(spec, q, k, causal=True)
     q2, k2 = q.clone(), k.clone()
@@ -70,7 +59,7 @@ def test_causal_centroids_and_selection_ignore_future_queries_and_keys():
 
 
 def test_non_causal_lloyd_iterations_move_the_centroids_towards_the_data():
-    q, k = _qk(60, seed=4)
+    q, k = random_qk(60, seed=4)
     spec = sf.parse_pattern("routing:clusters=4,window=60,iters=0")
     refined = sf.parse_pattern("routing:clusters=4,window=60,iters=5")
     unit = F.normalize(torch.cat([q, k], dim=-2), dim=-1)
@@ -84,7 +73,7 @@ def test_non_causal_lloyd_iterations_move_the_centroids_towards_the_data():
 @pytest.mark.parametrize("causal", [False, True])
 def test_key_lists_equal_dense_definition_across_query_chunks(causal):
     n, m = (30, 30) if causal else (30, 22)
-    q, k = _qk(n, m, seed=5)
+    q, k = random_qk(n, m, seed=5)
     padding = torch.rand(2, m, generator=torch.Generator().manual_seed(1)) > 0.3
     spec = sf.parse_pattern("routing:clusters=3,window=4")
     dense = spec.full_mask(q, k, causal, padding, None)
@@ -93,7 +82,7 @@ def test_key_lists_equal_dense_definition_across_query_chunks(causal):
 
 
 def test_padded_keys_do_not_move_the_centroids():
-    q, k = _qk(20, seed=6)
+    q, k = random_qk(20, seed=6)
     padding = torch.ones(2, 20, dtype=torch.bool)
     padding[:, 15:] = False
     spec = sf.parse_pattern("routing:clusters=3,window=5,iters=3")
