@@ -7,7 +7,6 @@ import sparsefocus as sf
 from pattern_checks import assert_equals_full, random_qk
 
 
-
 def _kept_blocks(mask_row, block):
     """Sorted block ids that have at least one kept key in a [M] bool row."""
     return sorted({int(j) // block for j in mask_row.nonzero().flatten()})

@@ -9,7 +9,6 @@ from sparsefocus.attention.lsh import hash_buckets, random_rotations
 from pattern_checks import assert_equals_full, random_qk
 
 
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_bucket_with_chunk_covering_everything_is_full(causal):
     q, k = random_qk(37)

@@ -9,7 +9,6 @@ from sparsefocus.attention.common import mask_from_indices
 from pattern_checks import assert_equals_full, random_qk
 
 
-
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_cluster_with_window_covering_everything_is_full(causal):
     q, k = random_qk(33)
