@@ -26,6 +26,7 @@ import sparsefocus as sf
 from sparsefocus.attention.common import mask_from_indices
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import candidate_recall, select_keys, select_keys_fused
+from sparsefocus.bench.runner import median_ms
 
 PATTERN = "zeta:k=32,window=64,chunks=8,local=32"
 SINGLE_WIDE = "zeta:k=32,window=160,chunks=8,local=32"  # the one-curve window that reaches 60% recall
@@ -33,18 +34,8 @@ SHIFTED = "zeta:k=32,window=40,chunks=8,local=32,curves=3"  # three shifted curv
 
 
 def timed_ms(fn, reps: int = 5, warmup: int = 1) -> float:
-    """Median wall time of fn() in ms, measured with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return sorted(times)[len(times) // 2]
+    """Median CUDA-event time of fn() in ms (the bench runner's timer)."""
+    return median_ms(fn, torch.device("cuda"), warmup, reps)
 
 
 def zeta_inputs(batch, heads, n, dk=3, dv=64, seed=0):
