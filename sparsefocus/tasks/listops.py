@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, ClassVar, Sequence
 
@@ -35,6 +35,7 @@ from sparsefocus.tasks.splits import (
     require_choice,
     require_int,
     require_sizes,
+    resolve_preset,
     split_task_data,
 )
 
@@ -273,10 +274,7 @@ class ListOpsConfig(TaskConfig):
 
     def resolved(self) -> dict[str, Any]:
         """The preset's values overridden by every field that is not None."""
-        require_choice(self.name, "preset", self.preset, list(PRESETS))
-        values = dict(PRESETS[self.preset])
-        values.update({key: value for key, value in asdict(self).items() if value is not None and key != "preset"})
-        return values
+        return resolve_preset(self.name, self, PRESETS)
 
     def validate(self) -> None:
         config = self.resolved()

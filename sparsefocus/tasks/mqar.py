@@ -16,7 +16,7 @@ and only warns on overlap; we draw all splits from one stream and drop repeated 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,9 +25,9 @@ from sparsefocus.tasks.base import TaskConfig, TaskData, register_task
 from sparsefocus.tasks.splits import (
     draw_distinct,
     require_bool,
-    require_choice,
     require_int,
     require_sizes,
+    resolve_preset,
     split_task_data,
 )
 
@@ -120,10 +120,7 @@ class MQARConfig(TaskConfig):
 
     def resolved(self) -> dict[str, Any]:
         """The preset's values overridden by every field that is not None."""
-        require_choice(self.name, "preset", self.preset, list(PRESETS))
-        values = dict(PRESETS[self.preset])
-        values.update({key: value for key, value in asdict(self).items() if value is not None and key != "preset"})
-        return values
+        return resolve_preset(self.name, self, PRESETS)
 
     def validate(self) -> None:
         config = self.resolved()

@@ -8,6 +8,7 @@ the next ``num_valid`` the held-out set, the next ``num_test`` the test set.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -45,6 +46,14 @@ def require_sizes(task: str, num_train: Any, num_valid: Any, num_test: Any) -> N
     require_int(task, "num_train", num_train, 1)
     require_int(task, "num_valid", num_valid, 1)
     require_int(task, "num_test", num_test, 0)
+
+
+def resolve_preset(task: str, config: Any, presets: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A preset task config's values: ``presets[config.preset]`` overridden by every field that is not None."""
+    require_choice(task, "preset", config.preset, list(presets))
+    values = dict(presets[config.preset])
+    values.update({key: value for key, value in asdict(config).items() if value is not None and key != "preset"})
+    return values
 
 
 def draw_distinct(task: str, sample: Sampler, total: int, max_rounds: int = 64) -> tuple[np.ndarray, np.ndarray]:
