@@ -72,19 +72,25 @@ def squash(x: Tensor) -> Tensor:
     return torch.sigmoid(upcast(x))
 
 
-def curve_codes(x: Tensor, bits: int, curve: int, curves: int) -> Tensor:
+def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = False) -> Tensor:
     """Morton codes of x [..., D] on curve ``curve`` of ``curves`` -> [...] int64.
 
     One curve: grid = floor(sigmoid(x) * 2**bits). Several: the squashed point is shifted by
     curve / p along the diagonal inside [0, 2)^D, p the smallest odd number >= curves (shifted
     quadtrees, Chan 1998; a dyadic shift such as 1/2 would keep every cell boundary and give the
     same order), and quantised with bits + 1 bits, so curve 0 equals the single curve.
+    ``fused`` shifts, quantises and interleaves in one Triton kernel (same fp32 operations).
     """
     unit = squash(x)
     levels = 1 << bits
     extra = 0 if curves == 1 else 1
     shift = curve / (curves | 1)
-    grid = torch.floor((unit + shift) * levels).long().clamp(0, (levels << extra) - 1)
+    top = (levels << extra) - 1
+    if fused:
+        from sparsefocus.kernels.morton import morton_codes_triton
+
+        return morton_codes_triton(unit, bits + extra, shift, levels, top)
+    grid = torch.floor((unit + shift) * levels).long().clamp(0, top)
     return morton_codes(grid, bits + extra)
 
 
@@ -105,11 +111,15 @@ MEAN_SMALL = 1 << 22  # ... and at most 1/MEAN_PARTS of x once x has more elemen
 MEAN_PARTS = 16
 
 
-def mean_tokens(k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def mean_tokens(
+    k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | None, fused: bool = False
+) -> tuple[Tensor, Tensor, Tensor]:
     """Mean key, mean value and whether any key was averaged, per query slot.
 
     Args:
         k: [B, H, M, D]; v: [B, H, M, Dv]; key_padding_mask: [B, M] bool (True = real).
+        fused: take the causal cumulative mean from the Triton scan (``CausalMeanScan``, the
+            fast twin of ``CausalMean``) instead of torch.
     Returns:
         mean_k [B, H, T, D], mean_v [B, H, T, Dv] in the inputs' dtypes (sums in fp32) and
         present [B, 1, T] bool, with T = M (causal: mean of the real keys 0..i) or T = 1 (all
@@ -119,7 +129,10 @@ def mean_tokens(k: Tensor, v: Tensor, causal: bool, key_padding_mask: Tensor | N
     real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
     if causal:
         count = real.to(upcast(k).dtype).cumsum(-1)  # [B, M]
-        return CausalMean.apply(k, real, count), CausalMean.apply(v, real, count), (count > 0)[:, None, :]
+        scan = CausalMean
+        if fused:
+            from sparsefocus.kernels.scan import CausalMeanScan as scan
+        return scan.apply(k, real, count), scan.apply(v, real, count), (count > 0)[:, None, :]
     weight = real[:, None, :, None].to(upcast(k).dtype)  # [B, 1, M, 1]
     count = weight.sum(2, keepdim=True)  # [B, 1, 1, 1]
     means = [((upcast(x) * weight).sum(2, keepdim=True) / count.clamp_min(1.0)).to(x.dtype) for x in (k, v)]
@@ -167,7 +180,7 @@ def row_cumsum(x: Tensor, part: int = 64) -> Tensor:
     padded = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
     parts = padded.reshape(batch, heads, (rows + pad) // part, part, width).cumsum(3)  # [B, H, R/part, part, X]
     totals = parts[:, :, :, -1]  # [B, H, R/part, X]
-    before = totals.cumsum(2) - totals  # sums of all earlier parts
+    before = torch.nn.functional.pad(totals[:, :, :-1], (0, 0, 1, 0)).cumsum(2)  # sums of all earlier parts, never a later one
     return (parts + before[:, :, :, None]).reshape(batch, heads, rows + pad, width)[:, :, :rows]
 
 
@@ -254,22 +267,22 @@ class Zeta(Pattern):
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
         index = select_keys(self, q, k, causal, key_padding_mask)
-        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention_ref)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention_ref, fused=False)
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.indexed import indexed_attention
 
         index = select_keys_fused(self, q, k, causal, key_padding_mask)
-        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 
-    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel) -> Tensor:
+    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool) -> Tensor:
         """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
 
         The mean token is the kernel's extra slot: per query its own mean key and value
         ([B, Hk, N, *], or one row expanded when not causal), so v is not extended and the
         gradients flow through the cumulative mean to every key and value.
         """
-        mean_k, mean_v, present = mean_tokens(k, v, causal, key_padding_mask)
+        mean_k, mean_v, present = mean_tokens(k, v, causal, key_padding_mask, fused)
         n_queries = q.shape[2]
         if causal:
             mean_k, mean_v, present = mean_k[:, :, :n_queries], mean_v[:, :, :n_queries], present[:, :, :n_queries]
@@ -288,9 +301,9 @@ def squared_distances(q: Tensor, k: Tensor) -> Tensor:
     return (q[..., :, None, :] - k[..., None, :, :]).pow(2).sum(-1)
 
 
-def _codes(spec: Zeta, x: Tensor, bits: int) -> Tensor:
+def _codes(spec: Zeta, x: Tensor, bits: int, fused: bool = False) -> Tensor:
     """[S, ...] Morton codes of x [..., D] on each of the spec's curves."""
-    return torch.stack([curve_codes(x, bits, curve, spec.curves) for curve in range(spec.curves)])
+    return torch.stack([curve_codes(x, bits, curve, spec.curves, fused) for curve in range(spec.curves)])
 
 
 def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
@@ -325,7 +338,7 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
 
     with torch.no_grad():
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
-        codes_q, codes_k = _codes(spec, upcast(q), bits), _codes(spec, upcast(k), bits)  # [S, B, Hq, N], [S, B, Hk, M]
+        codes_q, codes_k = _codes(spec, upcast(q), bits, True), _codes(spec, upcast(k), bits, True)  # [S, B, Hq, N], [S, B, Hk, M]
         local = spec.local if causal else 0
         return zeta_select(
             q, k, codes_q, codes_k, key_padding_mask,

@@ -13,8 +13,10 @@ searchsorted, gathers and topk over row blocks). Here:
   curve and the ``local`` most recent keys of its own chunk, computes exact squared distances in
   fp32 and keeps the ``width`` nearest. A candidate is packed as (distance bits << 32 | position)
   in an int64, so ties go to the smaller position and a key proposed by two curves is one value.
-  The nearest are taken by ``width`` rounds of "smallest value above the last one", which also
-  drops repeats.
+  With one curve every candidate is distinct (the window searches earlier chunks, the band the
+  own chunk), and when ``width`` is a power of two the nearest are one bitonic ``tl.topk``; else
+  they are taken by ``width`` rounds of "smallest value above the last one", which also drops
+  the repeats that several curves propose.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
 PACKED_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # packed value of an empty candidate slot
+SELECT_OVERRIDES: dict = {}  # tile and variant overrides for tuning runs (benchmarks/zeta_profile.py)
 
 
 @triton.jit
@@ -47,11 +50,33 @@ def _lower_bound(SCODES, base, count, code, ok, steps):
 
 
 @triton.jit
+def _nearest_rounds(packed, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr):
+    """[BM, BW] positions of the WIDTH smallest distinct packed values [BM, BC], nearest first:
+    WIDTH rounds of "smallest value above the last one", which also drops repeats."""
+    out_cols = tl.arange(0, BLOCK_W)
+    out = tl.full([BLOCK_M, BLOCK_W], -1, tl.int32)
+    last = tl.full([BLOCK_M], -1, tl.int64)
+    for r in range(WIDTH):  # a loop, not unrolled: compile time stays short
+        last = tl.min(tl.where(packed > last[:, None], packed, PACKED_NONE), axis=1)
+        picked = tl.where(last == PACKED_NONE, -1, last.to(tl.int32))  # the low 32 bits: the position
+        out = tl.where(out_cols[None, :] == r, picked[:, None], out)
+    return out
+
+
+@triton.jit
+def _nearest_unique(packed, BLOCK_W: tl.constexpr):
+    """[BM, BW] positions of the BW smallest packed values [BM, BC] (no repeats among them),
+    nearest first, by one bitonic top-k on ~packed = -packed - 1 (largest = nearest)."""
+    nearest = ~tl.topk(~packed, BLOCK_W)  # [BM, BW] ascending packed values
+    return tl.where(nearest == PACKED_NONE, -1, nearest.to(tl.int32))
+
+
+@triton.jit
 def _zeta_select_kernel(
     Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
     N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
-    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    CAUSAL: tl.constexpr, UNIQUE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
@@ -98,12 +123,10 @@ def _zeta_select_kernel(
     packed = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cand.to(tl.int64)
     packed = tl.where(valid, packed, PACKED_NONE)
     out_cols = tl.arange(0, BLOCK_W)
-    out = tl.full([BLOCK_M, BLOCK_W], -1, tl.int32)
-    last = tl.full([BLOCK_M], -1, tl.int64)
-    for r in range(WIDTH):  # a loop, not unrolled: compile time stays short
-        last = tl.min(tl.where(packed > last[:, None], packed, PACKED_NONE), axis=1)
-        picked = tl.where(last == PACKED_NONE, -1, last.to(tl.int32))  # the low 32 bits: the position
-        out = tl.where(out_cols[None, :] == r, picked[:, None], out)
+    if UNIQUE:
+        out = _nearest_unique(packed, BLOCK_W)
+    else:
+        out = _nearest_rounds(packed, WIDTH, BLOCK_M, BLOCK_W)
     out_ptrs = OUT + (bh.to(tl.int64) * N + rows)[:, None] * WIDTH + out_cols[None, :]
     tl.store(out_ptrs, out, mask=row_ok[:, None] & (out_cols[None, :] < WIDTH))
 
@@ -169,12 +192,14 @@ def zeta_select(
     scodes, spos, count = sorted_prefixes(codes_k, real, limits, sentinel)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     block_c = triton.next_power_of_2(curves * window + (local if chunk is not None else 0))
-    block_m = max(1, min(32, 4096 // block_c))
+    block_w = triton.next_power_of_2(width)
+    block_m = SELECT_OVERRIDES.get("BLOCK_M", max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
         q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
-        D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(width),
-        num_warps=4,
+        D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
+        UNIQUE=SELECT_OVERRIDES.get("unique", curves == 1) and width == block_w, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
+        num_warps=SELECT_OVERRIDES.get("num_warps", 4),
     )
     return out

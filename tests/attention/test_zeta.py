@@ -257,3 +257,19 @@ def test_triton_path_equals_reference_with_padding(causal):
 def test_row_cumsum_equals_cumsum(rows, part):
     x = torch.randn(2, 3, rows, 5, generator=torch.Generator().manual_seed(rows), dtype=torch.float64)
     torch.testing.assert_close(row_cumsum(x, part), x.cumsum(2))
+
+
+def test_row_cumsum_prefix_is_bitwise_blind_to_later_rows():
+    x = torch.randn(1, 2, 300, 4)
+    changed = x.clone()
+    changed[:, :, 200:] = 1e6 * torch.randn(1, 2, 100, 4)
+    assert torch.equal(row_cumsum(x, 64)[:, :, :200], row_cumsum(changed, 64)[:, :, :200])
+
+
+@pytest.mark.parametrize("curves", [1, 3])
+@pytest.mark.parametrize("dims,bits", [(3, 12), (2, 20), (5, 6)])
+def test_fused_morton_codes_equal_torch(curves, dims, bits):
+    x = 4 * torch.randn(3, 2, 77, dims)
+    x[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, 40.0])[:, None]  # saturated cells
+    for curve in range(curves):
+        assert torch.equal(curve_codes(x, bits, curve, curves, fused=True), curve_codes(x, bits, curve, curves))

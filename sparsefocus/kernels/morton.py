@@ -1,0 +1,46 @@
+"""Morton (Z-order) codes of squashed points in one Triton kernel: shift, quantise, interleave.
+
+The slow twin that defines the result is ``sparsefocus.attention.zeta.curve_codes`` after its
+sigmoid (torch: about 35 elementwise int64 passes over the points per curve). Here one program
+reads BLOCK points [BLOCK, D] in fp32, computes grid = clamp(floor((unit + shift) * levels), 0,
+top) with the same fp32 operations as torch (so the same cells), and interleaves the bits of
+the D coordinates, most significant first, coordinate 0 leading each group.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+BLOCK = 256
+
+
+@triton.jit
+def _morton_kernel(UNIT, OUT, P, shift, levels, top, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    points = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = points < P
+    code = tl.zeros([BLOCK], tl.int64)
+    for d in tl.static_range(D):
+        unit = tl.load(UNIT + points.to(tl.int64) * D + d, mask=ok, other=0.0)
+        cell = tl.floor((unit + shift) * levels).to(tl.int64)
+        cell = tl.minimum(tl.maximum(cell, 0), top)
+        for bit in tl.static_range(BITS):
+            code |= ((cell >> bit) & 1) << (bit * D + D - 1 - d)
+    tl.store(OUT + points, code, mask=ok)
+
+
+def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top: int) -> Tensor:
+    """Codes of points ``unit`` [..., D] fp32 in [0, 1]: cell = clamp(floor((unit + shift) * levels),
+    0, top) per coordinate, then ``bits`` bits of each interleaved. Returns [...] int64."""
+    if unit.dtype != torch.float32:
+        raise ValueError(f"morton_codes_triton: unit must be float32, got {unit.dtype}")
+    dims = unit.shape[-1]
+    flat = unit.contiguous().reshape(-1, dims)  # [P, D]
+    out = torch.empty(flat.shape[0], dtype=torch.int64, device=unit.device)
+    grid = (triton.cdiv(flat.shape[0], BLOCK),)
+    _morton_kernel[grid](flat, out, flat.shape[0], float(shift), float(levels), top, D=dims, BITS=bits, BLOCK=BLOCK)
+    return out.view(unit.shape[:-1])

@@ -1,0 +1,107 @@
+"""Scaled cumulative sums along the sequence in Triton: ZETA's causal mean token and its gradient.
+
+The slow twin that defines the result is ``sparsefocus.attention.zeta.CausalMean`` (torch, row
+blocks with a carried fp32 sum). Here the sum is two-level and every level is parallel:
+
+* ``_tile_sums_kernel``: one program per (tile of BLOCK_N rows, batch x head, BLOCK_X columns)
+  writes the fp32 sum of ``pre[row] * x[row]`` over its tile;
+* torch turns those tile sums [BH, X, T] into the carry of every tile (a scan over T tiles,
+  innermost dim, so it is one fast pass);
+* ``_tile_scan_kernel``: each tile scans its rows in registers, adds its carry and writes
+  ``post[row] * total`` in x's dtype.
+
+Forward of the mean: pre = real key (0/1), post = 1 / count, scan forward. Backward: pre = 1 /
+count, post = real key, scan reversed (dx_j = real_j * sum_{i >= j} g_i / count_i). Causal by
+construction: a forward scan's row i reads rows <= i only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+BLOCK_N = 64  # rows per tile: T = N / 64 tiles keeps the torch carry scan small
+
+
+@triton.jit
+def _tile_sums_kernel(X, PRE, SUMS, N, XW, T, H, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr):
+    tile, bh, pid_x = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    ok = (rows < N)[:, None] & (cols < XW)[None, :]
+    x = tl.load(X + (bh.to(tl.int64) * N + rows[:, None]) * XW + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    pre = tl.load(PRE + (bh // H).to(tl.int64) * N + rows, mask=rows < N, other=0.0)  # [BN]
+    total = tl.sum(x * pre[:, None], axis=0)  # [BX]
+    tl.store(SUMS + (bh.to(tl.int64) * XW + cols) * T + tile, total, mask=cols < XW)
+
+
+@triton.jit
+def _tile_scan_kernel(
+    X, PRE, POST, CARRY, OUT, N, XW, T, H, REVERSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr
+):
+    tile, bh, pid_x = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    ok = (rows < N)[:, None] & (cols < XW)[None, :]
+    offsets = (bh.to(tl.int64) * N + rows[:, None]) * XW + cols[None, :]  # [BN, BX]
+    x = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32)
+    row_base = (bh // H).to(tl.int64) * N + rows
+    pre = tl.load(PRE + row_base, mask=rows < N, other=0.0)
+    post = tl.load(POST + row_base, mask=rows < N, other=0.0)
+    carry = tl.load(CARRY + (bh.to(tl.int64) * XW + cols) * T + tile, mask=cols < XW, other=0.0)  # [BX]
+    total = tl.cumsum(x * pre[:, None], axis=0, reverse=REVERSE) + carry[None, :]
+    tl.store(OUT + offsets, (total * post[:, None]).to(OUT.dtype.element_ty), mask=ok)
+
+
+def scaled_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool = False) -> Tensor:
+    """out[b, h, i] = post[b, i] * sum_{j <= i} pre[b, j] * x[b, h, j] (j >= i when ``reverse``).
+
+    Args:
+        x: [B, H, N, X] any float dtype; pre, post: [B, N] fp32 row scales.
+        reverse: sum over the rows at and after i instead of at and before.
+    Returns:
+        [B, H, N, X] in x's dtype; sums are fp32 (tile sums, then a scan of the T = N / 64 tile
+        totals).
+    """
+    batch, heads, n, width = x.shape
+    x = x.contiguous()
+    pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
+    tiles = triton.cdiv(n, BLOCK_N)
+    block_x = min(64, triton.next_power_of_2(width))
+    grid = (tiles, batch * heads, triton.cdiv(width, block_x))
+    sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
+    _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, BLOCK_N=BLOCK_N, BLOCK_X=block_x)
+    carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
+    out = torch.empty_like(x)
+    _tile_scan_kernel[grid](x, pre, post, carry, out, n, width, tiles, heads, REVERSE=reverse, BLOCK_N=BLOCK_N, BLOCK_X=block_x)
+    return out
+
+
+def exclusive_cumsum(x: Tensor, reverse: bool = False) -> Tensor:
+    """Sum of the entries strictly before (``reverse``: after) each one along the last dim.
+
+    Shift-then-sum, not ``cumsum(x) - x``: that would round with the entry's own value in it, so a
+    later tile's sum could change an earlier tile's carry in the last bit."""
+    if reverse:
+        return exclusive_cumsum(x.flip(-1)).flip(-1)
+    return torch.nn.functional.pad(x[..., :-1], (1, 0)).cumsum(-1)
+
+
+class CausalMeanScan(torch.autograd.Function):
+    """``CausalMean`` (sparsefocus.attention.zeta) through ``scaled_scan``: same signature
+    (x [B, H, M, X], real [B, M] bool, count [B, M] real keys in 0..i), same result."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, real: Tensor, count: Tensor) -> Tensor:
+        inverse = 1.0 / count.to(torch.float32).clamp_min(1.0)
+        ctx.save_for_backward(real, inverse)
+        return scaled_scan(x, real.to(torch.float32), inverse)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        real, inverse = ctx.saved_tensors
+        return scaled_scan(grad, inverse, real.to(torch.float32), reverse=True), None, None
