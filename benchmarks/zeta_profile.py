@@ -93,9 +93,9 @@ def tune(n: int, pattern: str = PATTERN) -> dict:
     attend = lambda: indexed_attention(q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present)
     out = attend()
     grad = torch.ones_like(out)
-    select = [dict(unique=u, BLOCK_M=m, num_warps=w) for u in (True, False) for m, w in ((16, 4), (32, 4), (32, 8), (64, 8))]
-    fwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 8, 4), (32, 8, 4), (16, 16, 4), (64, 4, 4), (32, 16, 8))]
-    bwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 4, 4), (32, 4, 4), (16, 8, 4), (32, 2, 4), (64, 2, 8), (8, 8, 4), (16, 2, 2), (32, 8, 8))]
+    select = [dict(distinct=u, BLOCK_M=m, num_warps=w) for u in (True, False) for m, w in ((8, 4), (16, 4), (32, 4))]
+    fwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((32, 8, 4), (32, 4, 4), (64, 8, 8))]
+    bwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 4, 4), (16, 2, 2), (8, 4, 2), (32, 1, 4))]
     indexed.TILE_OVERRIDES["fwd"], indexed.TILE_OVERRIDES["bwd"] = {}, {}
     return {
         "N": n,

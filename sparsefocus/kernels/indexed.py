@@ -216,7 +216,8 @@ def _blocks(d: int, dv: int, backward: bool) -> dict:
     widest = max(block_d, block_dv)
     if backward:  # smaller tiles measured faster on the H200 (atomics dominate): 16 x 4 slots
         return dict(BLOCK_M=16, BLOCK_K=max(1, min(4, 256 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
-    return dict(BLOCK_M=16, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
+    rows = 32 if block_d <= 16 else 16  # narrow q/k (ZETA's 3): 32 rows measured 17% faster at N=64K
+    return dict(BLOCK_M=rows, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
 
 
 TILE_OVERRIDES: dict[str, dict] = {}

@@ -8,6 +8,9 @@ import torch
 import sparsefocus as sf
 from sparsefocus.attention.common import mask_from_indices
 from sparsefocus.attention.zeta import (
+    _codes,
+    _dense_window,
+    code_bits,
     candidate_recall,
     curve_codes,
     dense_selection,
@@ -273,3 +276,17 @@ def test_fused_morton_codes_equal_torch(curves, dims, bits):
     x[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, 40.0])[:, None]  # saturated cells
     for curve in range(curves):
         assert torch.equal(curve_codes(x, bits, curve, curves, fused=True), curve_codes(x, bits, curve, curves))
+
+
+@pytest.mark.parametrize("curves", [1, 2])
+def test_fused_selection_breaks_distance_ties_by_position(curves):
+    spec = sf.parse_pattern(f"zeta:k=4,window=8,curves={curves}")
+    q = torch.randn(1, 1, 5, 3)
+    k = torch.randn(1, 1, 1, 3).expand(1, 1, 40, 3).contiguous()  # every distance ties
+    fused = select_keys_fused(spec, q, k, False, None)
+    candidates = torch.zeros(1, 1, 5, 40, dtype=torch.bool)
+    bits = code_bits(spec.bits, 3, curves)
+    for code_q, code_k in zip(_codes(spec, q, bits), _codes(spec, k, bits)):
+        candidates |= _dense_window(code_q, code_k, torch.ones(1, 1, 5, 40, dtype=torch.bool), spec.window)
+    first = [torch.nonzero(row).flatten()[:4].tolist() for row in candidates[0, 0]]
+    assert [sorted(row.tolist()) for row in fused[0, 0]] == first
