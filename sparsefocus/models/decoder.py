@@ -48,13 +48,18 @@ class Decoder(nn.Module):
         self.final_norm = nn.Identity() if config.paper_mode else nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, vocab_size)
 
-    def forward(self, idx: Tensor) -> Tensor:
+    def forward(self, idx: Tensor, scored: Tensor | None = None) -> Tensor:
+        """idx [B, L] -> logits [B, L, V]; with ``scored`` [B, L] bool, logits [S, V] of the S
+        positions where it is True only (sparse-target tasks such as MQAR: the V-way head over
+        every position would dominate the cost)."""
         mask = None if self.config.paper_mode else padding_mask(idx, self.pad_id, self.num_prefix)  # [B, P+L]
         x = self.embedding(idx)  # [B, P+L, dim]
         for block in self.blocks:
             x = block(x, mask)
-        x = self.final_norm(x[:, self.num_prefix :])  # [B, L, dim]
-        return self.head(x)  # [B, L, V]
+        x = x[:, self.num_prefix :]  # [B, L, dim]
+        if scored is not None:
+            x = x[scored]  # [S, dim]
+        return self.head(self.final_norm(x))  # [B, L, V] or [S, V]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
