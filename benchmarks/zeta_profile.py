@@ -15,7 +15,6 @@ import sys
 import torch
 
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs, zeta_step
-from sparsefocus.attention import zeta
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits, mean_tokens, select_keys_fused
 from sparsefocus.kernels import indexed, zeta_select
@@ -32,11 +31,9 @@ def stages(n: int, pattern: str = PATTERN) -> dict:
     real = torch.ones(4, n, dtype=torch.bool, device="cuda")
     size = spec.chunk_size(n)
     limits = [min((p + 1) * size, n) for p in range(spec.chunks - 1)]
-    index, order = select_keys_fused(spec, q, k, True, None, return_order=True)
+    index = select_keys_fused(spec, q, k, True, None)
     mean_k, mean_v, present = mean_tokens(k, v, True, None, fused=True)
-    attend = lambda: indexed_attention(
-        q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present, row_order=order
-    )
+    attend = lambda: indexed_attention(q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present)
     out = attend()
     grad = torch.ones_like(out)
     row = {
@@ -87,39 +84,21 @@ def sweep(label: str, overrides: dict, candidates: list[dict], run) -> list[dict
     return rows
 
 
-def order_switch(n: int, pattern: str = PATTERN) -> list[dict]:
-    """fwd+bwd and selection time with queries visited in position order and in Morton order."""
-    spec = parse_pattern(pattern)
-    q, k, v, gamma = zeta_inputs(4, 16, n)
-    rows = []
-    for ordered in (False, True):
-        zeta.ORDER_QUERIES = ordered
-        rows.append({"ordered": ordered, "fwdbwd_ms": timed_ms(zeta_step(q, k, v, gamma, pattern)),
-                     "select_ms": timed_ms(lambda: select_keys_fused(spec, q, k, True, None))})
-        print("order", rows[-1], flush=True)
-    zeta.ORDER_QUERIES = True
-    return rows
-
-
 def tune(n: int, pattern: str = PATTERN) -> dict:
-    """Selection-kernel variants and indexed-kernel tiles on the ZETA shape at length n (queries
-    in Morton order)."""
+    """Selection-kernel variants and indexed-kernel tiles on the ZETA shape at length n."""
     spec = parse_pattern(pattern)
     q, k, v, gamma = zeta_inputs(4, 16, n)
-    index, order = select_keys_fused(spec, q, k, True, None, return_order=True)
+    index = select_keys_fused(spec, q, k, True, None)
     mean_k, mean_v, present = (x.detach() for x in mean_tokens(k, v, True, None, fused=True))
-    attend = lambda: indexed_attention(
-        q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present, row_order=order
-    )
+    attend = lambda: indexed_attention(q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present)
     out = attend()
     grad = torch.ones_like(out)
-    select = [dict(BLOCK_M=m, num_warps=w) for m, w in ((16, 4), (32, 4), (64, 4))]
-    fwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((32, 8, 4), (16, 8, 4), (64, 8, 4))]
-    bwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 2, 2), (16, 4, 4), (32, 2, 4), (64, 2, 4))]
+    select = [dict(distinct=u, BLOCK_M=m, num_warps=w) for u in (True, False) for m, w in ((8, 4), (16, 4), (32, 4))]
+    fwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((32, 8, 4), (32, 4, 4), (64, 8, 8))]
+    bwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 4, 4), (16, 2, 2), (8, 4, 2), (32, 1, 4))]
     indexed.TILE_OVERRIDES["fwd"], indexed.TILE_OVERRIDES["bwd"] = {}, {}
     return {
         "N": n,
-        "order": order_switch(n, pattern),
         "select": sweep("select", zeta_select.SELECT_OVERRIDES, select, lambda: select_keys_fused(spec, q, k, True, None)),
         "indexed_fwd": sweep("fwd", indexed.TILE_OVERRIDES["fwd"], fwd, attend),
         "indexed_bwd": sweep("bwd", indexed.TILE_OVERRIDES["bwd"], bwd, lambda: torch.autograd.grad(out, (q, k, v, gamma), grad, retain_graph=True)),

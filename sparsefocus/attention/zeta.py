@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
 from typing import ClassVar, Iterator
 
 import torch
@@ -273,9 +272,8 @@ class Zeta(Pattern):
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.indexed import indexed_attention
 
-        index, order = select_keys_fused(self, q, k, causal, key_padding_mask, return_order=True)
-        kernel = partial(indexed_attention, row_order=order)
-        return self._attend(q, k, v, index, causal, key_padding_mask, params, kernel, fused=True)
+        index = select_keys_fused(self, q, k, causal, key_padding_mask)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 
     def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool) -> Tensor:
         """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
@@ -333,32 +331,20 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
         return out
 
 
-ORDER_QUERIES = True  # visit queries in Morton order in the kernels (a switch for benchmarks)
-
-
-def select_keys_fused(
-    spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, return_order: bool = False
-) -> Tensor | tuple[Tensor, Tensor | None]:
+def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """``select_keys`` through the fused Triton kernel (``sparsefocus/kernels/zeta_select.py``):
-    the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots.
-
-    The kernel visits the queries in the order of their first curve's Morton code (one extra
-    sort), so that queries whose windows overlap run together and share the L2 cache; with
-    ``return_order`` that order ([B, Hq, N] int32, or None when ``ORDER_QUERIES`` is off) is
-    returned too, for the attention kernels."""
+    the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots."""
     from sparsefocus.kernels.zeta_select import zeta_select
 
     with torch.no_grad():
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
         codes_q, codes_k = _codes(spec, upcast(q), bits, True), _codes(spec, upcast(k), bits, True)  # [S, B, Hq, N], [S, B, Hk, M]
-        order = torch.sort(codes_q[0], dim=-1).indices.to(torch.int32) if ORDER_QUERIES else None  # [B, Hq, N]
         local = spec.local if causal else 0
-        index = zeta_select(
+        return zeta_select(
             q, k, codes_q, codes_k, key_padding_mask,
             width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local,
-            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL, row_order=order,
+            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL,
         )
-    return (index, order) if return_order else index
 
 
 def _real_keys(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:

@@ -106,28 +106,17 @@ def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
 
 
 @triton.jit
-def _tile_rows(ORDER, pid_m, bh, N, HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The query rows [BM] of tile pid_m and which exist: BLOCK_M consecutive rows, or the next
-    BLOCK_M entries of the row order ORDER [B * Hq, N] (e.g. queries sorted by Morton code, so
-    that a tile's key lists overlap and their gathers and atomics hit the L2 cache)."""
-    visit = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = visit < N
-    if HAS_ORDER:
-        return tl.load(ORDER + bh.to(tl.int64) * N + visit, mask=row_ok, other=0), row_ok
-    return visit, row_ok
-
-
-@triton.jit
 def _indexed_fwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK, ORDER,
+    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ORDER: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
-    rows, row_ok = _tile_rows(ORDER, pid_m, bh, N, HAS_ORDER, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    row_ok = rows < N
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
     gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
@@ -164,15 +153,16 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, ORDER,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_ORDER: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
-    rows, row_ok = _tile_rows(ORDER, pid_m, bh, N, HAS_ORDER, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    row_ok = rows < N
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     d_ok, dv_ok = offs_d < D, offs_dv < DV
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
@@ -253,7 +243,7 @@ def _extra_args(q: Tensor, extra: "Extra | None") -> tuple[tuple, dict]:
     return (extra.key, extra.value, extra.mask), dict(sizes=(group, *strides), HAS_EXTRA=True)
 
 
-def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, order=None) -> tuple[Tensor, Tensor]:
+def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -261,13 +251,13 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, or
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_fwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, stat, *pointers, index if order is None else order, *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_ORDER=order is not None, **blocks,
+        q, k, v, index, gamma_sq, out, stat, *pointers, *sizes, scale, *extra_kw["sizes"],
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
     )
     return out, stat
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, order=None):
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None):
     """Launch the backward kernel. Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq] fp32
     and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra)."""
     dq = torch.empty_like(q)
@@ -282,9 +272,9 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
-        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q, index if order is None else order,
+        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
         *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_ORDER=order is not None, **blocks,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
     )
     return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
 
@@ -306,31 +296,30 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
 
 class IndexedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
-    order int32 [B, Hq, N] or None; extra_key/extra_value are strided [B, He, N, *] or None,
-    extra_mask int8 [B, Hq, N] or None."""
+    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, order, extra_key=None, extra_value=None, extra_mask=None):
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None):
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, order)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, order, extra_key, extra_value, extra_mask)
+        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask)
         ctx.scale, ctx.score_code = scale, score_code
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, order, extra_key, extra_value, extra_mask = ctx.saved_tensors
+        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask = ctx.saved_tensors
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         gamma_sq = gamma.float().pow(2).contiguous()
         dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out.contiguous(), stat, ctx.scale, ctx.score_code, extra, order
+            q, k, v, index, gamma_sq, out, grad_out.contiguous(), stat, ctx.scale, ctx.score_code, extra
         )
         dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
         if extra is not None:
             d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        return dq, dk, dv, None, dgamma, None, None, None, d_extra_k, d_extra_v, None
+        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -364,7 +353,6 @@ def indexed_attention(
     extra_key: Tensor | None = None,
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
-    row_order: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -386,11 +374,6 @@ def indexed_attention(
             [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
             place, not copied); scored like the listed keys; both receive gradients. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        row_order: [B, Hq, N] integer, per (batch, head) a permutation of 0..N-1: the order in
-            which the kernels visit the queries, BLOCK_M at a time. It changes only speed (and
-            the order of the fp32 atomic sums): rows whose key lists overlap, visited together,
-            share their gathers and atomics in the L2 cache. Not checked to be a permutation.
-            Default: 0..N-1.
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
@@ -406,16 +389,9 @@ def indexed_attention(
     k, v = k.to(q.dtype), v.to(q.dtype)
     index = index.to(torch.int32).contiguous()
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
-    order = None if row_order is None else _check_order(q, row_order)
     return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], order, *extras
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras
     )
-
-
-def _check_order(q: Tensor, row_order: Tensor) -> Tensor:
-    if row_order.shape != q.shape[:3] or row_order.is_floating_point():
-        raise ValueError(f"row_order must be an integer tensor [B, Hq, N] = {list(q.shape[:3])}, got {row_order.dtype} {tuple(row_order.shape)}")
-    return row_order.to(torch.int32).contiguous()
 
 
 def _check_extra(q: Tensor, v: Tensor, extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None) -> None:

@@ -31,7 +31,6 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.indexed import _tile_rows
 
 PACKED_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # packed value of an empty candidate slot
 SELECT_OVERRIDES: dict = {}  # tile and variant overrides for tuning runs (benchmarks/zeta_profile.py)
@@ -108,15 +107,16 @@ def _store_nearest_distinct(
 
 @triton.jit
 def _zeta_select_kernel(
-    Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT, ORDER,
+    Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
     N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
-    CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
     hk = hq // GROUP
-    rows, row_ok = _tile_rows(ORDER, pid_m, bh, N, HAS_ORDER, BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
     cols = tl.arange(0, BLOCK_C)
     if CAUSAL:
         chunk_start = (rows // CHUNK) * CHUNK
@@ -203,7 +203,6 @@ def zeta_select(
     local: int,
     chunk: int | None,
     sentinel: int,
-    row_order: Tensor | None = None,
 ) -> Tensor:
     """The ``width`` nearest candidates of every query (ZETA's selection), fused.
 
@@ -214,8 +213,6 @@ def zeta_select(
         width: keys kept per query; window: sorted neighbours per curve; local: recent keys of
         the own chunk (causal only); chunk: causal chunk length, or None for non-causal
         (one search over every real key); sentinel: a code above every real code.
-        row_order: [B, Hq, N] int32 permutation per (batch, head): the order in which queries
-            are visited (see ``indexed_attention``); speed only. Default: 0..N-1.
     Returns:
         [B, Hq, N, width] int32 key positions, -1 for unused slots after them: in candidate
         order with one curve, nearest first with several. Ties at the cut go to the smaller
@@ -236,10 +233,9 @@ def zeta_select(
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
         q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
-        out if row_order is None else row_order.to(torch.int32).contiguous(),
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
-        DISTINCT=SELECT_OVERRIDES.get("distinct", curves == 1), HAS_ORDER=row_order is not None, BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
+        DISTINCT=SELECT_OVERRIDES.get("distinct", curves == 1), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
         num_warps=SELECT_OVERRIDES.get("num_warps", 4),
     )
     return out

@@ -122,18 +122,3 @@ def test_indexed_kernel_extra_slot_without_listed_keys_and_bad_shapes():
         indexed_attention(q, k, v, empty, extra_key=extra_k)
     with pytest.raises(ValueError, match="extra_value"):
         indexed_attention(q, k, v, empty, extra_key=extra_k, extra_value=extra_v[..., :2])
-
-
-@pytest.mark.parametrize("score", ["dot", "cauchy"])
-def test_indexed_kernel_row_order_changes_nothing(score):
-    q, k, v, index, gamma = make_case(70, 30, score, torch.float32)
-    order = torch.stack([torch.randperm(70, device=DEVICE) for _ in range(8)]).view(2, 4, 70)
-    grad_out = torch.randn(2, 4, 70, 3, device=DEVICE)
-    want = run(indexed_attention_ref, q, k, v, index, gamma, score, torch.float32, grad_out)
-    ordered = lambda *a, **kw: indexed_attention(*a, row_order=order, **kw)
-    got = run(ordered, q, k, v, index, gamma, score, torch.float32, grad_out)
-    for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
-        assert torch.isfinite(x).all(), f"{name} has NaN (a row left unwritten)"
-        assert rel_err(x, y) < 1e-5, f"{score} {name}: relative error {rel_err(x, y):.2e}"
-    with pytest.raises(ValueError, match="row_order"):
-        indexed_attention(q, k, v, index, row_order=order[:, :, :5])
