@@ -17,7 +17,7 @@ import torch
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs, zeta_step
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits, mean_tokens, select_keys_fused
-from sparsefocus.kernels import indexed
+from sparsefocus.kernels import indexed, zeta_select
 from sparsefocus.kernels.indexed import indexed_attention
 from sparsefocus.kernels.zeta_select import sorted_prefixes
 
@@ -84,36 +84,23 @@ def sweep(label: str, overrides: dict, candidates: list[dict], run) -> list[dict
     return rows
 
 
-def vector_atomics(n: int) -> dict:
-    """The indexed backward with dv by red.v4.f32 against scalar fp32 atomics: errors of both
-    against the fp32 reference at Dv = 64 (dot and Cauchy), and ZETA fwd+bwd time with each."""
-    from benchmarks.gpu_session import check_indexed
-
-    result = {}
-    for flag in (False, True):
-        indexed.VECTOR_ATOMICS = flag
-        result[f"vec4_{flag}_check_dot"] = check_indexed("dot", dv=64)
-        result[f"vec4_{flag}_check_cauchy"] = check_indexed("cauchy", dv=64)
-        q, k, v, gamma = zeta_inputs(4, 16, n)
-        result[f"vec4_{flag}_zeta_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma))
-        print(json.dumps({key: value for key, value in result.items() if key.startswith(f"vec4_{flag}")}), flush=True)
-    indexed.VECTOR_ATOMICS = True
-    return result
-
-
 def tune(n: int, pattern: str = PATTERN) -> dict:
-    """Indexed backward tiles on the ZETA shape at length n (dv by vector atomics)."""
+    """Selection-kernel variants and indexed-kernel tiles on the ZETA shape at length n."""
     spec = parse_pattern(pattern)
     q, k, v, gamma = zeta_inputs(4, 16, n)
     index = select_keys_fused(spec, q, k, True, None)
     mean_k, mean_v, present = (x.detach() for x in mean_tokens(k, v, True, None, fused=True))
-    out = indexed_attention(q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present)
+    attend = lambda: indexed_attention(q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present)
+    out = attend()
     grad = torch.ones_like(out)
-    bwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 2, 2), (16, 4, 4), (32, 2, 4), (32, 4, 4), (64, 2, 4))]
-    indexed.TILE_OVERRIDES["bwd"] = {}
+    select = [dict(distinct=u, BLOCK_M=m, num_warps=w) for u in (True, False) for m, w in ((8, 4), (16, 4), (32, 4))]
+    fwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((32, 8, 4), (32, 4, 4), (64, 8, 8))]
+    bwd = [dict(BLOCK_M=m, BLOCK_K=kk, num_warps=w) for m, kk, w in ((16, 4, 4), (16, 2, 2), (8, 4, 2), (32, 1, 4))]
+    indexed.TILE_OVERRIDES["fwd"], indexed.TILE_OVERRIDES["bwd"] = {}, {}
     return {
         "N": n,
-        "vector_atomics": vector_atomics(n),
+        "select": sweep("select", zeta_select.SELECT_OVERRIDES, select, lambda: select_keys_fused(spec, q, k, True, None)),
+        "indexed_fwd": sweep("fwd", indexed.TILE_OVERRIDES["fwd"], fwd, attend),
         "indexed_bwd": sweep("bwd", indexed.TILE_OVERRIDES["bwd"], bwd, lambda: torch.autograd.grad(out, (q, k, v, gamma), grad, retain_graph=True)),
     }
 

@@ -23,7 +23,6 @@ every list is gathered row by row.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -153,44 +152,10 @@ def _indexed_fwd_kernel(
 
 
 @triton.jit
-def _red_add_vec4(addresses, values, mask):
-    """``red.global.add.v4.f32`` of 4 consecutive fp32 per instruction (sm_90+): a quarter of the
-    L2 atomic requests of scalar adds. Each thread's 4 packed elements must be one aligned group
-    of consecutive addresses with one mask value; ``_add_rows_vec4`` builds them with joins."""
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.ne.b32 p, $12, 0; @p red.global.gpu.relaxed.add.v4.f32 [$4], {$8, $9, $10, $11}; "
-        "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
-        constraints="=r,=r,=r,=r,l,l,l,l,f,f,f,f,r,r,r,r",
-        args=[addresses.to(tl.int64, bitcast=True), values, mask.to(tl.int32)],
-        dtype=tl.int32, is_pure=False, pack=4,
-    )
-
-
-@triton.jit
-def _add_rows_vec4(rows_ptr, p, do, valid, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """rows_ptr[m, s][:] += p[m, s] * do[m, :] for valid slots, four columns per atomic.
-
-    rows_ptr: [BM, BK] fp32 row pointers (16-byte aligned: Dv % 4 == 0); p, valid: [BM, BK];
-    do: [BM, BDV]. The columns 4j + 2x + y are split off with ``tl.split`` and joined back as a
-    trailing [2, 2] block, which ``tl.join`` keeps inside one thread in address order."""
-    quads = tl.reshape(do, [BLOCK_M, BLOCK_DV // 4, 2, 2])  # [BM, BQ, x, y]: column 4j + 2x + y
-    even, odd = tl.split(quads)  # y = 0, 1: [BM, BQ, 2]
-    c0, c2 = tl.split(even)
-    c1, c3 = tl.split(odd)
-    col = 4 * tl.arange(0, BLOCK_DV // 4)[None, None, :]  # [1, 1, BQ]
-    base = rows_ptr[:, :, None] + col  # [BM, BK, BQ]
-    weight = p[:, :, None]
-    values = tl.join(tl.join(weight * c0[:, None, :], weight * c2[:, None, :]), tl.join(weight * c1[:, None, :], weight * c3[:, None, :]))
-    addresses = tl.join(tl.join(base, base + 2), tl.join(base + 1, base + 3))  # [BM, BK, BQ, 2, 2]
-    mask = tl.broadcast_to(valid[:, :, None, None, None], addresses.shape)
-    _red_add_vec4(addresses, values, mask)
-
-
-@triton.jit
 def _indexed_bwd_kernel(
     Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr, VEC4: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -239,10 +204,7 @@ def _indexed_bwd_kernel(
         dgamma_sq += dg
         dq += dq_tile
         tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
-        if VEC4:
-            _add_rows_vec4(DV_ + v_base + idx * DV, p, do, idx >= 0, BLOCK_M, BLOCK_DV)
-        else:
-            tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
+        tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
@@ -258,17 +220,6 @@ def _blocks(d: int, dv: int, backward: bool) -> dict:
         return dict(BLOCK_M=16, BLOCK_K=max(1, min(4, 256 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
     rows = 32 if block_d <= 16 else 16  # narrow q/k (ZETA's 3): 32 rows measured 17% faster at N=64K
     return dict(BLOCK_M=rows, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
-
-
-VECTOR_ATOMICS = True  # a switch for benchmarks: False keeps scalar fp32 atomics for dv
-
-
-def _vector_atomics(v: Tensor) -> bool:
-    """dv by ``red.global.add.v4.f32``: compiled for CUDA sm_90+ only (not in the interpreter),
-    and only when a value row is whole groups of 4 (Dv % 4 == 0, so every group is aligned)."""
-    if not VECTOR_ATOMICS or v.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(v.device) >= (9, 0) and v.shape[-1] % 4 == 0
 
 
 TILE_OVERRIDES: dict[str, dict] = {}
@@ -323,8 +274,7 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
         d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
         *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"],
-        VEC4=_vector_atomics(v) and blocks["BLOCK_DV"] == v.shape[-1], **blocks,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
     )
     return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
 
