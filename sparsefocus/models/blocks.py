@@ -137,6 +137,16 @@ class Embedding(nn.Module):
         return self.dropout(x)
 
 
+def init_weights(model: nn.Module, std: float) -> None:
+    """Every Linear and Embedding weight ~ N(0, std), Linear biases zero (GPT-2's init); other
+    parameters (LayerNorms, a pattern's own parameters such as ZETA's gamma) are left alone."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+
 def padding_mask(idx: Tensor, pad_id: int | None, num_prefix: int) -> Tensor | None:
     """[B, P+L] bool, True = real token (prefix tokens are real), or None when nothing is padded."""
     if pad_id is None:

@@ -29,6 +29,12 @@ class ModelConfig:
         impl: attention implementation passed to ``sparse_attention``. Default: "auto".
         paper_mode: reproduce the Semantic Focus code's quirks (see ``docs/readme/laboratory.md``).
             Default: False.
+        tie_embeddings: the decoder's output head reuses the token embedding matrix (GPT-2,
+            Zoology); ignored by the encoder. Recall tasks with large vocabularies (MQAR, V=8192)
+            need it: an untied head must learn each of the V/2 value rows separately. Default: False.
+        init_std: > 0 draws every Linear and Embedding weight from N(0, init_std) and zeroes the
+            biases (GPT-2, Zoology: 0.02; needed with tied embeddings, whose torch default N(0, 1)
+            would give logits of size sqrt(dim)); 0 keeps torch's default init. Default: 0.
     """
 
     blocks: int = 2
@@ -42,6 +48,8 @@ class ModelConfig:
     head_dim: int | None = None
     impl: str = "auto"
     paper_mode: bool = False
+    tie_embeddings: bool = False
+    init_std: float = 0.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -58,6 +66,8 @@ class ModelConfig:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.head_dim is None and not self.paper_mode and self.dim % self.heads:
             raise ValueError(f"model.heads ({self.heads}) must divide model.dim ({self.dim}) unless model.head_dim is set")
+        if not self.init_std >= 0:
+            raise ValueError(f"model.init_std must be >= 0, got {self.init_std}")
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"model.head_dim must be >= 1, got {self.head_dim}")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from sparsefocus.attention.patterns import Pattern
-from sparsefocus.models.blocks import Block, Embedding, padding_mask
+from sparsefocus.models.blocks import Block, Embedding, init_weights, padding_mask
 from sparsefocus.models.config import ModelConfig, block_patterns
 
 
@@ -47,6 +47,10 @@ class Decoder(nn.Module):
         )
         self.final_norm = nn.Identity() if config.paper_mode else nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, vocab_size)
+        if config.init_std > 0:
+            init_weights(self, config.init_std)
+        if config.tie_embeddings:
+            self.head.weight = self.embedding.tokens.weight  # [V, dim], one matrix in and out
 
     def forward(self, idx: Tensor, scored: Tensor | None = None) -> Tensor:
         """idx [B, L] -> logits [B, L, V]; with ``scored`` [B, L] bool, logits [S, V] of the S

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from sparsefocus.attention.patterns import Pattern
-from sparsefocus.models.blocks import Block, Embedding, padding_mask
+from sparsefocus.models.blocks import Block, Embedding, init_weights, padding_mask
 from sparsefocus.models.config import ModelConfig, block_patterns
 
 
@@ -53,6 +53,8 @@ class Encoder(nn.Module):
         if config.paper_mode:
             nn.init.uniform_(self.classifier.weight, -0.1, 0.1)
             nn.init.zeros_(self.classifier.bias)
+        if config.init_std > 0:
+            init_weights(self, config.init_std)
 
     def forward(self, idx: Tensor) -> Tensor:
         mask = None if self.config.paper_mode else padding_mask(idx, self.pad_id, self.num_prefix)  # [B, P+L]

@@ -104,6 +104,16 @@ def loss_and_counts(logits: Tensor, targets: Tensor) -> tuple[Tensor, int, int]:
     return loss, correct, int(scored.sum())
 
 
+def scored_logits(model: nn.Module, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    """(logits, targets) for ``loss_and_counts``. A Decoder computes its V-way head only at the
+    scored positions (logits [S, V], targets [S]): the same loss and counts, but MQAR scores 16 of
+    256 positions, so the head over all of them would cost most of the step."""
+    if isinstance(model, Decoder):
+        scored = targets != -100  # [B, L]
+        return model(inputs, scored), targets[scored]
+    return model(inputs), targets
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) over a whole split in eval mode."""
@@ -111,7 +121,7 @@ def evaluate(model: nn.Module, inputs: Tensor, targets: Tensor, batch_size: int)
     loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, inputs.shape[0], batch_size):
         rows = slice(start, start + batch_size)
-        loss, right, scored = loss_and_counts(model(inputs[rows]), targets[rows])
+        loss, right, scored = loss_and_counts(*scored_logits(model, inputs[rows], targets[rows]))
         loss_sum, correct, count = loss_sum + float(loss) * scored, correct + right, count + scored
     return loss_sum / max(count, 1), correct / max(count, 1)
 
@@ -130,7 +140,8 @@ def train_epoch(
     loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, order.shape[0], config.train.batch_size):
         batch = order[start : start + config.train.batch_size]
-        loss, right, scored = loss_and_counts(model(data.train_inputs[batch]), data.train_targets[batch])
+        logits, targets = scored_logits(model, data.train_inputs[batch], data.train_targets[batch])
+        loss, right, scored = loss_and_counts(logits, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if config.optim.grad_clip > 0:
