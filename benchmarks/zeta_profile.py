@@ -30,7 +30,6 @@ def stages(n: int, pattern: str = PATTERN) -> dict:
     codes_k = _codes(spec, k.detach().float(), bits, fused=True)
     real = torch.ones(4, n, dtype=torch.bool, device="cuda")
     size = spec.chunk_size(n)
-    limits = [min((p + 1) * size, n) for p in range(spec.chunks - 1)]
     index = select_keys_fused(spec, q, k, True, None)
     mean_k, mean_v, present = mean_tokens(k, v, True, None, fused=True)
     attend = lambda: indexed_attention(q, k, v, index, score="cauchy", gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present)
@@ -39,7 +38,7 @@ def stages(n: int, pattern: str = PATTERN) -> dict:
     row = {
         "N": n,
         "codes_ms": timed_ms(lambda: (_codes(spec, q.detach().float(), bits, True), _codes(spec, k.detach().float(), bits, True))),
-        "sorted_prefixes_ms": timed_ms(lambda: sorted_prefixes(codes_k, real, limits, SENTINEL)),
+        "sorted_prefixes_ms": timed_ms(lambda: sorted_prefixes(codes_k, real, size, spec.chunks - 1, SENTINEL)),
         "select_total_ms": timed_ms(lambda: select_keys_fused(spec, q, k, True, None)),
         "mean_tokens_fwd_ms": timed_ms(lambda: mean_tokens(k, v, True, None, fused=True)),
         "mean_tokens_fwdbwd_ms": timed_ms(lambda: torch.autograd.grad([x.float().sum() for x in mean_tokens(k, v, True, None, fused=True)[:2]], (k, v))),

@@ -165,12 +165,14 @@ def _zeta_select_kernel(
         tl.store(out_rows[:, None] + out_cols[None, :], out, mask=row_ok[:, None] & (out_cols[None, :] < WIDTH))
 
 
-def sorted_prefixes(codes_k: Tensor, real: Tensor, limits: list[int], sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Sorted codes and positions of the real keys below each limit.
+def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
+    p < ``prefixes``.
 
     Args:
-        codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool; limits: P key counts;
-        sentinel: a code above every real code (given to padded keys and unused tail slots).
+        codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool; step, prefixes: the
+        P = ``prefixes`` key counts; sentinel: a code above every real code (given to padded
+        keys and unused tail slots).
     Returns:
         codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
         int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
@@ -179,7 +181,8 @@ def sorted_prefixes(codes_k: Tensor, real: Tensor, limits: list[int], sentinel: 
     codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
     sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
     n_keys = codes_k.shape[-1]
-    limit = torch.tensor(limits, device=codes_k.device).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
+    # built on the device: a host list copied in would synchronise the stream once per call
+    limit = (torch.arange(1, prefixes + 1, device=codes_k.device) * step).clamp_max(n_keys).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
     keep = (order[None] < limit) & (sorted_codes[None] < sentinel)  # [P, S, B, Hk, M]
     dest = torch.where(keep, keep.cumsum(-1) - 1, n_keys)  # [P, S, B, Hk, M]; M = dropped
     shape = (*keep.shape[:-1], n_keys + 1)
@@ -222,10 +225,9 @@ def zeta_select(
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     real = torch.ones(batch, n_keys, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
     if chunk is None:
-        limits = [n_keys]
+        scodes, spos, count = sorted_prefixes(codes_k, real, n_keys, 1, sentinel)
     else:
-        limits = [min((p + 1) * chunk, n_keys) for p in range(max(1, math.ceil(n_queries / chunk) - 1))]
-    scodes, spos, count = sorted_prefixes(codes_k, real, limits, sentinel)
+        scodes, spos, count = sorted_prefixes(codes_k, real, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     block_c = triton.next_power_of_2(curves * window + (local if chunk is not None else 0))
     block_w = triton.next_power_of_2(width)
