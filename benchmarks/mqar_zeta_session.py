@@ -1,25 +1,23 @@
-"""One device visit for issue 5's MQAR target: time each mechanism, size the run to a wall budget,
-train it with ``sparsefocus train`` and copy the run records back.
+"""Issue 5's MQAR target (fig2_256, FULL and ZETA) trained across several short device calls.
 
-Usage (on the GPU machine, from the repository root):
-    PYTHONPATH=. python benchmarks/mqar_zeta_session.py OUT_DIR --budget 170 [key=value ...]
+One call restores the run folders from a previous call's copied-back files, trains with
+``sparsefocus train`` (which resumes every run from its last per-epoch checkpoint) until the wall
+budget, and copies back what the next call needs. Usage, from the repository root:
 
-1. Times ``--steps`` optimiser steps of every mechanism of ``experiments/mqar_zeta.yaml`` (after
-   warm-up) and one held-out evaluation batch.
-2. Chooses ``task.num_train`` (a multiple of the batch size, at most the preset's 100k) so that
-   ``train.epochs`` epochs of the slowest mechanism fit in what is left of ``--budget`` seconds,
-   all mechanisms training at once (``train.jobs`` = number of mechanisms).
-3. Runs ``sparsefocus train`` with those overrides, killed at the budget's end if it overruns.
-4. Copies ``experiment.yaml``, ``plan.json`` and every run's ``config.yaml`` / ``metrics.jsonl``
-   flat into OUT_DIR (``run<i>.config.yaml``), to be put back into a run folder with
-   ``--restore``.
+    PYTHONPATH=. python benchmarks/mqar_zeta_session.py OUT_DIR --budget 450 [--resume PREV] [key=value ...]
+    python benchmarks/mqar_zeta_session.py OUT_DIR --restore runs    # rebuild the run folders for reports
+
+OUT_DIR receives at most 8 flat files: ``session.json`` (progress and timings), ``experiment.yaml``
+and per run ``run<i>.config.yaml``, ``run<i>.metrics.jsonl``, ``run<i>.checkpoint.pt``. PREV is a
+folder holding a previous call's OUT_DIR files. The overrides must be the same in every call (the
+training loop refuses to resume a run under a different config). A run folder already on the
+machine (a warm machine) is kept when it is at least as far as PREV's copy.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import signal
@@ -27,147 +25,144 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 
-from sparsefocus.models import mechanism_label
-from sparsefocus.train.config import load_config, make_task_config
+from sparsefocus.models import Decoder
+from sparsefocus.tasks.mqar import MQARConfig
+from sparsefocus.train.config import ExperimentConfig, load_config
 from sparsefocus.train.experiment import slug
-from sparsefocus.train.loop import build_model, loss_and_counts, make_optimizer, resolve_device
-from sparsefocus.tasks import build_task
 
 STARTED = time.perf_counter()
 CONFIG = "experiments/mqar_zeta.yaml"
-CONCURRENCY_SLOWDOWN = 1.35  # guessed cost of sharing the GPU and the host between the runs
-STARTUP_SECONDS = 25.0  # spawned workers import torch, initialise CUDA and build the data
+WORK = Path("runs/mqar_zeta_session")  # ignored by git; outside OUT so checkpoints never travel twice
+RUN_FILES = ("config.yaml", "metrics.jsonl", "checkpoint.pt")
+MAX_FILE_BYTES = 16 * 2**20  # the device returns files of at most 16 MiB
+STOP_MARGIN_S = 15.0  # to kill the trainer and copy the files back
 
 
-def elapsed() -> float:
-    return time.perf_counter() - STARTED
+def check_checkpoint_size(config: ExperimentConfig) -> None:
+    """Fail before training if a checkpoint (fp32 weights + two AdamW moments) could not come back."""
+    task = MQARConfig(**{key: value for key, value in config.task.items() if key != "name"}).resolved()
+    for mechanism in config.mechanisms:
+        model = Decoder(config.model, mechanism, vocab_size=task["vocab_size"], max_len=task["seq_len"])
+        size = 3 * 4 * model.num_parameters() + 2**20  # 1 MiB for metrics, RNG states, pickling
+        if size > MAX_FILE_BYTES:
+            raise ValueError(f"a {mechanism} checkpoint would be about {size / 2**20:.1f} MiB, over the 16 MiB a call returns; shrink model.dim")
 
 
-def time_mechanism(config, mechanism, data, device: torch.device, steps: int) -> dict[str, float]:
-    """Seconds per optimiser step (batch ``train.batch_size``) and per evaluation batch."""
-    torch.manual_seed(0)
-    model = build_model(config.model, mechanism, data).to(device)
-    optimizer = make_optimizer(config.optim, model)
-    batch = config.train.batch_size
-    inputs, targets = data.train_inputs[:batch].to(device), data.train_targets[:batch].to(device)
-
-    def step() -> None:
-        loss, _, _ = loss_and_counts(model(inputs), targets)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
-        optimizer.step()
-
-    for _ in range(3):
-        step()
-    sync(device)
-    began = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    per_step = (time.perf_counter() - began) / steps
-    rows = data.valid_inputs[: config.train.eval_batch_size].to(device)
-    with torch.no_grad():
-        model.eval()
-        model(rows)
-        sync(device)
-        began = time.perf_counter()
-        model(rows)
-        sync(device)
-    return {"step_s": per_step, "eval_batch_s": time.perf_counter() - began}
+def run_folder(root: Path, record: dict[str, Any]) -> Path:
+    """Where the experiment runner keeps the run that ``config.yaml`` ``record`` describes."""
+    return root / slug(record["setting"]) / slug(record["label"]) / f"seed-{record['seed']}"
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def checkpoint_epoch(path: Path) -> int:
+    """Epochs done by the checkpoint at ``path``; -1 if there is none."""
+    if not path.exists():
+        return -1
+    return int(torch.load(path, map_location="cpu", weights_only=True)["epoch"])
 
 
-def choose_num_train(config, timings: dict[str, dict[str, float]], seconds: float, num_valid: int, cap: int) -> int:
-    """The largest multiple of the batch size whose ``train.epochs`` epochs fit in ``seconds``."""
-    batch, epochs = config.train.batch_size, config.train.epochs
-    slowest = max(timings.values(), key=lambda t: t["step_s"])
-    eval_s = slowest["eval_batch_s"] * math.ceil(num_valid / config.train.eval_batch_size)
-    per_epoch = seconds / epochs / CONCURRENCY_SLOWDOWN - eval_s
-    steps = max(1, int(per_epoch / slowest["step_s"]))
-    return min(cap, steps * batch)
+def restore(records: Path, root: Path) -> list[str]:
+    """Put ``run<i>.*`` files of ``records`` back as ``root/<setting>/<mechanism>/seed-<seed>/``,
+    unless that folder already holds a checkpoint at least as far; returns what was restored."""
+    restored = []
+    for config_path in sorted(records.glob("run*.config.yaml")):
+        prefix = config_path.name.removesuffix("config.yaml")  # "run0."
+        run_dir = run_folder(root, yaml.safe_load(config_path.read_text()))
+        if checkpoint_epoch(run_dir / "checkpoint.pt") >= checkpoint_epoch(records / f"{prefix}checkpoint.pt"):
+            continue
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for name in RUN_FILES:
+            if (records / f"{prefix}{name}").exists():
+                shutil.copy(records / f"{prefix}{name}", run_dir / f".{name}.restoring")
+                os.replace(run_dir / f".{name}.restoring", run_dir / name)
+        restored.append(str(run_dir))
+    if (records / "experiment.yaml").exists():
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.copy(records / "experiment.yaml", root / "experiment.yaml")
+    return restored
 
 
-def copy_records(root: Path, out: Path) -> list[str]:
-    """experiment.yaml and each run's config.yaml / metrics.jsonl, flat, as ``run<i>.<file>``
-    (the device returns only names of letters, digits, '.', '_' and '-'; config.yaml names the run)."""
+def copy_back(root: Path, out: Path) -> list[str]:
+    """experiment.yaml and each run's files, flat, as ``run<i>.<file>`` (the device returns only
+    plain names, at most 8 files); raises if a file is too big to come back."""
     copied = []
     if (root / "experiment.yaml").exists():
         shutil.copy(root / "experiment.yaml", out / "experiment.yaml")
     for index, record in enumerate(sorted(root.rglob("config.yaml"))):
-        name = f"run{index}"
-        for file in ("config.yaml", "metrics.jsonl"):
-            if (record.parent / file).exists():
-                shutil.copy(record.parent / file, out / f"{name}.{file}")
-                copied.append(f"{name}.{file}")
+        for name in RUN_FILES:
+            source = record.parent / name
+            if source.exists():
+                if source.stat().st_size > MAX_FILE_BYTES:
+                    raise ValueError(f"{source} is {source.stat().st_size} bytes, over the 16 MiB the device returns; shrink model.dim")
+                shutil.copy(source, out / f"run{index}.{name}")
+                copied.append(f"run{index}.{name}")
     return copied
 
 
-def restore(records: Path, root: Path) -> None:
-    """Put copied records back as ``root/<setting>/<mechanism>/seed-<seed>/`` for ``sparsefocus report``."""
-    import yaml
+def progress(root: Path) -> dict[str, dict[str, Any]]:
+    """Per run: epochs done, the last held-out accuracy and the mean seconds per epoch."""
+    out = {}
+    for record_path in sorted(root.rglob("config.yaml")):
+        record = yaml.safe_load(record_path.read_text())
+        lines = (record_path.parent / "metrics.jsonl")
+        metrics = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
+        out[record["label"]] = {
+            "epochs_done": len(metrics),
+            "epochs": record["config"]["train"]["epochs"],
+            "valid_acc": metrics[-1]["valid_acc"] if metrics else None,
+            "best_valid_acc": max((m["valid_acc"] for m in metrics), default=None),
+            "s_per_epoch": round(sum(m["seconds"] for m in metrics) / len(metrics), 2) if metrics else None,
+        }
+    return out
 
-    for config_path in sorted(records.glob("*.config.yaml")):
-        record = yaml.safe_load(config_path.read_text())
-        run_dir = root / slug(record["setting"]) / slug(record["label"]) / f"seed-{record['seed']}"
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy(config_path, run_dir / "config.yaml")
-        metrics = records / config_path.name.replace(".config.yaml", ".metrics.jsonl")
-        if metrics.exists():
-            shutil.copy(metrics, run_dir / "metrics.jsonl")
-    if (records / "experiment.yaml").exists():
-        shutil.copy(records / "experiment.yaml", root / "experiment.yaml")
 
-
-def train(out: Path, budget: float, steps: int, overrides: list[str]) -> None:
-    config = load_config(CONFIG, overrides)
-    device = resolve_device(config.train.device)
-    resolved = make_task_config(config.task).resolved()  # the preset's sizes unless overridden
-    fields = {key: value for key, value in config.task.items() if key != "name"}
-    data = build_task("mqar", 0, **{**fields, "num_train": config.train.batch_size})  # only for timing
-    timings = {mechanism_label(m): time_mechanism(config, m, data, device, steps) for m in config.mechanisms}
-    num_valid = resolved["num_valid"]
-    run_seconds = budget - elapsed() - 8.0  # 8 s to stop the runs and copy the records
-    num_train = choose_num_train(config, timings, run_seconds - STARTUP_SECONDS, num_valid, resolved["num_train"])
-    chosen = [f"task.num_train={num_train}", f"train.jobs={len(config.mechanisms)}", f"out_dir={out / 'runs'}"]
-    plan = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "timings": timings,
-            "overrides": overrides + chosen, "run_seconds_limit": round(run_seconds, 1), "planned_at_s": round(elapsed(), 1)}
-    print(json.dumps(plan, indent=1), flush=True)
-    (out / "plan.json").write_text(json.dumps(plan, indent=1))
-    command = [sys.executable, "-m", "sparsefocus.cli", "train", CONFIG, *overrides, *chosen, "--no-report"]
+def train(overrides: list[str], root: Path, seconds: float) -> tuple[Any, float]:
+    """``sparsefocus train`` for at most ``seconds`` (killed after, losing at most the current epoch)."""
+    command = [sys.executable, "-m", "sparsefocus.cli", "train", CONFIG, *overrides,
+               f"out_dir={root.parent}", f"name={root.name}", "--no-report"]
     began = time.perf_counter()
     child = subprocess.Popen(command, start_new_session=True)
     try:
-        plan["returncode"] = child.wait(timeout=max(1.0, run_seconds))
+        returncode: Any = child.wait(timeout=max(1.0, seconds))
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
-        plan["returncode"] = "killed at the budget's end"
-    plan["train_wall_s"] = round(time.perf_counter() - began, 1)
-    (out / "plan.json").write_text(json.dumps(plan, indent=1))
-    print(plan["returncode"], plan["train_wall_s"], copy_records(out / "runs" / config.name, out), flush=True)
-    shutil.rmtree(out / "runs", ignore_errors=True)  # checkpoints do not travel back
+        child.wait()
+        returncode = "stopped at the budget's end"
+    return returncode, round(time.perf_counter() - began, 1)
+
+
+def session(out: Path, budget: float, resume: Path | None, overrides: list[str]) -> dict[str, Any]:
+    check_checkpoint_size(load_config(CONFIG, overrides))  # a bad override fails here, before any copying
+    root = WORK
+    report: dict[str, Any] = {"overrides": overrides, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    report["restored"] = restore(resume, root) if resume is not None else []
+    seconds = budget - (time.perf_counter() - STARTED) - STOP_MARGIN_S
+    report["returncode"], report["train_wall_s"] = train(overrides, root, seconds)
+    report["progress"] = progress(root)
+    report["copied"] = copy_back(root, out)
+    report["finished"] = all(run["epochs_done"] >= run["epochs"] for run in report["progress"].values())
+    return report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path, help="folder for plan.json and the copied run records")
+    parser.add_argument("out", type=Path, help="folder for session.json and the files the next call needs")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of experiments/mqar_zeta.yaml")
-    parser.add_argument("--budget", type=float, default=170.0, help="wall seconds for the whole visit")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per mechanism")
+    parser.add_argument("--budget", type=float, default=450.0, help="wall seconds for the whole call")
+    parser.add_argument("--resume", type=Path, help="a previous call's OUT files, to continue from")
     parser.add_argument("--restore", type=Path, help="put the records of OUT back into this run folder and stop")
     args = parser.parse_intermixed_args()
     if args.restore is not None:
-        restore(args.out, args.restore)
+        print("\n".join(restore(args.out, args.restore / load_config(CONFIG, args.overrides).name)))
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    train(args.out, args.budget, args.steps, args.overrides)
+    report = session(args.out, args.budget, args.resume, args.overrides)
+    (args.out / "session.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1), flush=True)
 
 
 if __name__ == "__main__":

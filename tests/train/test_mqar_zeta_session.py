@@ -1,0 +1,63 @@
+"""benchmarks/mqar_zeta_session.py: a call's flat copies restore the run folders, and training
+resumes from them where the previous call stopped."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from sparsefocus.train.config import load_config
+from sparsefocus.train.experiment import check_experiment, plan, run_experiment
+from sparsefocus.train.loop import check_run_folder, train_run
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    "task.vocab_size=64", "task.seq_len=32", "task.num_kv_pairs=4", "task.num_train=64", "task.num_valid=16",
+    "model.dim=16", "model.heads=1", "model.mlp_dim=16", "model.impl=reference", "train.batch_size=32",
+    "train.epochs=2", "train.device=cpu", "train.jobs=1", "train.threads=1", "mechanisms=[FULL]",
+]
+
+
+def load_session():
+    spec = importlib.util.spec_from_file_location("mqar_zeta_session", ROOT / "benchmarks" / "mqar_zeta_session.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Stop(Exception):
+    pass
+
+
+def test_copied_files_restore_the_run_and_training_resumes_from_them(tmp_path):
+    session = load_session()
+    first = load_config(ROOT / "experiments" / "mqar_zeta.yaml", TINY + [f"out_dir={tmp_path / 'a'}"])
+    [spec] = plan(first, check_experiment(first))
+
+    def stop_after_one_epoch():
+        raise Stop  # a call killed at its budget after epoch 1 was checkpointed
+
+    with pytest.raises(Stop):
+        train_run(spec, on_epoch=stop_after_one_epoch)
+    out = tmp_path / "out"
+    out.mkdir()
+    copied = session.copy_back(spec.run_dir.parents[2], out)
+    assert copied == ["run0.config.yaml", "run0.metrics.jsonl", "run0.checkpoint.pt"]
+    assert all("/" not in name for name in copied)
+
+    second = load_config(ROOT / "experiments" / "mqar_zeta.yaml", TINY + [f"out_dir={tmp_path / 'b'}"])
+    [resumed] = plan(second, check_experiment(second))
+    assert session.restore(out, tmp_path / "b" / second.name) == [str(resumed.run_dir)]
+    assert check_run_folder(resumed) == ("partial", 1)
+    run_experiment(second, quiet=True)
+    assert check_run_folder(resumed) == ("done", 2)
+    assert session.restore(out, tmp_path / "b" / second.name) == []  # never overwrites a further run
+    progress = session.progress(tmp_path / "b" / second.name)
+    assert progress["FULL"]["epochs_done"] == 2
+
+
+def test_the_study_fits_the_device_file_limit_and_a_wider_model_is_refused_before_training():
+    session = load_session()
+    session.check_checkpoint_size(load_config(ROOT / "experiments" / "mqar_zeta.yaml"))
+    with pytest.raises(ValueError, match="shrink model.dim"):
+        session.check_checkpoint_size(load_config(ROOT / "experiments" / "mqar_zeta.yaml", ["model.dim=256"]))
