@@ -35,7 +35,7 @@ from sparsefocus.train.checkpoint import write_text_atomic
 
 WINDOWS = (32, 64, 128, 160)
 SHIFTED_WINDOWS = (32, 40, 64, 128, 160)  # three curves: the issue's 3x40 point as well
-BITS = (6, 12)
+BITS = (12, 6)
 SOURCES = ("trained", "matched", "gaussian")
 
 
@@ -49,11 +49,16 @@ class LayerInputs:
     k: Tensor
 
 
-def sweep_patterns(own: Zeta) -> list[Zeta]:
-    """The model's own pattern first, then curves x window x bits with its k, dk, chunks and local."""
+def sweep_patterns(own: Zeta, seq_len: int) -> list[Zeta]:
+    """The model's own pattern first, then curves x window x bits with its k, dk, chunks and local,
+    then the ceiling: one window of ``seq_len`` holds every earlier-chunk key, so only the own-chunk
+    keys older than ``local`` (which no window reaches) are missed; and a window of one key, which
+    shows how much of the recall the causal ``local`` band alone gives."""
     grid = [(1, window) for window in WINDOWS] + [(3, window) for window in SHIFTED_WINDOWS]
     swept = [dataclasses.replace(own, curves=c, window=w, bits=b) for c, w in grid for b in BITS]
-    return list(dict.fromkeys([own, *swept]))  # the own pattern may also be a grid point
+    ceiling = dataclasses.replace(own, curves=1, window=seq_len)
+    band = dataclasses.replace(own, curves=1, window=1)
+    return list(dict.fromkeys([own, *swept, ceiling, band]))  # the own pattern may also be a grid point
 
 
 def held_out_inputs(run: LoadedRun, examples: int) -> Tensor:
@@ -164,7 +169,7 @@ def measure_run(run: LoadedRun, examples: int, batch_size: int, lengths: list[in
         gamma = dict(modules[name].mechanism).get("gamma")
         result["layers"][name] = {
             "pattern": pattern_string(layer.pattern), "causal": layer.causal, "shape": list(layer.q.shape),
-            "qk": describe_qk(layer, gamma), "rows": layer_recalls(layer, sweep_patterns(layer.pattern), sizes, seed),
+            "qk": describe_qk(layer, gamma), "rows": layer_recalls(layer, sweep_patterns(layer.pattern, seq_len), sizes, seed),
         }
     return result
 
@@ -172,6 +177,12 @@ def measure_run(run: LoadedRun, examples: int, batch_size: int, lengths: list[in
 def _cell(rows: list[dict[str, Any]], n: int, pattern: str) -> str:
     found = {r["source"]: r["recall"] for r in rows if r["n"] == n and r["pattern"] == pattern}
     return " / ".join("-" if math.isnan(found.get(s, math.nan)) else f"{found[s]:.2f}" for s in SOURCES)
+
+
+def row_tag(row: dict[str, Any], seq_len: int) -> str:
+    if row["own"]:
+        return " (own)"
+    return {seq_len: " (ceiling)", 1: " (band only)"}.get(row["window"], "")
 
 
 def markdown_tables(results: list[dict[str, Any]]) -> str:
@@ -190,7 +201,7 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
         patterns = list(dict.fromkeys(r["pattern"] for r in first["rows"]))
         for pattern in patterns:
             row = next(r for r in first["rows"] if r["pattern"] == pattern)
-            tag = " (own)" if row["own"] else ""
+            tag = row_tag(row, n_max)
             cells = [_cell(layers[name]["rows"], n_max, pattern) for name in names]
             out.append(f"| {row['curves']}×{row['window']}{tag} | {row['bits']} | " + " | ".join(cells) + " |")
         own = first["pattern"]
