@@ -226,7 +226,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders, or folders holding run folders")
     parser.add_argument("--out", default="benchmarks/results/zeta_recall_trained.json", help="JSON written atomically")
-    parser.add_argument("--examples", type=int, default=64, help="held-out examples fed per run (default 64)")
+    parser.add_argument("--examples", type=int, default=32, help="held-out examples fed per run (default 32)")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lengths", type=int, nargs="*", default=[64, 128], help="prefix lengths besides the full one")
     parser.add_argument("--seed", type=int, default=0, help="seeds the random q/k")
