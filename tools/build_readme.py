@@ -18,6 +18,7 @@ SECTIONS = [
     "fixed_patterns.md",
     "input_dependent.md",
     "zeta.md",
+    "zeta_trained_recall.md",
     "laboratory.md",
     "tasks.md",
     "real_text.md",
