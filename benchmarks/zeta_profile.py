@@ -2,7 +2,8 @@
 for one forward+backward (B=4, H=16, Dv=64, bf16, causal), and with --tune a sweep of the
 selection kernel's and the indexed kernel's tiles at the largest N.
 
-Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_profile.py OUT_DIR [N ...] [--tune]
+Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_profile.py OUT_DIR [N ...] [--tune] [--window-dv]
+(--window-dv: time and compare the sorted-order dv of window keys against the atomic path)
 Writes OUT_DIR/zeta_profile.json.
 """
 
@@ -15,6 +16,7 @@ import sys
 import torch
 
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs, zeta_step
+from sparsefocus.attention import zeta
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits, mean_tokens, select_keys_fused
 from sparsefocus.kernels import indexed, zeta_select
@@ -104,6 +106,35 @@ def tune(n: int, pattern: str = PATTERN) -> dict:
     }
 
 
+def window_dv_switch(lengths: list[int], pattern: str = PATTERN) -> list[dict]:
+    """fwd+bwd time with dv of window keys by atomics (default) and by the sorted-order pass
+    (``zeta.WINDOW_DV``), and the relative difference of their gradients at each length."""
+    rows = []
+    for n in lengths:
+        q, k, v, gamma = zeta_inputs(4, 16, n)
+        row, grads = {"N": n}, {}
+        for flag in (False, True):
+            zeta.WINDOW_DV = flag
+            row[f"window_dv_{flag}_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, pattern))
+            for x in (q, k, v, gamma):
+                x.grad = None
+            result = sparse_attention_for(q, k, v, gamma, pattern)
+            result.float().pow(2).sum().backward()
+            grads[flag] = [x.grad.float().clone() for x in (q, k, v, gamma)]
+        zeta.WINDOW_DV = False
+        for name, plain, windowed in zip(("dq", "dk", "dv", "dgamma"), grads[False], grads[True]):
+            row[f"rel_diff_{name}"] = ((windowed - plain).norm() / plain.norm().clamp_min(1e-30)).item()
+        print("window_dv", json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def sparse_attention_for(q, k, v, gamma, pattern):
+    import sparsefocus as sf
+
+    return sf.sparse_attention(q, k, v, pattern, causal=True, impl="triton", params={"gamma": gamma})
+
+
 def main(argv: list[str]) -> None:
     out = argv[0]
     lengths = [int(x) for x in argv[1:] if not x.startswith("--")] or [8192, 65536]
@@ -112,6 +143,8 @@ def main(argv: list[str]) -> None:
     result["kernels"] = {str(n): kernel_table(n) for n in lengths}
     if "--tune" in argv:
         result["tune"] = tune(max(lengths))
+    if "--window-dv" in argv:
+        result["window_dv"] = window_dv_switch(lengths)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "zeta_profile.json.tmp"), "w") as handle:
         json.dump(result, handle, indent=1)

@@ -153,9 +153,9 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DV_FROM,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_DV_FROM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
@@ -190,6 +190,8 @@ def _indexed_bwd_kernel(
         dq += dq_x
         tl.store(DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk_x, mask=row_ok[:, None, None] & d_ok[None, None, :])
         tl.store(DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :], p_x[:, :, None] * do[:, None, :], mask=row_ok[:, None, None] & dv_ok[None, None, :])
+    if HAS_DV_FROM:
+        dv_from = tl.load(DV_FROM + row_offs, mask=row_ok, other=0)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
@@ -204,6 +206,8 @@ def _indexed_bwd_kernel(
         dgamma_sq += dg
         dq += dq_tile
         tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
+        if HAS_DV_FROM:  # keys before the row's bound get their dv from the caller's own pass
+            v_mask = v_mask & (idx >= dv_from[:, None])[:, :, None]
         tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
@@ -257,9 +261,13 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None) ->
     return out, stat
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None):
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, dv_split=None):
     """Launch the backward kernel. Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq] fp32
-    and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra)."""
+    and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra).
+
+    ``dv_split`` = (bound [B, Hq, N] int32, add): the kernel leaves out the dv of listed keys at
+    positions below the row's bound, and ``add(dv)`` adds them into the fp32 dv [B, Hk, M, Dv]
+    itself before the cast (ZETA's sorted-order window pass)."""
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -272,10 +280,12 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
-        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
+        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q, index if dv_split is None else dv_split[0],
         *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_DV_FROM=dv_split is not None, **blocks,
     )
+    if dv_split is not None:
+        dv_split[1](dv)
     return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
 
 
