@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+import sparsefocus as sf
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs, zeta_step
 from sparsefocus.attention import zeta
 from sparsefocus.attention.patterns import parse_pattern
@@ -130,8 +131,6 @@ def window_dv_switch(lengths: list[int], pattern: str = PATTERN) -> list[dict]:
 
 
 def sparse_attention_for(q, k, v, gamma, pattern):
-    import sparsefocus as sf
-
     return sf.sparse_attention(q, k, v, pattern, causal=True, impl="triton", params={"gamma": gamma})
 
 
