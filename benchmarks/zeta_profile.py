@@ -2,8 +2,9 @@
 for one forward+backward (B=4, H=16, Dv=64, bf16, causal), and with --tune a sweep of the
 selection kernel's and the indexed kernel's tiles at the largest N.
 
-Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_profile.py OUT_DIR [N ...] [--tune] [--window-dv]
-(--window-dv: time and compare the sorted-order dv of window keys against the atomic path)
+Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_profile.py OUT_DIR [N ...] [--tune] [--switches]
+(--switches: time and compare the untimed options zeta.WINDOW_DV and zeta_select.FUSED_PREFIXES
+against the default path)
 Writes OUT_DIR/zeta_profile.json.
 """
 
@@ -107,25 +108,24 @@ def tune(n: int, pattern: str = PATTERN) -> dict:
     }
 
 
-def window_dv_switch(lengths: list[int], pattern: str = PATTERN) -> list[dict]:
-    """fwd+bwd time with dv of window keys by atomics (default) and by the sorted-order pass
-    (``zeta.WINDOW_DV``), and the relative difference of their gradients at each length."""
+def switch_ab(lengths: list[int], module, name: str, pattern: str = PATTERN) -> list[dict]:
+    """fwd+bwd time with the module-level switch ``module.name`` off and on (e.g. zeta.WINDOW_DV,
+    zeta_select.FUSED_PREFIXES), and the relative difference of the gradients at each length."""
     rows = []
     for n in lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
-        row, grads = {"N": n}, {}
+        row, grads = {"switch": name, "N": n}, {}
         for flag in (False, True):
-            zeta.WINDOW_DV = flag
-            row[f"window_dv_{flag}_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, pattern))
+            setattr(module, name, flag)
+            row[f"{flag}_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, pattern))
             for x in (q, k, v, gamma):
                 x.grad = None
-            result = sparse_attention_for(q, k, v, gamma, pattern)
-            result.float().pow(2).sum().backward()
+            sparse_attention_for(q, k, v, gamma, pattern).float().pow(2).sum().backward()
             grads[flag] = [x.grad.float().clone() for x in (q, k, v, gamma)]
-        zeta.WINDOW_DV = False
-        for name, plain, windowed in zip(("dq", "dk", "dv", "dgamma"), grads[False], grads[True]):
-            row[f"rel_diff_{name}"] = ((windowed - plain).norm() / plain.norm().clamp_min(1e-30)).item()
-        print("window_dv", json.dumps(row), flush=True)
+        setattr(module, name, False)
+        for label, plain, switched in zip(("dq", "dk", "dv", "dgamma"), grads[False], grads[True]):
+            row[f"rel_diff_{label}"] = ((switched - plain).norm() / plain.norm().clamp_min(1e-30)).item()
+        print("switch", json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
@@ -142,8 +142,8 @@ def main(argv: list[str]) -> None:
     result["kernels"] = {str(n): kernel_table(n) for n in lengths}
     if "--tune" in argv:
         result["tune"] = tune(max(lengths))
-    if "--window-dv" in argv:
-        result["window_dv"] = window_dv_switch(lengths)
+    if "--switches" in argv:
+        result["switches"] = switch_ab(lengths, zeta, "WINDOW_DV") + switch_ab(lengths, zeta_select, "FUSED_PREFIXES")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "zeta_profile.json.tmp"), "w") as handle:
         json.dump(result, handle, indent=1)

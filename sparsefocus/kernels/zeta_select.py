@@ -171,6 +171,37 @@ def _zeta_select_kernel(
         tl.store(out_rows[:, None] + out_cols[None, :], out, mask=row_ok[:, None] & (out_cols[None, :] < WIDTH))
 
 
+@triton.jit
+def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, HK, step, sentinel, BLOCK: tl.constexpr):
+    """One program per (prefix p, sorted row): keep the entries with position < min((p + 1) * step,
+    M) and a real code, compacted in order (a running count carried over BLOCK-wide tiles), then
+    fill the tail with sentinel / -1."""
+    pid = tl.program_id(0)
+    p, row = pid // ROWS, pid % ROWS  # row = (curve * B + b) * HK + head
+    limit = tl.minimum((p + 1) * step, M)
+    src, dst = row.to(tl.int64) * M, pid.to(tl.int64) * M
+    kept = 0
+    for start in range(0, M, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        code = tl.load(SCODES + src + at, mask=at < M, other=sentinel)
+        position = tl.load(ORDER + src + at, mask=at < M, other=M)
+        keep = (at < M) & (position < limit) & (code < sentinel)
+        dest = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.store(OUT_CODES + dst + dest, code, mask=keep)
+        tl.store(OUT_POS + dst + dest, position.to(tl.int32), mask=keep)
+        kept += tl.sum(keep.to(tl.int32), axis=0)
+    for start in range((kept // BLOCK) * BLOCK, M, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        tail = (at >= kept) & (at < M)
+        tl.store(OUT_CODES + dst + at, tl.full([BLOCK], sentinel, tl.int64), mask=tail)
+        tl.store(OUT_POS + dst + at, tl.full([BLOCK], -1, tl.int32), mask=tail)
+    if row < B * HK and row % HK == 0:  # curve 0, head 0: the count is the same for every curve and head
+        tl.store(COUNT + p * B + row // HK, kept)
+
+
+FUSED_PREFIXES = False  # filter the prefixes in one Triton kernel (exact; not yet timed on a GPU)
+
+
 def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
@@ -186,6 +217,8 @@ def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sen
     """
     codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
     sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
+    if FUSED_PREFIXES:
+        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel)
     n_keys = codes_k.shape[-1]
     # built on the device: a host list copied in would synchronise the stream once per call
     limit = (torch.arange(1, prefixes + 1, device=codes_k.device) * step).clamp_max(n_keys).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
@@ -198,6 +231,19 @@ def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sen
     out_pos.scatter_(-1, dest, order[None].expand_as(keep).to(torch.int32))
     count = keep[:, 0, :, 0].sum(-1).to(torch.int32)  # [P, B]: the same for every curve and head
     return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
+
+
+def _filter_prefixes_fused(sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
+    curves, batch, kv_heads, n_keys = sorted_codes.shape
+    rows = curves * batch * kv_heads
+    out_codes = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int64, device=order.device)
+    out_pos = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int32, device=order.device)
+    count = torch.empty(prefixes, batch, dtype=torch.int32, device=order.device)
+    _prefix_filter_kernel[(prefixes * rows,)](
+        sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, n_keys, rows, batch, kv_heads, step, sentinel, BLOCK=1024,
+    )
+    return out_codes, out_pos, count
 
 
 def zeta_select(

@@ -290,3 +290,17 @@ def test_fused_selection_breaks_distance_ties_by_position(curves):
         candidates |= _dense_window(code_q, code_k, torch.ones(1, 1, 5, 40, dtype=torch.bool), spec.window)
     first = [torch.nonzero(row).flatten()[:4].tolist() for row in candidates[0, 0]]
     assert [sorted(row.tolist()) for row in fused[0, 0]] == first
+
+
+@pytest.mark.parametrize("n,step,prefixes,curves", [(70, 10, 6, 1), (1100, 300, 3, 2), (5, 5, 1, 1)])
+def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves):
+    from sparsefocus.kernels import zeta_select
+
+    codes = torch.randint(0, 50, (curves, 2, 3, n))  # many equal codes: order must stay stable
+    real = torch.rand(2, n) > 0.2
+    monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", False)
+    want = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
+    monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", True)
+    got = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
+    for name, x, y in zip(("codes", "positions", "count"), got, want):
+        assert torch.equal(x, y), name
