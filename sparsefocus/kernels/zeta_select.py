@@ -73,9 +73,12 @@ def _threshold(values, valid, want, top, STEPS):
     when a row has fewer."""
     lo = tl.zeros([values.shape[0]], tl.int32)
     hi = tl.zeros([values.shape[0]], tl.int32) + top
+    # invalid entries sit at top: every mid below top leaves them out, and mid = top only once
+    # lo = hi = top, where the answer is top anyway; one select here saves an AND per pass
+    masked = tl.where(valid, values, top)
     for _ in range(STEPS):
         mid = lo + (hi - lo) // 2
-        enough = tl.sum((valid & (values <= mid[:, None])).to(tl.int32), axis=1) >= want
+        enough = tl.sum((masked <= mid[:, None]).to(tl.int32), axis=1) >= want
         hi = tl.where(enough, mid, hi)
         lo = tl.where(enough, lo, mid + 1)
     return lo
