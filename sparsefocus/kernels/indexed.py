@@ -106,19 +106,28 @@ def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
 
 
 @triton.jit
+def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
+    row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
+    offs_d = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    return bh, kv_bh, rows, row_ok, row_offs, q
+
+
+@triton.jit
 def _indexed_fwd_kernel(
     Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    row_ok = rows < N
-    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
-    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
     gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
     k_base, v_base = K + kv_bh.to(tl.int64) * M * D, V + kv_bh.to(tl.int64) * M * DV
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite start: all-masked tiles give exp(-inf) = 0
@@ -158,14 +167,9 @@ def _indexed_bwd_kernel(
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_DV_FROM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    row_ok = rows < N
-    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     d_ok, dv_ok = offs_d < D, offs_dv < DV
-    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
     o = tl.load(OUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
     do = tl.load(DOUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
