@@ -23,7 +23,7 @@ every list is gathered row by row.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import triton
@@ -308,32 +308,42 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
     return grad if heads == q_heads else grad.view(batch, heads, q_heads // heads, n, width).sum(2)
 
 
+class DvPass(Protocol):
+    """A caller's own pass for part of dv (ZETA's sorted-order window keys): ``split`` returns the
+    per-row bound below which the kernel leaves listed keys' dv out ([B, Hq, N] int32) and the
+    function that adds those keys' dv into the fp32 dv [B, Hk, M, Dv]."""
+
+    def split(self, q: Tensor, k: Tensor, grad_out: Tensor, stat: Tensor, gamma_sq: Tensor) -> tuple[Tensor, Callable[[Tensor], None]]: ...
+
+
 class IndexedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
-    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None."""
+    dv_pass is None or a ``DvPass``; extra_key/extra_value are strided [B, He, N, *] or None,
+    extra_mask int8 [B, Hq, N] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None):
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, dv_pass=None, extra_key=None, extra_value=None, extra_mask=None):
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra)
         ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask)
-        ctx.scale, ctx.score_code = scale, score_code
+        ctx.scale, ctx.score_code, ctx.dv_pass = scale, score_code, dv_pass
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask = ctx.saved_tensors
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
-        gamma_sq = gamma.float().pow(2).contiguous()
+        gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
+        dv_split = None if ctx.dv_pass is None else ctx.dv_pass.split(q, k, grad_out, stat, gamma_sq)
         dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out.contiguous(), stat, ctx.scale, ctx.score_code, extra
+            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, dv_split
         )
         dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
         if extra is not None:
             d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None
+        return dq, dk, dv, None, dgamma, None, None, None, d_extra_k, d_extra_v, None
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -367,6 +377,7 @@ def indexed_attention(
     extra_key: Tensor | None = None,
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
+    dv_pass: DvPass | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -388,6 +399,8 @@ def indexed_attention(
             [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
             place, not copied); scored like the listed keys; both receive gradients. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
+        dv_pass: a ``DvPass`` that computes the dv of some listed keys itself (same result, other
+            summation); used by ``sparsefocus.kernels.zeta_window``. Default: none.
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
@@ -404,7 +417,7 @@ def indexed_attention(
     index = index.to(torch.int32).contiguous()
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], dv_pass, *extras
     )
 
 

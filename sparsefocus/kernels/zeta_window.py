@@ -9,8 +9,9 @@ queries whose windows touch a tile of BLOCK_R consecutive sorted slots are one c
 on the tile (kept or not from the selection kernel's bit mask), and adds dv_tile = P^T dO once per
 key and prefix (a key of chunk c is in prefixes c .. P-1, so at most P atomic rows per key).
 
-The slow twin is the indexed kernel's own dv (``indexed_attention_ref``); the tests compare
-``zeta_window_attention`` with it, outputs and every gradient. Causal, one curve, Cauchy only.
+It plugs into ``indexed_attention`` as a ``DvPass`` (the kernel leaves those keys' dv out). The
+slow twin is ``indexed_attention_ref``; the tests compare ``zeta_window_attention`` with it,
+outputs and every gradient. Causal, one curve, Cauchy only.
 """
 
 from __future__ import annotations
@@ -21,17 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.indexed import (
-    SCORE_CODES,
-    Extra,
-    _check_extra,
-    _check_index,
-    _gamma_per_head,
-    _group_sum,
-    _indexed_backward,
-    _indexed_forward,
-    _kernel_extras,
-)
+from sparsefocus.kernels.indexed import indexed_attention
 from sparsefocus.kernels.zeta_select import WindowSelection
 
 BLOCK_R = 32  # sorted key slots per program
@@ -117,35 +108,18 @@ def add_window_dv(dv: Tensor, q: Tensor, k: Tensor, grad_out: Tensor, stat: Tens
     )
 
 
-class ZetaWindowFunction(torch.autograd.Function):
-    """The indexed Cauchy kernel (forward and dq, dk, d gamma, the band keys' dv) with the window
-    keys' dv from ``_window_dv_kernel``. Same inputs as ``IndexedAttentionFunction`` plus the
-    selection's ``WindowSelection``."""
+class WindowDvPass:
+    """The ``DvPass`` of ``indexed_attention`` for ZETA: the kernel leaves out the dv of keys
+    before each query's chunk (its window keys) and ``add_window_dv`` adds them."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, index, gamma, window, extra_key, extra_value, extra_mask):
-        gamma_sq = gamma.float().pow(2).contiguous()
-        extra = Extra(extra_key, extra_value, extra_mask)
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, 1.0, SCORE_CODES["cauchy"], extra)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask)
-        ctx.window = window
-        return out
+    def __init__(self, window: WindowSelection) -> None:
+        self.window = window
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        gamma_sq = gamma.float().pow(2).contiguous()
-        bound = (torch.arange(q.shape[2], device=q.device, dtype=torch.int32) // ctx.window.chunk) * ctx.window.chunk
-        add = lambda dv: add_window_dv(dv, q, k, grad_out, stat, gamma_sq, ctx.window)
-        dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, 1.0, SCORE_CODES["cauchy"],
-            Extra(extra_key, extra_value, extra_mask), (bound.expand(q.shape[:3]).contiguous(), add),
-        )
-        dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
-        d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
-        d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        return dq, dk, dv, None, dgamma, None, d_extra_k, d_extra_v, None
+    def split(self, q: Tensor, k: Tensor, grad_out: Tensor, stat: Tensor, gamma_sq: Tensor):
+        chunk = self.window.chunk
+        bound = (torch.arange(q.shape[2], device=q.device, dtype=torch.int32) // chunk) * chunk  # [N] chunk starts
+        add = lambda dv: add_window_dv(dv, q, k, grad_out, stat, gamma_sq, self.window)
+        return bound.expand(q.shape[:3]).contiguous(), add
 
 
 def zeta_window_attention(
@@ -158,17 +132,13 @@ def zeta_window_attention(
     Args:
         q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv]; index: [B, Hq, N, K] from
         ``zeta_select(..., windows=True)`` with its ``window``; gamma, extra_*: as
-        ``indexed_attention`` (the mean token is required); score: must be "cauchy".
+        ``indexed_attention``; score: must be "cauchy".
     Returns:
         [B, Hq, N, Dv] in q.dtype.
     """
     if score != "cauchy":
         raise ValueError(f"zeta_window_attention computes Cauchy weights only, got score={score!r}")
-    _check_index(q, k, v, index, "cauchy")
-    _check_extra(q, v, extra_key, extra_value, extra_mask)
-    gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
-    return ZetaWindowFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index.to(torch.int32).contiguous(), gamma_heads, window, *extras
+    return indexed_attention(
+        q, k, v, index, score="cauchy", gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask,
+        dv_pass=WindowDvPass(window),
     )
