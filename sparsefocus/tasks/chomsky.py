@@ -75,18 +75,22 @@ class ChomskyTask(TaskConfig):
         )
 
 
-@register_task
-@dataclass
-class ParityConfig(ChomskyTask):
-    """Parity: uniform bits; the label is their sum mod 2 (NNCH ``parity_check``)."""
-
-    name: ClassVar[str] = "parity"
+class BitStringTask(ChomskyTask):
+    """Tasks on uniform bit strings with a binary label (parity, even pairs)."""
 
     def tokens(self) -> list[str]:
         return ["0", "1", "PAD"]
 
     def num_classes(self) -> int:
         return 2
+
+
+@register_task
+@dataclass
+class ParityConfig(BitStringTask):
+    """Parity: uniform bits; the label is their sum mod 2 (NNCH ``parity_check``)."""
+
+    name: ClassVar[str] = "parity"
 
     def sample(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
         bits = rng.integers(0, 2, size=(count, self.length))
@@ -95,16 +99,10 @@ class ParityConfig(ChomskyTask):
 
 @register_task
 @dataclass
-class EvenPairsConfig(ChomskyTask):
+class EvenPairsConfig(BitStringTask):
     """Even pairs: uniform bits; the label is the number of adjacent unequal pairs mod 2 (NNCH ``even_pairs``)."""
 
     name: ClassVar[str] = "even_pairs"
-
-    def tokens(self) -> list[str]:
-        return ["0", "1", "PAD"]
-
-    def num_classes(self) -> int:
-        return 2
 
     def sample(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
         bits = rng.integers(0, 2, size=(count, self.length))
