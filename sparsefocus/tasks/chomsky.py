@@ -25,7 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from sparsefocus.tasks.base import TaskConfig, TaskData, register_task
-from sparsefocus.tasks.splits import draw_distinct, require_bool, require_int, require_sizes, split_task_data
+from sparsefocus.tasks.splits import distinct_splits, require_bool, require_int, require_sizes
 
 
 @dataclass
@@ -60,13 +60,11 @@ class ChomskyTask(TaskConfig):
         self.validate()
         rng = np.random.default_rng(seed)
         sizes = (self.num_train, self.num_valid, self.num_test)
-        inputs, labels = draw_distinct(self.name, lambda count: self.sample(rng, count), sum(sizes))
         tokens = self.tokens()
-        return split_task_data(
+        return distinct_splits(
             self.name,
             self.kind,
-            inputs,
-            labels,
+            lambda count: self.sample(rng, count),
             sizes,
             vocab_size=len(tokens),
             num_classes=self.num_classes(),

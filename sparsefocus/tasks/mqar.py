@@ -22,14 +22,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from sparsefocus.tasks.base import TaskConfig, TaskData, register_task
-from sparsefocus.tasks.splits import (
-    draw_distinct,
-    require_bool,
-    require_int,
-    require_sizes,
-    resolve_preset,
-    split_task_data,
-)
+from sparsefocus.tasks.splits import distinct_splits, require_bool, require_int, require_sizes, resolve_preset
 
 IGNORE = -100
 
@@ -145,9 +138,8 @@ class MQARConfig(TaskConfig):
         def sample(count: int) -> tuple[np.ndarray, np.ndarray]:
             return mqar_examples(rng, count, *(config[field] for field in fields))
 
-        inputs, targets = draw_distinct(self.name, sample, sum(sizes))
-        return split_task_data(
-            self.name, self.kind, inputs, targets, sizes,
+        return distinct_splits(
+            self.name, self.kind, sample, sizes,
             vocab_size=config["vocab_size"], num_classes=config["vocab_size"], pad_id=None,
             info={"preset": self.preset, "config": config, "ignore_index": IGNORE, "source": "zoology"},
         )

@@ -16,7 +16,7 @@ import numpy as np
 
 from sparsefocus.tasks.base import TaskConfig, TaskData, register_task
 from sparsefocus.tasks.mqar import distinct_integers
-from sparsefocus.tasks.splits import draw_distinct, require_int, require_sizes, split_task_data
+from sparsefocus.tasks.splits import distinct_splits, require_int, require_sizes
 
 
 @register_task
@@ -61,10 +61,9 @@ class AssocRecallConfig(TaskConfig):
         self.validate()
         rng = np.random.default_rng(seed)
         sizes = (self.num_train, self.num_valid, self.num_test)
-        inputs, labels = draw_distinct(self.name, lambda count: self.sample(rng, count), sum(sizes))
         tokens = self.tokens()
-        return split_task_data(
-            self.name, self.kind, inputs, labels, sizes,
+        return distinct_splits(
+            self.name, self.kind, lambda count: self.sample(rng, count), sizes,
             vocab_size=len(tokens), num_classes=self.num_values, pad_id=None,
             info={"tokens": tokens, "separator_id": len(tokens) - 1},
         )

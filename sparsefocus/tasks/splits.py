@@ -135,3 +135,12 @@ def split_task_data(
         test_targets=parts[2][1] if num_test else None,
         info=info,
     )
+
+
+def distinct_splits(
+    name: str, kind: str, sample: Sampler, sizes: tuple[int, int, int], **split_options: Any
+) -> TaskData:
+    """``draw_distinct`` rows from ``sample`` for every split at once, then ``split_task_data``
+    (train, held-out, test in that order; ``split_options``: vocab_size, num_classes, pad_id, info)."""
+    inputs, targets = draw_distinct(name, sample, sum(sizes))
+    return split_task_data(name, kind, inputs, targets, sizes, **split_options)
