@@ -23,14 +23,10 @@ import torch
 import torch.nn.functional as F
 
 import sparsefocus as sf
-from sparsefocus.attention import zeta
 from sparsefocus.attention.common import mask_from_indices
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import candidate_recall, select_keys, select_keys_fused
 from sparsefocus.bench.runner import median_ms
-from sparsefocus.kernels import zeta_select
-
-SWITCHES = {"WINDOW_DV": zeta, "FUSED_PREFIXES": zeta_select}  # off-by-default options: module holding each flag
 
 PATTERN = "zeta:k=32,window=64,chunks=8,local=32"
 SINGLE_WIDE = "zeta:k=32,window=160,chunks=8,local=32"  # the one-curve window that reaches 60% recall
@@ -218,10 +214,7 @@ def main() -> None:
     parser.add_argument("--ratio-n", type=int, nargs="+", default=None, help="lengths that also time the wide and shifted patterns (default: all)")
     parser.add_argument("--recall", choices=("full", "small", "none"), default="full")
     parser.add_argument("--no-million", action="store_true")
-    parser.add_argument("--switch", choices=sorted(SWITCHES), nargs="+", default=[], help="turn these off-by-default options on")
     args = parser.parse_args()
-    for name in args.switch:
-        setattr(SWITCHES[name], name, True)
     commit = os.environ.get("SPARSEFOCUS_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     lengths = args.n or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536])
     result = {
@@ -231,7 +224,6 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "pattern": PATTERN,
-        "switches_on": args.switch,
         "wide_pattern": SINGLE_WIDE,
         "shifted_pattern": SHIFTED,
         "protocol": "causal, bf16, q/k width 3 (ZETA) or 64 (SDPA), Dv=64; times: CUDA-event median; memory: peak above inputs",
