@@ -3,8 +3,8 @@ for one forward+backward (B=4, H=16, Dv=64, bf16, causal), and with --tune a swe
 selection kernel's and the indexed kernel's tiles at the largest N.
 
 Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_profile.py OUT_DIR [N ...] [--tune] [--switches]
-(--switches: time and compare the untimed options zeta.WINDOW_DV and zeta_select.FUSED_PREFIXES
-against the default path)
+(--switches: time the module-level option zeta_select.FUSED_PREFIXES off and on and compare
+the gradients)
 Writes OUT_DIR/zeta_profile.json.
 """
 
@@ -18,7 +18,6 @@ import torch
 
 import sparsefocus as sf
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs, zeta_step
-from sparsefocus.attention import zeta
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits, mean_tokens, select_keys_fused
 from sparsefocus.kernels import indexed, zeta_select
@@ -109,9 +108,9 @@ def tune(n: int, pattern: str = PATTERN) -> dict:
 
 
 def switch_ab(lengths: list[int], module, name: str, pattern: str = PATTERN) -> list[dict]:
-    """fwd+bwd time with the module-level switch ``module.name`` off and on (e.g. zeta.WINDOW_DV,
+    """fwd+bwd time with the module-level switch ``module.name`` off and on (e.g.
     zeta_select.FUSED_PREFIXES), and the relative difference of the gradients at each length."""
-    rows = []
+    rows, original = [], getattr(module, name)
     for n in lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         row, grads = {"switch": name, "N": n}, {}
@@ -122,7 +121,7 @@ def switch_ab(lengths: list[int], module, name: str, pattern: str = PATTERN) -> 
                 x.grad = None
             sparse_attention_for(q, k, v, gamma, pattern).float().pow(2).sum().backward()
             grads[flag] = [x.grad.float().clone() for x in (q, k, v, gamma)]
-        setattr(module, name, False)
+        setattr(module, name, original)
         for label, plain, switched in zip(("dq", "dk", "dv", "dgamma"), grads[False], grads[True]):
             row[f"rel_diff_{label}"] = ((switched - plain).norm() / plain.norm().clamp_min(1e-30)).item()
         print("switch", json.dumps(row), flush=True)
@@ -143,7 +142,7 @@ def main(argv: list[str]) -> None:
     if "--tune" in argv:
         result["tune"] = tune(max(lengths))
     if "--switches" in argv:
-        result["switches"] = switch_ab(lengths, zeta, "WINDOW_DV") + switch_ab(lengths, zeta_select, "FUSED_PREFIXES")
+        result["switches"] = switch_ab(lengths, zeta_select, "FUSED_PREFIXES")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "zeta_profile.json.tmp"), "w") as handle:
         json.dump(result, handle, indent=1)

@@ -118,7 +118,6 @@ def indexed_attention_ref(
     extra_key: Tensor | None = None,
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
-    dv_pass: object | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys (the slow twin of the Triton kernel).
 
@@ -134,7 +133,6 @@ def indexed_attention_ref(
             and value [B, Hq or Hk, N, Dv] (e.g. ZETA's cumulative mean token), scored like the
             listed keys; both or neither. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        dv_pass: the kernel's own-dv hook; accepted for the same signature, no effect here.
     Returns:
         [B, Hq, N, Dv] in fp32; rows with no valid key are zero.
     """

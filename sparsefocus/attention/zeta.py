@@ -23,17 +23,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, ClassVar, Iterator
+from typing import ClassVar, Iterator
 
 import torch
 from torch import Tensor
 
 from sparsefocus.attention.common import expand_kv, indexed_attention_ref, upcast
 from sparsefocus.attention.patterns import Pattern, parse_pattern, register, require
-
-if TYPE_CHECKING:
-    from sparsefocus.kernels.zeta_select import WindowSelection
 
 CODE_BITS = 62  # Morton codes stay below 2**62 so that SENTINEL sorts after every real code
 SENTINEL = 1 << CODE_BITS
@@ -276,11 +272,6 @@ class Zeta(Pattern):
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.indexed import indexed_attention
 
-        if WINDOW_DV and causal and self.curves == 1 and self.window <= 64:
-            from sparsefocus.kernels.zeta_window import zeta_window_attention
-
-            index, window = select_keys_fused(self, q, k, causal, key_padding_mask, windows=True)
-            return self._attend(q, k, v, index, causal, key_padding_mask, params, partial(zeta_window_attention, window=window), fused=True)
         index = select_keys_fused(self, q, k, causal, key_padding_mask)
         return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 
@@ -340,15 +331,9 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
         return out
 
 
-WINDOW_DV = False  # dv of window keys by the sorted-order pass (kernels/zeta_window.py); not yet timed on a GPU
-
-
-def select_keys_fused(
-    spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, windows: bool = False
-) -> Tensor | tuple[Tensor, "WindowSelection"]:
+def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """``select_keys`` through the fused Triton kernel (``sparsefocus/kernels/zeta_select.py``):
-    the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots.
-    ``windows``: also the kernel's ``WindowSelection`` (causal, one curve, window <= 64)."""
+    the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots."""
     from sparsefocus.kernels.zeta_select import zeta_select
 
     with torch.no_grad():
@@ -358,7 +343,7 @@ def select_keys_fused(
         return zeta_select(
             q, k, codes_q, codes_k, key_padding_mask,
             width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local,
-            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL, windows=windows,
+            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL,
         )
 
 

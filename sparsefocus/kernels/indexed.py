@@ -23,7 +23,7 @@ every list is gathered row by row.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import triton
@@ -162,9 +162,9 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DV_FROM,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_DV_FROM: tl.constexpr,
+    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
@@ -194,8 +194,6 @@ def _indexed_bwd_kernel(
         dq += dq_x
         tl.store(DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk_x, mask=row_ok[:, None, None] & d_ok[None, None, :])
         tl.store(DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :], p_x[:, :, None] * do[:, None, :], mask=row_ok[:, None, None] & dv_ok[None, None, :])
-    if HAS_DV_FROM:
-        dv_from = tl.load(DV_FROM + row_offs, mask=row_ok, other=0)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
@@ -210,8 +208,6 @@ def _indexed_bwd_kernel(
         dgamma_sq += dg
         dq += dq_tile
         tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
-        if HAS_DV_FROM:  # keys before the row's bound get their dv from the caller's own pass
-            v_mask = v_mask & (idx >= dv_from[:, None])[:, :, None]
         tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
@@ -265,13 +261,9 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None) ->
     return out, stat
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, dv_split=None):
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None):
     """Launch the backward kernel. Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq] fp32
-    and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra).
-
-    ``dv_split`` = (bound [B, Hq, N] int32, add): the kernel leaves out the dv of listed keys at
-    positions below the row's bound, and ``add(dv)`` adds them into the fp32 dv [B, Hk, M, Dv]
-    itself before the cast (ZETA's sorted-order window pass)."""
+    and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra)."""
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
@@ -284,12 +276,10 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
-        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q, index if dv_split is None else dv_split[0],
+        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
         *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_DV_FROM=dv_split is not None, **blocks,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
     )
-    if dv_split is not None:
-        dv_split[1](dv)
     return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
 
 
@@ -308,26 +298,18 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
     return grad if heads == q_heads else grad.view(batch, heads, q_heads // heads, n, width).sum(2)
 
 
-class DvPass(Protocol):
-    """A caller's own pass for part of dv (ZETA's sorted-order window keys): ``split`` returns the
-    per-row bound below which the kernel leaves listed keys' dv out ([B, Hq, N] int32) and the
-    function that adds those keys' dv into the fp32 dv [B, Hk, M, Dv]."""
-
-    def split(self, q: Tensor, k: Tensor, grad_out: Tensor, stat: Tensor, gamma_sq: Tensor) -> tuple[Tensor, Callable[[Tensor], None]]: ...
-
-
 class IndexedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
-    dv_pass is None or a ``DvPass``; extra_key/extra_value are strided [B, He, N, *] or None,
+    extra_key/extra_value are strided [B, He, N, *] or None,
     extra_mask int8 [B, Hq, N] or None."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, dv_pass=None, extra_key=None, extra_value=None, extra_mask=None):
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None):
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra)
         ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask)
-        ctx.scale, ctx.score_code, ctx.dv_pass = scale, score_code, dv_pass
+        ctx.scale, ctx.score_code = scale, score_code
         return out
 
     @staticmethod
@@ -335,15 +317,14 @@ class IndexedAttentionFunction(torch.autograd.Function):
         q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask = ctx.saved_tensors
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
-        dv_split = None if ctx.dv_pass is None else ctx.dv_pass.split(q, k, grad_out, stat, gamma_sq)
         dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, dv_split
+            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra
         )
         dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
         if extra is not None:
             d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        return dq, dk, dv, None, dgamma, None, None, None, d_extra_k, d_extra_v, None
+        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -377,7 +358,6 @@ def indexed_attention(
     extra_key: Tensor | None = None,
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
-    dv_pass: DvPass | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -399,8 +379,6 @@ def indexed_attention(
             [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
             place, not copied); scored like the listed keys; both receive gradients. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        dv_pass: a ``DvPass`` that computes the dv of some listed keys itself (same result, other
-            summation); used by ``sparsefocus.kernels.zeta_window``. Default: none.
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
@@ -417,7 +395,7 @@ def indexed_attention(
     index = index.to(torch.int32).contiguous()
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], dv_pass, *extras
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras
     )
 
 
