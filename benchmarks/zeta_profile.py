@@ -3,16 +3,18 @@ for one forward+backward (B=4, H=16, Dv=64, bf16, causal), and with --tune a swe
 selection kernel's and the indexed kernel's tiles at the largest N.
 
 Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_profile.py OUT_DIR [N ...] [--tune] [--switches]
-(--switches: time the module-level option zeta_select.FUSED_PREFIXES off and on and compare
-the gradients)
+(--switches: time the options zeta_select.FUSED_PREFIXES and SELECT_OVERRIDES['exact_stop'] off
+and on, compare the gradients and the selected keys)
 Writes OUT_DIR/zeta_profile.json.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import os
 import sys
+from functools import partial
 
 import torch
 
@@ -107,21 +109,26 @@ def tune(n: int, pattern: str = PATTERN) -> dict:
     }
 
 
-def switch_ab(lengths: list[int], module, name: str, pattern: str = PATTERN) -> list[dict]:
-    """fwd+bwd time with the module-level switch ``module.name`` off and on (e.g.
-    zeta_select.FUSED_PREFIXES), and the relative difference of the gradients at each length."""
-    rows, original = [], getattr(module, name)
+def switch_ab(lengths: list[int], name: str, flip, original: bool, pattern: str = PATTERN) -> list[dict]:
+    """fwd+bwd and selection time with an option off and on (``flip(flag)`` sets it; e.g.
+    zeta_select.FUSED_PREFIXES), the relative difference of the gradients and whether the
+    selected keys are identical, at each length."""
+    rows = []
     for n in lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         row, grads = {"switch": name, "N": n}, {}
+        chosen = {}
         for flag in (False, True):
-            setattr(module, name, flag)
+            flip(flag)
             row[f"{flag}_fwdbwd_ms"] = timed_ms(zeta_step(q, k, v, gamma, pattern))
+            row[f"{flag}_select_ms"] = timed_ms(lambda: select_keys_fused(parse_pattern(pattern), q, k, True, None))
+            chosen[flag] = select_keys_fused(parse_pattern(pattern), q, k, True, None)
             for x in (q, k, v, gamma):
                 x.grad = None
             sparse_attention_for(q, k, v, gamma, pattern).float().pow(2).sum().backward()
             grads[flag] = [x.grad.float().clone() for x in (q, k, v, gamma)]
-        setattr(module, name, original)
+        flip(original)
+        row["same_keys"] = bool(torch.equal(chosen[False], chosen[True]))
         for label, plain, switched in zip(("dq", "dk", "dv", "dgamma"), grads[False], grads[True]):
             row[f"rel_diff_{label}"] = ((switched - plain).norm() / plain.norm().clamp_min(1e-30)).item()
         print("switch", json.dumps(row), flush=True)
@@ -142,7 +149,9 @@ def main(argv: list[str]) -> None:
     if "--tune" in argv:
         result["tune"] = tune(max(lengths))
     if "--switches" in argv:
-        result["switches"] = switch_ab(lengths, zeta_select, "FUSED_PREFIXES")
+        result["switches"] = switch_ab(lengths, "FUSED_PREFIXES", partial(setattr, zeta_select, "FUSED_PREFIXES"), True) + switch_ab(
+            lengths, "exact_stop", partial(operator.setitem, zeta_select.SELECT_OVERRIDES, "exact_stop"), True
+        )
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "zeta_profile.json.tmp"), "w") as handle:
         json.dump(result, handle, indent=1)

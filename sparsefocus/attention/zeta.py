@@ -395,12 +395,12 @@ def _local_band(rows: slice, chunk_start: int, local: int, real: Tensor, heads: 
 
 def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int, dedup: bool) -> Tensor:
     """Keep the ``width`` candidates nearest to each query (with ``dedup``, repeats counted once;
-    only several curves can propose a key twice).
+    only several curves can propose a key twice); equal distances go to the smaller position.
 
     q: [B, H, R, D]; k: [B, H, M, D]; candidates: [B, H, R, C] (-1 unused) -> [B, H, R, width].
     """
+    candidates, _ = candidates.sort(dim=-1)  # by position: the stable sort below then breaks ties by it
     if dedup:
-        candidates, _ = candidates.sort(dim=-1)
         repeated = torch.zeros_like(candidates, dtype=torch.bool)
         repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
         candidates = torch.where(repeated, torch.full_like(candidates, -1), candidates)
@@ -412,7 +412,7 @@ def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int, dedup: bool) 
     if count < width:
         distance = torch.nn.functional.pad(distance, (0, width - count), value=float("inf"))
         candidates = torch.nn.functional.pad(candidates, (0, width - count), value=-1)
-    best, slot = distance.topk(width, dim=-1, largest=False)  # [B, H, R, width]
+    best, slot = (x[..., :width] for x in distance.sort(dim=-1, stable=True))  # [B, H, R, width]
     chosen = torch.gather(candidates, -1, slot)
     return torch.where(torch.isinf(best), torch.full_like(chosen, -1), chosen)
 
@@ -424,7 +424,8 @@ def dense_selection(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_
     (by code, then position) lies in the window of ``window`` ranks starting at
     clamp(p - window // 2, 0, max(n - window, 0)), p being the number of searchable keys whose
     code is below the query's and n the number of searchable keys; or when causal and j is one
-    of the ``local`` positions i, i-1, ... of i's own chunk. The k nearest candidates are kept.
+    of the ``local`` positions i, i-1, ... of i's own chunk. The k nearest candidates are kept;
+    among equal distances at the cut, the smaller positions.
     """
     with torch.no_grad():
         q32, k32 = upcast(q), expand_kv(upcast(k), q.shape[1])
@@ -439,7 +440,7 @@ def dense_selection(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_
             candidate |= own_chunk & (key_pos <= query_pos) & (key_pos > query_pos - spec.local)
         distance = squared_distances(q32, k32).masked_fill(~candidate, float("inf"))  # [B, H, N, M]
         width = min(spec.k, k.shape[2])
-        best, index = distance.topk(width, dim=-1, largest=False)
+        best, index = (x[..., :width] for x in distance.sort(dim=-1, stable=True))  # ties: smaller position
         keep = torch.zeros_like(candidate)
         keep.scatter_(-1, index, ~torch.isinf(best))
         return keep

@@ -66,38 +66,56 @@ def _nearest_rounds(packed, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W:
 
 
 @triton.jit
-def _threshold(values, valid, want, top, STEPS):
-    """[BM] smallest t in [0, top] with at least ``want`` [BM] valid entries <= t among values
-    [BM, BC] (int32 in [0, top]), by bisection in STEPS >= log2(top + 1) counting passes; top
-    when a row has fewer."""
-    lo = tl.zeros([values.shape[0]], tl.int32)
-    hi = tl.zeros([values.shape[0]], tl.int32) + top
+def _threshold(values, valid, want, top, STEPS, EXACT_STOP: tl.constexpr):
+    """[BM] a cut t: the valid entries <= t among values [BM, BC] (int32 in [0, top]) are the
+    ``want`` [BM] smallest, plus any that tie with the last of them; top when a row has fewer.
+
+    Bisection with counting passes. Plain (EXACT_STOP off): STEPS >= log2(top + 1) passes from
+    [0, top] to the smallest t with at least ``want`` entries <= t. EXACT_STOP: the interval
+    starts at the row's smallest and largest valid entry, and a row stops at the first mid with
+    exactly ``want`` entries <= mid (the same kept set: nothing lies between the answer and that
+    mid); the tile stops when every row has. Random distances leave a gap between the k-th and
+    the next one, which the bisection hits long before the interval shrinks to one value."""
     # invalid entries sit at top: every mid below top leaves them out, and mid = top only once
     # lo = hi = top, where the answer is top anyway; one select here saves an AND per pass
     masked = tl.where(valid, values, top)
-    for _ in range(STEPS):
-        mid = lo + (hi - lo) // 2
-        enough = tl.sum((masked <= mid[:, None]).to(tl.int32), axis=1) >= want
-        hi = tl.where(enough, mid, hi)
-        lo = tl.where(enough, lo, mid + 1)
-    return lo
+    if EXACT_STOP:
+        short = tl.sum(valid.to(tl.int32), axis=1) < want  # keeps every valid entry: cut = top
+        lo = tl.where(short, top, tl.min(masked, axis=1))
+        hi = tl.where(short, top, tl.max(tl.where(valid, values, 0), axis=1))
+        while tl.max((lo < hi).to(tl.int32), axis=0) > 0:  # each pass shrinks hi - lo or closes it
+            mid = lo + (hi - lo) // 2
+            count = tl.sum((masked <= mid[:, None]).to(tl.int32), axis=1)
+            hi = tl.where(count >= want, mid, hi)
+            lo = tl.where(count == want, mid, tl.where(count >= want, lo, mid + 1))
+        return hi
+    else:
+        lo = tl.zeros([values.shape[0]], tl.int32)
+        hi = tl.zeros([values.shape[0]], tl.int32) + top
+        for _ in range(STEPS):
+            mid = lo + (hi - lo) // 2
+            enough = tl.sum((masked <= mid[:, None]).to(tl.int32), axis=1) >= want
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
+        return lo
 
 
 @triton.jit
 def _store_nearest_distinct(
-    distance, cand, valid, out_rows, row_ok, M, STEPS, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr
+    distance, cand, valid, out_rows, row_ok, M, STEPS,
+    WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, EXACT_STOP: tl.constexpr,
 ):
     """Store the WIDTH nearest of distinct candidates (positions cand [BM, BC], distances fp32
     >= 0) at the row pointers out_rows [BM], in candidate order, then -1s; ties at the cut go
-    to the smaller positions. A cut on the distance bits (31 counting passes on int32) replaces
-    WIDTH rounds of int64 minima."""
+    to the smaller positions. A cut on the distance bits (at most 31 counting passes on int32,
+    ``_threshold``) replaces WIDTH rounds of int64 minima."""
     bits = distance.to(tl.int32, bitcast=True)  # monotone in a non-negative float
-    cut = _threshold(bits, valid, WIDTH, 0x7FFFFFFF, 31)
+    cut = _threshold(bits, valid, WIDTH, 0x7FFFFFFF, 31, EXACT_STOP)
     keep = valid & (bits < cut[:, None])
     tie = valid & (bits == cut[:, None])
     need = WIDTH - tl.sum(keep.to(tl.int32), axis=1)
     if tl.max(tl.sum(tie.to(tl.int32), axis=1) - need) > 0:  # more equal distances than slots: rare
-        last = _threshold(cand, tie, need, M, STEPS)
+        last = _threshold(cand, tie, need, M, STEPS, EXACT_STOP)
         tie = tie & (cand <= last[:, None])
     keep = keep | tie
     slot = tl.cumsum(keep.to(tl.int32), axis=1) - 1  # [BM, BC] output slot of each kept candidate
@@ -113,7 +131,7 @@ def _zeta_select_kernel(
     Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
     N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
-    CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, EXACT_STOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
@@ -159,7 +177,7 @@ def _zeta_select_kernel(
         distance += diff * diff
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
-        _store_nearest_distinct(distance, cand, valid, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W)
+        _store_nearest_distinct(distance, cand, valid, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, EXACT_STOP)
     else:
         packed = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cand.to(tl.int64)
         packed = tl.where(valid, packed, PACKED_NONE)
@@ -286,7 +304,7 @@ def zeta_select(
         q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
-        DISTINCT=SELECT_OVERRIDES.get("distinct", curves == 1), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
+        DISTINCT=SELECT_OVERRIDES.get("distinct", curves == 1), EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
         num_warps=SELECT_OVERRIDES.get("num_warps", 4),
     )
     return out

@@ -292,6 +292,25 @@ def test_fused_selection_breaks_distance_ties_by_position(curves):
     assert [sorted(row.tolist()) for row in fused[0, 0]] == first
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pattern", ["zeta:k=8,window=16,chunks=3,local=6", "zeta:k=8,window=6,curves=2,chunks=3,local=4"])
+def test_equal_distances_go_to_smaller_positions_in_every_path(monkeypatch, pattern, causal):
+    from sparsefocus.kernels import zeta_select
+
+    # coordinates on a 4-step grid: many equal distances, so some rows never hit an exact count
+    gen = torch.Generator().manual_seed(17)
+    q, k = (torch.randint(0, 4, (2, 3, 90, 3), generator=gen).float() / 4 for _ in range(2))
+    padding = torch.rand(2, 90, generator=gen) > 0.1
+    spec = sf.parse_pattern(pattern)
+    got = {}
+    for stop in (False, True):
+        monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "exact_stop", stop)
+        got[stop] = mask_from_indices(select_keys_fused(spec, q, k, causal, padding), 90)
+    assert torch.equal(got[True], got[False])
+    assert torch.equal(got[True], mask_from_indices(select_keys(spec, q, k, causal, padding), 90))
+    assert torch.equal(got[True], dense_selection(spec, q, k, causal, padding))
+
+
 @pytest.mark.parametrize("n,step,prefixes,curves", [(70, 10, 6, 1), (1100, 300, 3, 2), (5, 5, 1, 1)])
 def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves):
     from sparsefocus.kernels import zeta_select
