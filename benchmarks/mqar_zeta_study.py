@@ -18,6 +18,8 @@ q-k distance to it / to every earlier key.
 nearest key when the query is a noisy copy of one of 224 Gaussian keys in 3-D (the number of
 keys a query in ZETA's last chunk searches at fig2_256), for several window/curves settings.
 
+``causal_recall`` does the same for the causal chunked selection at fig2_256, per chunk.
+
     python benchmarks/mqar_zeta_study.py --recall
 """
 
@@ -125,9 +127,41 @@ def window_recall(keys: int = 224, batch: int = 64, seed: int = 0) -> None:
             print(f"{sigma:5} {eps:4} " + " ".join(f"{m:18.4f}" for m in misses), flush=True)
 
 
+CHUNK_SPECS = ("window=64", "window=64,curves=2", "window=32,curves=3", "window=64,curves=3")
+
+
+@torch.no_grad()
+def causal_recall(batch: int = 64, seed: int = 1) -> None:
+    """Per chunk, the fraction of fig2_256 queries whose queried value position ZETA does not select.
+
+    Causal, N=256, chunks=8, local=32, k=32, as in experiments/mqar_zeta.yaml. Worst case for the
+    window: every position's key is drawn from one N(0, I) cloud in 3-D. The query at each
+    position >= 32 copies the key of a random value position 2i+1 < 32 plus N(0, (eps * s)^2 I),
+    s the median nearest-neighbour distance among the 32 context keys.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    length = 256
+    k = torch.randn(batch, 1, length, 3, generator=generator)  # [B, 1, N, 3]
+    context = k[:, :, :32]
+    spacing = torch.cdist(context, context).add(torch.eye(32) * 1e9).min(-1).values.median()
+    chunk = torch.arange(32, length) // 32  # [224] chunk of each query
+    source = torch.randint(0, 16, (batch, length - 32), generator=generator) * 2 + 1  # [B, 224]
+    print("eps spec: miss rate in chunks 1..7")
+    for eps in (0.1, 0.3):
+        q = torch.randn(batch, 1, length, 3, generator=generator)
+        noise = torch.randn(batch, length - 32, 3, generator=generator) * eps * spacing
+        q[:, 0, 32:] = k[torch.arange(batch)[:, None], 0, source] + noise
+        for spec in CHUNK_SPECS:
+            mask = selection_mask(f"zeta:k=32,dk=3,chunks=8,local=32,{spec}", q, k, causal=True)[:, 0, 32:]  # [B, 224, N]
+            hit = mask.gather(-1, source[..., None])[..., 0].float()  # [B, 224]
+            misses = [1 - float(hit[:, chunk == c].mean()) for c in range(1, 8)]
+            print(f"{eps} {spec}: " + " ".join(f"{m:.3f}" for m in misses), flush=True)
+
+
 def main() -> None:
     if "--recall" in os.sys.argv:
         window_recall()
+        causal_recall()
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("config")
