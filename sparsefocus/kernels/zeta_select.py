@@ -298,14 +298,17 @@ def zeta_select(
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     block_c = triton.next_power_of_2(curves * window + (local if chunk is not None else 0))
     block_w = triton.next_power_of_2(width)
-    block_m = SELECT_OVERRIDES.get("BLOCK_M", max(1, min(32, 4096 // block_c)))
+    distinct = SELECT_OVERRIDES.get("distinct", curves == 1)
+    # the distinct cut stops a tile once all its rows have converged: small tiles stop sooner
+    # (H200, 64K: 4 rows and 1 warp 6.5 ms for the whole selection; 32 rows and 4 warps 9.4)
+    block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
         q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
-        DISTINCT=SELECT_OVERRIDES.get("distinct", curves == 1), EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
-        num_warps=SELECT_OVERRIDES.get("num_warps", 4),
+        DISTINCT=distinct, EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
+        num_warps=SELECT_OVERRIDES.get("num_warps", 1 if distinct else 4),
     )
     return out
 
