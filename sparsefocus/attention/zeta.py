@@ -33,6 +33,9 @@ from sparsefocus.attention.patterns import Pattern, parse_pattern, register, req
 
 CODE_BITS = 62  # Morton codes stay below 2**62 so that SENTINEL sorts after every real code
 SENTINEL = 1 << CODE_BITS
+# Smallest Cauchy width: a key at distance 0 weighs 1 / GAMMA_MIN^2 = 1e6, not inf. Trained widths
+# collapse: on MQAR one model's four gammas all ended below 2e-10, one at 1e-40, whose square is 0 in fp32.
+GAMMA_MIN = 1e-3
 ROW_BUDGET = 1 << 24  # candidate entries materialised at once by the lean selection
 
 # Bit-spreading steps for 3-D codes (libmorton-style): x = (x | x << shift) & mask.
@@ -229,7 +232,9 @@ class Zeta(Pattern):
             require(getattr(self, name) >= 1, f"zeta: {name} must be >= 1, got {getattr(self, name)}")
         require(self.bits <= 20, f"zeta: bits must be <= 20 (codes are 64-bit), got {self.bits}")
         require(self.local >= 0, f"zeta: local must be >= 0, got {self.local}")
-        require(self.gamma > 0 and math.isfinite(self.gamma), f"zeta: gamma must be positive, got {self.gamma}")
+        require(
+            self.gamma >= GAMMA_MIN and math.isfinite(self.gamma), f"zeta: gamma must be finite and >= {GAMMA_MIN}, got {self.gamma}"
+        )
         code_bits(self.bits, self.dk, self.curves)
 
     def qk_dim(self, head_dim: int) -> int:
@@ -240,7 +245,11 @@ class Zeta(Pattern):
         return {"gamma": torch.nn.Parameter(torch.full((num_heads,), float(self.gamma)))}
 
     def gamma_of(self, params: dict | None) -> Tensor | float:
-        return self.gamma if params is None or params.get("gamma") is None else params["gamma"]
+        """The Cauchy width: the pattern's ``gamma``, or the trained one with its magnitude
+        floored at ``GAMMA_MIN`` (training drives it to 0, where gamma^2 underflows)."""
+        if params is None or params.get("gamma") is None:
+            return self.gamma
+        return params["gamma"].abs().clamp_min(GAMMA_MIN)
 
     def blocks(self, n_queries: int, n_keys: int, causal: bool) -> Iterator[tuple[slice, int]]:
         """(query rows, number of leading keys they may search): one block per causal chunk."""

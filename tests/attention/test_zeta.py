@@ -170,6 +170,7 @@ def test_mean_token_alone_when_no_key_is_selected():
         ("zeta:window=0", "window"),
         ("zeta:local=-1", "local"),
         ("zeta:gamma=0", "gamma"),
+        ("zeta:gamma=0.0001", "gamma"),
         ("zeta:curves=0", "curves"),
         ("zeta:chunks=0", "chunks"),
         ("zeta:dk=40,curves=2", "dk"),
@@ -178,6 +179,18 @@ def test_mean_token_alone_when_no_key_is_selected():
 def test_bad_parameters_raise_value_error_naming_them(pattern, name):
     with pytest.raises(ValueError, match=name):
         sf.parse_pattern(pattern)
+
+
+@pytest.mark.parametrize("impl", ["reference", "lean", "triton"])
+def test_collapsed_gamma_and_a_key_at_distance_zero_stay_finite(impl):
+    q, _, v = _qkv(24, kv_heads=2, seed=18)
+    v.requires_grad_(True)
+    k = q.clone()  # every query sits on its own key, which its local band always lists
+    gamma = torch.tensor([0.0, 1e-40], requires_grad=True)  # trained widths collapse; 1e-40 squared is 0
+    out = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2", causal=True, impl=impl, params={"gamma": gamma})
+    grads = torch.autograd.grad(out.pow(2).sum(), (v, gamma), allow_unused=True)
+    assert torch.isfinite(out).all() and torch.isfinite(grads[0]).all()
+    assert torch.equal(grads[1], torch.zeros(2))  # below the floor gamma gets no gradient
 
 
 def test_too_wide_queries_raise_value_error():
