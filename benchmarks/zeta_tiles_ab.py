@@ -1,13 +1,15 @@
 """ZETA forward and forward+backward with the tile defaults against the previous ones, alternating.
 
-Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_tiles_ab.py
+Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_tiles_ab.py [N ...] [--reps R]
 Prints one JSON row per (N, repetition, tiles); B=4, H=16, Dv=64, bf16, causal. "old" is the
 selection at 32 rows x 4 warps, the indexed forward at 32 rows x 8 slots x 4 warps and the
-backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8).
+backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8); "old_select" and
+"old_indexed" take only that part of the old tiles.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from benchmarks.zeta_bench import timed_ms, zeta_inputs, zeta_step
@@ -20,16 +22,23 @@ OLD_INDEXED = {"fwd": {"BLOCK_M": 32, "BLOCK_K": 8, "num_warps": 4}, "bwd": {"BL
 def use(tiles: str) -> None:
     zeta_select.SELECT_OVERRIDES.clear()
     indexed.TILE_OVERRIDES.clear()
-    if tiles == "old":
+    if tiles in ("old", "old_select"):
         zeta_select.SELECT_OVERRIDES.update(OLD_SELECT)
+    if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
 
 
 def main() -> None:
-    for n in (4096, 8192, 65536):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("lengths", type=int, nargs="*", default=[4096, 8192, 65536])
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--parts", action="store_true", help="also old selection tiles alone and old indexed tiles alone")
+    args = parser.parse_args()
+    variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
+    for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
-        for rep in range(2):
-            for tiles in ("new", "old"):
+        for rep in range(args.reps):
+            for tiles in variants:
                 use(tiles)
                 fwd = timed_ms(zeta_step(q, k, v, gamma, backward=False), 7)
                 both = timed_ms(zeta_step(q, k, v, gamma), 7)
