@@ -11,6 +11,8 @@ the candidates are united. The candidates are re-ranked by exact squared distanc
 nearest kept. A mean token (mean key and mean value of every allowed key, a cumulative mean when
 causal) joins every query's list, so that gradients reach every key and value. Weights are
 ``1 / (||q - k||^2 + gamma^2)`` normalised over the list and the mean token; ``scale`` is unused.
+With ``sink=1`` every list also holds a learned key per head with value zero (an attention sink):
+it only adds its weight to the normaliser, so a query can put weight on "nothing".
 
 Causality is chunked: the positions are cut into ``chunks`` equal chunks; a query in chunk m
 searches the sorted codes of all keys in chunks < m (one sort per chunk boundary, so no future
@@ -36,6 +38,7 @@ SENTINEL = 1 << CODE_BITS
 # Smallest Cauchy width: a key at distance 0 weighs 1 / GAMMA_MIN^2 = 1e6, not inf. Trained widths
 # collapse: on MQAR one model's four gammas all ended below 2e-10, one at 1e-40, whose square is 0 in fp32.
 GAMMA_MIN = 1e-3
+SINK_INIT = 1.0  # sink keys start at (1, ..., 1): far from q, k near 0 at init, so nearly weightless
 ROW_BUDGET = 1 << 24  # candidate entries materialised at once by the lean selection
 
 # Bit-spreading steps for 3-D codes (libmorton-style): x = (x | x << shift) & mask.
@@ -205,7 +208,8 @@ class Zeta(Pattern):
     Parameters: k kept keys per query (32); dk q/k width a layer projects to (3); bits per
     dimension of the Morton code (12); chunks for causality (8); window candidates per sorted
     search (64); local recent keys of the own chunk, causal only (32); curves shifted Z-curves
-    whose candidates are united (1); gamma the default Cauchy width (1.0, trainable in a layer).
+    whose candidates are united (1); gamma the default Cauchy width (1.0, trainable in a layer);
+    sink 1 adds a learned zero-value key per head to every list (0: none).
     """
 
     k: int = 32
@@ -216,7 +220,12 @@ class Zeta(Pattern):
     local: int = 32
     curves: int = 1
     gamma: float = 1.0
-    examples: ClassVar[tuple[str, ...]] = ("zeta:k=4,window=6,chunks=3,local=3", "zeta:k=3,window=4,curves=3,chunks=2,local=0")
+    sink: int = 0
+    examples: ClassVar[tuple[str, ...]] = (
+        "zeta:k=4,window=6,chunks=3,local=3",
+        "zeta:k=3,window=4,curves=3,chunks=2,local=0",
+        "zeta:k=3,window=4,chunks=3,local=2,sink=1",
+    )
     name: ClassVar[str] = "zeta"
     positional: ClassVar[tuple[str, ...]] = ("k",)
     field_aliases: ClassVar[dict[str, str]] = {"d_k": "dk", "w": "window"}
@@ -232,6 +241,7 @@ class Zeta(Pattern):
             require(getattr(self, name) >= 1, f"zeta: {name} must be >= 1, got {getattr(self, name)}")
         require(self.bits <= 20, f"zeta: bits must be <= 20 (codes are 64-bit), got {self.bits}")
         require(self.local >= 0, f"zeta: local must be >= 0, got {self.local}")
+        require(self.sink in (0, 1), f"zeta: sink must be 0 or 1, got {self.sink}")
         require(
             self.gamma >= GAMMA_MIN and math.isfinite(self.gamma), f"zeta: gamma must be finite and >= {GAMMA_MIN}, got {self.gamma}"
         )
@@ -241,8 +251,20 @@ class Zeta(Pattern):
         return self.dk
 
     def make_parameters(self, num_heads: int) -> dict[str, torch.nn.Parameter]:
-        """One trainable Cauchy width per head, initialised to ``gamma``."""
-        return {"gamma": torch.nn.Parameter(torch.full((num_heads,), float(self.gamma)))}
+        """One trainable Cauchy width per head, initialised to ``gamma``; with ``sink``, one sink
+        key per head [H, dk], initialised to ``SINK_INIT`` in every coordinate."""
+        params = {"gamma": torch.nn.Parameter(torch.full((num_heads,), float(self.gamma)))}
+        if self.sink:
+            params["sink_key"] = torch.nn.Parameter(torch.full((num_heads, self.dk), SINK_INIT))
+        return params
+
+    def sink_of(self, params: dict | None, heads: int, width: int, device: torch.device) -> Tensor | None:
+        """The sink keys [H, D] (trained, or ``SINK_INIT`` everywhere), or None without ``sink``."""
+        if not self.sink:
+            return None
+        if params is not None and params.get("sink_key") is not None:
+            return params["sink_key"]
+        return torch.full((heads, width), SINK_INIT, device=device)
 
     def gamma_of(self, params: dict | None) -> Tensor | float:
         """The Cauchy width: the pattern's ``gamma``, or the trained one with its magnitude
@@ -272,7 +294,8 @@ class Zeta(Pattern):
 
     def reference(self, q, k, v, *, causal, scale, key_padding_mask, params):
         mask = self.full_mask(q, k, causal, key_padding_mask, params)
-        return dense_cauchy_attention(q, k, v, mask, causal, key_padding_mask, self.gamma_of(params))
+        sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)
+        return dense_cauchy_attention(q, k, v, mask, causal, key_padding_mask, self.gamma_of(params), sink)
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
         index = select_keys(self, q, k, causal, key_padding_mask)
@@ -298,9 +321,29 @@ class Zeta(Pattern):
         else:
             mean_k, mean_v = mean_k.expand(-1, -1, n_queries, -1), mean_v.expand(-1, -1, n_queries, -1)
             present = present.expand(-1, -1, n_queries)
+        sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)
+        if sink is not None:
+            k, v, index = append_sink(k, v, index, sink)
         return kernel(
             q, k, v, index, score="cauchy", gamma=self.gamma_of(params), extra_key=mean_k, extra_value=mean_v, extra_mask=present
         )
+
+
+def append_sink(k: Tensor, v: Tensor, index: Tensor, sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Keys and values with one more position M holding the sink (key ``sink`` [Hq, D], value 0),
+    listed last by every query.
+
+    k [B, Hk, M, D], v [B, Hk, M, Dv], index [B|1, Hq|1, N, K] -> k [B, Hq, M+1, D],
+    v [B, Hq, M+1, Dv], index [B, Hq, N, K+1]. KV heads are expanded to Hq first (GQA), since the
+    sink is per query head."""
+    batch, heads, n_keys = k.shape[0], sink.shape[0], k.shape[2]
+    k, v = expand_kv(k, heads), expand_kv(v, heads)
+    sink_k = sink.to(k.dtype)[None, :, None, :].expand(batch, -1, 1, -1)  # [B, Hq, 1, D]
+    k = torch.cat([k, sink_k], dim=2)
+    v = torch.cat([v, v.new_zeros(batch, heads, 1, v.shape[-1])], dim=2)
+    index = index.expand(batch, heads, *index.shape[2:])
+    index = torch.cat([index, torch.full_like(index[..., :1], n_keys)], dim=-1)  # [B, Hq, N, K+1]
+    return k, v, index
 
 
 def squared_distances(q: Tensor, k: Tensor) -> Tensor:
@@ -484,7 +527,14 @@ def _dense_window(code_q: Tensor, code_k: Tensor, searchable: Tensor, window: in
 
 
 def dense_cauchy_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, causal: bool, key_padding_mask: Tensor | None, gamma: Tensor | float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    causal: bool,
+    key_padding_mask: Tensor | None,
+    gamma: Tensor | float,
+    sink: Tensor | None = None,
 ) -> Tensor:
     """The definition of ZETA's weighting, dense, in fp32 (fp64 kept).
 
@@ -492,7 +542,9 @@ def dense_cauchy_attention(
     c_ij = 1 / (||q_i - k_j||^2 + gamma^2), S_i the selected keys (mask [B, H, N, M]),
     kbar_i, vbar_i the mean of the real keys/values q_i may see (0..i when causal, all when not)
     and c_i* = 1 / (||q_i - kbar_i||^2 + gamma^2), or 0 when q_i may see no key (the row is then 0).
-    q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, Dv]; gamma: scalar or [H]. Returns [B, H, N, Dv].
+    With ``sink`` [H, D], c_is = 1 / (||q_i - sink||^2 + gamma^2) joins the denominator only (its
+    value is 0). q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, Dv]; gamma: scalar or [H].
+    Returns [B, H, N, Dv].
     """
     q, k, v = upcast(q), upcast(k), upcast(v)
     real = _real_keys(k, key_padding_mask)[:, :, None, :]  # [B, 1, 1, M]
@@ -507,6 +559,8 @@ def dense_cauchy_attention(
     weight = mask.to(q.dtype) / (squared_distances(q, k) + gamma_sq)  # [B, H, N, M]
     mean_weight = (count > 0).to(q.dtype) / ((q - mean_k).pow(2).sum(-1, keepdim=True) + gamma_sq)  # [B, H, N, 1]
     total = weight.sum(-1, keepdim=True) + mean_weight
+    if sink is not None:
+        total = total + 1 / ((q - upcast(sink)[None, :, None, :]).pow(2).sum(-1, keepdim=True) + gamma_sq)
     total = torch.where(total > 0, total, torch.ones_like(total))
     return (weight @ v + mean_weight * mean_v) / total
 

@@ -171,6 +171,7 @@ def test_mean_token_alone_when_no_key_is_selected():
         ("zeta:local=-1", "local"),
         ("zeta:gamma=0", "gamma"),
         ("zeta:gamma=0.0001", "gamma"),
+        ("zeta:sink=2", "sink"),
         ("zeta:curves=0", "curves"),
         ("zeta:chunks=0", "chunks"),
         ("zeta:dk=40,curves=2", "dk"),
@@ -191,6 +192,41 @@ def test_collapsed_gamma_and_a_key_at_distance_zero_stay_finite(impl):
     grads = torch.autograd.grad(out.pow(2).sum(), (v, gamma), allow_unused=True)
     assert torch.isfinite(out).all() and torch.isfinite(grads[0]).all()
     assert torch.equal(grads[1], torch.zeros(2))  # below the floor gamma gets no gradient
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_key_matches_in_every_path_and_trains(causal):
+    q, k, v = _qkv(26, seed=19)
+    results = []
+    for impl in ("reference", "lean", "triton"):
+        gamma = torch.tensor([0.7, 1.2], requires_grad=True)
+        sink = torch.tensor([[0.2, -0.1, 0.3], [1.0, 1.0, 1.0]], requires_grad=True)
+        params = {"gamma": gamma, "sink_key": sink}
+        out = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2,sink=1", causal=causal, impl=impl, params=params)
+        results.append((out, *torch.autograd.grad(out.pow(2).sum(), (gamma, sink))))
+    for name, ref, lean, tri in zip(("out", "dgamma", "dsink"), *results):
+        torch.testing.assert_close(lean, ref, atol=1e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(tri, ref, atol=1e-4, rtol=1e-3, msg=name)
+    assert results[0][2].abs().min() > 0  # every sink coordinate gets a gradient
+
+
+def test_sink_takes_weight_only_from_the_denominator():
+    q, k, v = _qkv(20, seed=20)
+    gamma = torch.full((2,), 0.05)  # narrow: a key at distance 0 outweighs every other by far
+    plain = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2", causal=True, impl="lean", params={"gamma": gamma})
+    far = {"gamma": gamma, "sink_key": torch.full((2, 3), 1e4)}
+    near = {"gamma": gamma, "sink_key": q[0, :, 7].clone()}  # on top of query 7 of batch 0
+    pattern = "zeta:k=4,window=4,chunks=3,local=2,sink=1"
+    torch.testing.assert_close(sf.sparse_attention(q, k, v, pattern, causal=True, impl="lean", params=far), plain)
+    shrunk = sf.sparse_attention(q, k, v, pattern, causal=True, impl="lean", params=near)
+    assert shrunk[0, :, 7].norm() < 0.1 * plain[0, :, 7].norm()
+
+
+def test_layer_with_sink_owns_one_sink_key_per_head():
+    layer = sf.layers.SparseAttention(16, 4, "zeta:k=4,window=4,chunks=2,local=2,sink=1", causal=True)
+    assert layer.mechanism["sink_key"].shape == (4, 3)
+    layer(torch.randn(2, 10, 16)).sum().backward()
+    assert torch.isfinite(layer.mechanism["sink_key"].grad).all()
 
 
 def test_too_wide_queries_raise_value_error():
