@@ -76,21 +76,28 @@ def rel_err(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+CHECKED = "zeta:k=32,window=64,chunks=4,local=32,curves=2"
+
+
 def correctness() -> dict:
-    """Triton path in bf16 vs the dense fp32 definition (N=512) and vs lean fp32 (N=4096)."""
+    """Triton path in bf16 vs the dense fp32 definition (N=512; also with a sink) and vs lean
+    fp32 (N=4096)."""
     results = {}
-    for n, impl_ref in ((512, "reference"), (4096, "lean")):
+    for n, impl_ref, sink in ((512, "reference", False), (4096, "lean", False), (512, "reference", True)):
         q, k, v, gamma = zeta_inputs(1, 4, n, dv=64, seed=n)
+        sink_key = (0.3 * torch.randn(4, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(n))) if sink else None
         for causal in (False, True):
             grads = {}
             for impl, cast in (("triton", lambda x: x), (impl_ref, lambda x: x.float())):
                 xs = [cast(x.detach()).requires_grad_() for x in (q, k, v)]
-                g = gamma.detach().clone().requires_grad_()
-                out = sf.sparse_attention(*xs, "zeta:k=32,window=64,chunks=4,local=32,curves=2", causal=causal, impl=impl, params={"gamma": g})
+                params = {"gamma": gamma.detach().clone().requires_grad_()}
+                if sink:
+                    params["sink_key"] = sink_key.clone().requires_grad_()
+                out = sf.sparse_attention(*xs, CHECKED + (",sink=1" if sink else ""), causal=causal, impl=impl, params=params)
                 out.float().pow(2).sum().backward()
-                grads[impl] = (out, *(x.grad for x in xs), g.grad)
-            names = ("out", "dq", "dk", "dv", "dgamma")
-            results[f"N{n}_{impl_ref}_causal{causal}"] = {
+                grads[impl] = (out, *(x.grad for x in xs), *(p.grad for p in params.values()))
+            names = ("out", "dq", "dk", "dv", "dgamma", "dsink")
+            results[f"N{n}_{impl_ref}_causal{causal}" + ("_sink" if sink else "")] = {
                 name: rel_err(a, b) for name, a, b in zip(names, grads["triton"], grads[impl_ref])
             }
     for pattern in (PATTERN, SHIFTED):
