@@ -222,9 +222,9 @@ def _blocks(d: int, dv: int, backward: bool) -> dict:
         return dict(BLOCK_M=16, BLOCK_K=1, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=2)
     if backward:  # smaller tiles measured faster on the H200 (atomics dominate): 16 x 4 slots
         return dict(BLOCK_M=16, BLOCK_K=max(1, min(4, 256 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
-    if block_d <= 16:  # narrow q/k (ZETA's 3): 16 rows, 2 warps: 2.9 ms at N=64K (32 rows, 4 warps: 3.1; 16 rows with 4 warps was 17% slower than that)
-        return dict(BLOCK_M=16, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=2)
-    return dict(BLOCK_M=16, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4)
+    # narrow q/k (ZETA's 3): 2 warps, 2.9 ms at N=64K (32 rows, 4 warps: 3.1; 16 rows with 4 warps was 17% slower than that)
+    warps = 2 if block_d <= 16 else 4
+    return dict(BLOCK_M=16, BLOCK_K=max(1, min(16, 512 // widest)), BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=warps)
 
 
 TILE_OVERRIDES: dict[str, dict] = {}
@@ -301,8 +301,7 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
 
 class IndexedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
-    extra_key/extra_value are strided [B, He, N, *] or None,
-    extra_mask int8 [B, Hq, N] or None."""
+    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None."""
 
     @staticmethod
     def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None):

@@ -14,8 +14,9 @@ searchsorted, gathers and topk over row blocks). Here:
   fp32 and keeps the ``width`` nearest. A candidate is packed as (distance bits << 32 | position)
   in an int64, so ties go to the smaller position and a key proposed by two curves is one value.
   With one curve every candidate is distinct (the window searches earlier chunks, the band the
-  own chunk): the ``width`` nearest are found by bisecting the distance bits for the cut (31
-  counting passes on int32), and stored in candidate order. With several curves a key can be
+  own chunk): the ``width`` nearest are found by bisecting the distance bits for the cut (at
+  most 31 counting passes on int32; a tile stops once every row has a cut with exactly
+  ``width`` keys below it), and stored in candidate order. With several curves a key can be
   proposed twice, so they are taken by ``width`` rounds of "smallest value above the last
   one", nearest first, which also drops repeats. (A bitonic ``tl.topk`` on the packed values
   measured 4x slower than the rounds on the H200.)

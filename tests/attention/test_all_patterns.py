@@ -29,6 +29,12 @@ def _fits(pattern, n):
         return False
 
 
+def _skip_unless_fits(pattern, n):
+    """Skip sizes the pattern's check_sizes refuses (test_image.py and test_api.py test that refusal)."""
+    if not _fits(pattern, n):
+        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+
+
 def _grads(pattern, impl, q, k, v, causal):
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = sf.sparse_attention(q, k, v, pattern, causal=causal, impl=impl)
@@ -44,8 +50,7 @@ def test_every_pattern_has_examples():
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lean_matches_reference_outputs_and_gradients(pattern, n, causal):
-    if not _fits(pattern, n):
-        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n)
     ref = _grads(pattern, "reference", q, k, v, causal)
     lean = _grads(pattern, "lean", q, k, v, causal)
@@ -58,8 +63,7 @@ def test_lean_matches_reference_outputs_and_gradients(pattern, n, causal):
 @pytest.mark.parametrize("impl", ["reference", "lean"])
 def test_causal_output_ignores_future_keys_and_values(pattern, impl):
     n, cut = 40, 23
-    if not _fits(pattern, n):
-        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n, seed=1)
     before = sf.sparse_attention(q, k, v, pattern, causal=True, impl=impl)
     k2, v2 = k.clone(), v.clone()
@@ -72,8 +76,7 @@ def test_causal_output_ignores_future_keys_and_values(pattern, impl):
 @pytest.mark.parametrize("pattern", EXAMPLES)
 def test_padded_keys_are_never_read(pattern):
     n = 30
-    if not _fits(pattern, n):
-        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n, seed=2)
     padding = torch.ones(2, n, dtype=torch.bool)
     padding[1, 20:] = False
@@ -90,8 +93,7 @@ def test_padded_keys_are_never_read(pattern):
 @pytest.mark.parametrize("impl", ["reference", "lean"])
 def test_rows_without_keys_are_zero_and_finite(pattern, impl):
     n = 12
-    if not _fits(pattern, n):
-        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+    _skip_unless_fits(pattern, n)
     q, k, v = (x.requires_grad_() for x in _inputs(n, seed=3))
     padding = torch.zeros(2, n, dtype=torch.bool)
     padding[0] = True
@@ -105,8 +107,7 @@ def test_rows_without_keys_are_zero_and_finite(pattern, impl):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_give_close_outputs_in_their_dtype(pattern, dtype):
     n = 33
-    if not _fits(pattern, n):
-        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n, seed=4)
     # Scale q so that low-precision rounding cannot flip an input-dependent selection tie.
     expected = sf.sparse_attention(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), pattern)

@@ -26,7 +26,7 @@ def load_session():
 
 
 class Stop(Exception):
-    pass
+    """Raised inside training to stop it the way a device call killed at its budget would."""
 
 
 def test_copied_files_restore_the_run_and_training_resumes_from_them(tmp_path):
