@@ -4,8 +4,7 @@ Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_tiles_ab.py [N ...
 Prints one JSON row per (N, repetition, tiles); B=4, H=16, Dv=64, bf16, causal. "old" is the
 selection at 32 rows x 4 warps, the indexed forward at 32 rows x 8 slots x 4 warps and the
 backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8); "old_select" and
-"old_indexed" take only that part of the old tiles. "scalar_atomics" (with --atomics) is the
-backward's dv scatter with one fp32 atomic per element instead of ``red.global.add.v4.f32``.
+"old_indexed" take only that part of the old tiles.
 """
 
 from __future__ import annotations
@@ -27,8 +26,6 @@ def use(tiles: str) -> None:
         zeta_select.SELECT_OVERRIDES.update(OLD_SELECT)
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
-    if tiles == "scalar_atomics":
-        indexed.TILE_OVERRIDES["bwd"] = {"VEC_ATOMICS": False}
 
 
 def main() -> None:
@@ -36,10 +33,8 @@ def main() -> None:
     parser.add_argument("lengths", type=int, nargs="*", default=[4096, 8192, 65536])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--parts", action="store_true", help="also old selection tiles alone and old indexed tiles alone")
-    parser.add_argument("--atomics", action="store_true", help="only the defaults against the scalar dv scatter")
     args = parser.parse_args()
     variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
-    variants = ("new", "scalar_atomics") if args.atomics else variants
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         for rep in range(args.reps):

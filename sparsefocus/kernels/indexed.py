@@ -23,7 +23,6 @@ every list is gathered row by row.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -100,38 +99,6 @@ def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE: tl.con
 
 
 @triton.jit
-def _red_add_v4(row_ptr, x, ok, COLS: tl.constexpr, WIDTH: tl.constexpr):
-    """Add x [BM, BK, WIDTH] fp32 into the rows row_ptr [BM, BK, 1] (fp32 pointers to each row's
-    first element) where ok [BM, BK, 1], columns < COLS, four floats per
-    ``red.global.add.v4.f32`` (sm_90+).
-
-    The L2 applies one reduction per transaction, so a 16-byte vector costs about what one float
-    does; the scalar atomics of the dv scatter are the backward's bottleneck. The four floats of
-    a group are split out explicitly (reshape + split) so that the result does not depend on
-    how Triton lays the tile out across threads. Needs COLS % 4 == 0 and 16-byte aligned rows."""
-    quads = tl.reshape(x, [x.shape[0], x.shape[1], WIDTH // 4, 2, 2])  # element 4j + 2a + b at [j, a, b]
-    even, odd = tl.split(quads)  # [.., WIDTH // 4, 2]: b = 0 / b = 1
-    x0, x2 = tl.split(even)  # [.., WIDTH // 4]: elements 4j, 4j + 2
-    x1, x3 = tl.split(odd)
-    first = tl.arange(0, WIDTH // 4)[None, None, :] * 4  # [1, 1, WIDTH // 4] first column of each group
-    address = (row_ptr + first).to(tl.int64)  # [BM, BK, WIDTH // 4]; an integer: the asm's operands broadcast as values
-    ok = ok & (first < COLS)
-    tl.inline_asm_elementwise(
-        asm="""{
-        .reg .pred p;
-        setp.ne.b32 p, $6, 0;
-        @p red.global.gpu.relaxed.add.v4.f32 [$1], {$2, $3, $4, $5};
-        mov.u32 $0, 0;
-        }""",
-        constraints="=r,l,f,f,f,f,r",
-        args=[address, x0, x1, x2, x3, tl.broadcast_to(ok, address.shape).to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
-@triton.jit
 def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
     """Flat element offsets [BM] of the extra slot's rows (strided: expanded tensors are not copied)."""
     b, h = bh // HQ, (bh % HQ) // EGROUP
@@ -199,7 +166,6 @@ def _indexed_bwd_kernel(
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    VEC_ATOMICS: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -242,21 +208,10 @@ def _indexed_bwd_kernel(
         dgamma_sq += dg
         dq += dq_tile
         tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
-        if VEC_ATOMICS:
-            _red_add_v4(DV_ + v_base + idx[:, :, None] * DV, p[:, :, None] * do[:, None, :], idx[:, :, None] >= 0, DV, BLOCK_DV)
-        else:
-            tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
+        tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
-
-
-def _vector_atomics(v: Tensor) -> bool:
-    """Whether the dv scatter may use ``red.global.add.v4.f32``: compiled for sm_90+ (not the CPU
-    interpreter, which runs no inline assembly) and rows of a multiple of 4 floats (16-byte aligned)."""
-    if v.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1" or v.shape[-1] % 4:
-        return False
-    return torch.cuda.get_device_capability(v.device)[0] >= 9
 
 
 def _blocks(d: int, dv: int, backward: bool) -> dict:
@@ -273,8 +228,7 @@ def _blocks(d: int, dv: int, backward: bool) -> dict:
 
 
 TILE_OVERRIDES: dict[str, dict] = {}
-"""Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice (and, for
-"bwd", ``VEC_ATOMICS``: False forces the scalar dv scatter)."""
+"""Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool) -> tuple[tuple, dict]:
@@ -320,7 +274,6 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         d_extra_k = torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)
         d_extra_v = torch.empty(*q.shape[:3], v.shape[-1], dtype=extra.value.dtype, device=q.device)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True)
-    blocks = dict(VEC_ATOMICS=_vector_atomics(v)) | blocks
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,

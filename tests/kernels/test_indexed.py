@@ -126,8 +126,8 @@ def test_indexed_kernel_extra_slot_without_listed_keys_and_bad_shapes():
 
 @pytest.mark.parametrize("dim_v", [12, 64])
 def test_indexed_kernel_dv_scatter_widths(dim_v):
-    """dv widths that a GPU of sm_90+ scatters four floats at a time (12: the last group of the
-    16-wide tile is masked), with keys listed many times by many queries (contended adds)."""
+    """dv widths other than the tile's (12 in a 16-wide tile) and the full 64, with keys listed
+    many times by many queries (contended atomic adds)."""
     q, k, v, _, gamma = make_case(37, 6, "cauchy", torch.float32, slots=9, dim_v=dim_v)
     index = torch.randint(-1, 6, (2, 4, 37, 9), device=DEVICE)
     grad_out = torch.randn(2, 4, 37, dim_v, device=DEVICE)
@@ -136,32 +136,3 @@ def test_indexed_kernel_dv_scatter_widths(dim_v):
     for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
         assert rel_err(x, y) < 1e-5, f"dim_v {dim_v} {name}: relative error {rel_err(x, y):.2e}"
 
-
-COMPILE_SM90 = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from sparsefocus.kernels.indexed import _indexed_bwd_kernel as kernel
-pointers = dict.fromkeys("Q K V OUT DOUT EK EV DQ DEV".split(), "*fp16") | dict(IDX="*i32", EMASK="*i8")
-pointers |= dict.fromkeys("GAMMA_SQ STAT DK DV_ DGAMMA DEK".split(), "*fp32")
-constexprs = dict(D=3, DV=64, SCORE=2, HAS_EXTRA=True, BLOCK_M=16, BLOCK_K=1, BLOCK_D=4, BLOCK_DV=64, VEC_ATOMICS=True)
-names = kernel.arg_names
-signature = {n: pointers.get(n, "constexpr" if n in constexprs else "fp32" if n == "scale" else "i32") for n in names}
-source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(n),): x for n, x in constexprs.items()})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=2))
-print(compiled.asm["ptx"].count("red.global.gpu.relaxed.add.v4.f32"), compiled.asm["ptx"].count("atom.global"), "cubin" in compiled.asm)
-"""
-
-
-def test_vector_dv_scatter_compiles_for_sm90():
-    """The GPU-only path (inline PTX, which the interpreter cannot run) assembles for sm_90 with
-    ptxas, and its 64 dv floats per (row, slot) go out as 4-wide reductions: 4 per thread at
-    16 x 1 slots and 2 warps; the dk scatter keeps one scalar atomic."""
-    import os
-    import subprocess
-    import sys
-
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", COMPILE_SM90], capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.split() == ["4", "1", "True"], result.stdout
