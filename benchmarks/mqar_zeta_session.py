@@ -104,13 +104,13 @@ def copy_back(root: Path, out: Path) -> list[str]:
 
 
 def progress(root: Path) -> dict[str, dict[str, Any]]:
-    """Per run: epochs done, the last held-out accuracy and the mean seconds per epoch."""
+    """Per run ("label seed=N"): epochs done, the last held-out accuracy and the mean seconds per epoch."""
     out = {}
     for record_path in sorted(root.rglob("config.yaml")):
         record = yaml.safe_load(record_path.read_text())
         lines = (record_path.parent / "metrics.jsonl")
         metrics = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
-        out[record["label"]] = {
+        out[f"{record['label']} seed={record['seed']}"] = {  # one entry per seed of a mechanism
             "epochs_done": len(metrics),
             "epochs": record["config"]["train"]["epochs"],
             "valid_acc": metrics[-1]["valid_acc"] if metrics else None,

@@ -2,9 +2,11 @@
 resumes from them where the previous call stopped."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sparsefocus.train.config import load_config
 from sparsefocus.train.experiment import check_experiment, plan, run_experiment
@@ -53,7 +55,20 @@ def test_copied_files_restore_the_run_and_training_resumes_from_them(tmp_path):
     assert check_run_folder(resumed) == ("done", 2)
     assert session.restore(out, tmp_path / "b" / second.name) == []  # never overwrites a further run
     progress = session.progress(tmp_path / "b" / second.name)
-    assert progress["FULL"]["epochs_done"] == 2
+    assert progress[f"FULL seed={resumed.seed}"]["epochs_done"] == 2
+
+
+def test_progress_keeps_one_entry_per_seed(tmp_path):
+    session = load_session()
+    for seed, accuracies in ((1, [0.5, 0.9]), (2, [0.7])):
+        folder = tmp_path / f"seed-{seed}"
+        folder.mkdir()
+        record = {"label": "zeta:k=2", "seed": seed, "config": {"train": {"epochs": 3}}}
+        (folder / "config.yaml").write_text(yaml.safe_dump(record))
+        (folder / "metrics.jsonl").write_text("".join(json.dumps({"valid_acc": a, "seconds": 2.0}) + "\n" for a in accuracies))
+    progress = session.progress(tmp_path)
+    assert progress["zeta:k=2 seed=1"] == {"epochs_done": 2, "epochs": 3, "valid_acc": 0.9, "best_valid_acc": 0.9, "s_per_epoch": 2.0}
+    assert progress["zeta:k=2 seed=2"]["valid_acc"] == 0.7
 
 
 def test_the_study_fits_the_device_file_limit_and_a_wider_model_is_refused_before_training():
