@@ -13,6 +13,7 @@ whether the window or the attention itself misses.
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 from torch import Tensor
@@ -22,7 +23,7 @@ from sparsefocus.tasks.base import TaskData, build_task
 from sparsefocus.train.config import load_config
 
 CONFIG = "experiments/mqar_zeta.yaml"
-PATTERN = "zeta:k=32,dk=3,window=64,chunks=8,local=32,gamma=0.1"
+PATTERN = "zeta:k=32,dk=3,window=64,chunks=8,local=32,gamma=0.02,sink=1"  # experiments/mqar_zeta.yaml
 CONTEXT = 32  # fig2_256: 16 key-value pairs fill positions 0..31
 CHUNK = 32  # chunks=8 at L=256
 
@@ -73,8 +74,9 @@ def main() -> None:
     parser.add_argument("checkpoint")
     parser.add_argument("--count", type=int, default=1000)
     parser.add_argument("--pattern", default=PATTERN)
-    parser.add_argument("--wide", nargs="*", default=["zeta:k=32,dk=3,window=224,chunks=8,local=32,gamma=0.1"])
+    parser.add_argument("--wide", nargs="*", default=None, help="default: --pattern with window=224")
     args = parser.parse_args()
+    args.wide = [re.sub(r"window=\d+", "window=224", args.pattern)] if args.wide is None else args.wide
     state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)["model"]
     print("learned gamma:", {name: [f"{g:.2e}" for g in value.tolist()] for name, value in state.items() if name.endswith("gamma")})
     task = build_task("mqar", load_config(CONFIG).seeds[0], preset="fig2_256")
