@@ -4,7 +4,9 @@ Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_tiles_ab.py [N ...
 Prints one JSON row per (N, repetition, tiles); B=4, H=16, Dv=64, bf16, causal. "old" is the
 selection at 32 rows x 4 warps, the indexed forward at 32 rows x 8 slots x 4 warps and the
 backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8); "old_select" and
-"old_indexed" take only that part of the old tiles.
+"old_indexed" take only that part of the old tiles. With --key-grads: the default (fp32 atomic
+dk/dv) against ``indexed.KEY_GRADS = "inverse"`` (per-key sums over an inverse index), after a
+check that both give the same gradients (printed as relative differences).
 """
 
 from __future__ import annotations
@@ -26,6 +28,24 @@ def use(tiles: str) -> None:
         zeta_select.SELECT_OVERRIDES.update(OLD_SELECT)
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
+    indexed.KEY_GRADS = "inverse" if tiles == "inverse" else "atomic"
+
+
+def gradients(q, k, v, gamma) -> list:
+    for x in (q, k, v, gamma):
+        x.grad = None
+    zeta_step(q, k, v, gamma)()
+    return [x.grad.float().clone() for x in (q, k, v, gamma)]
+
+
+def compare_key_grads(q, k, v, gamma) -> dict:
+    """Relative differences of dq, dk, dv, d gamma between the inverse index and the atomics."""
+    use("new")
+    atomic = gradients(q, k, v, gamma)
+    use("inverse")
+    inverse = gradients(q, k, v, gamma)
+    use("new")
+    return {name: ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for name, a, b in zip(("dq", "dk", "dv", "dgamma"), inverse, atomic)}
 
 
 def main() -> None:
@@ -33,10 +53,14 @@ def main() -> None:
     parser.add_argument("lengths", type=int, nargs="*", default=[4096, 8192, 65536])
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--parts", action="store_true", help="also old selection tiles alone and old indexed tiles alone")
+    parser.add_argument("--key-grads", action="store_true", help="the default against KEY_GRADS='inverse'")
     args = parser.parse_args()
     variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
+    variants = ("new", "inverse") if args.key_grads else variants
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
+        if args.key_grads:
+            print(json.dumps({"N": n, "inverse_vs_atomic_rel_diff": compare_key_grads(q, k, v, gamma)}), flush=True)
         for rep in range(args.reps):
             for tiles in variants:
                 use(tiles)

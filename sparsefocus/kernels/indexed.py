@@ -166,6 +166,7 @@ def _indexed_bwd_kernel(
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SCATTER_KV: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -207,8 +208,9 @@ def _indexed_bwd_kernel(
         p, dg, dq_tile, dk = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE)
         dgamma_sq += dg
         dq += dq_tile
-        tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
-        tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
+        if SCATTER_KV:  # off when indexed_csr.key_grads computes dk and dv
+            tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
+            tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
@@ -262,12 +264,21 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None) ->
     return out, stat
 
 
+KEY_GRADS = "atomic"
+"""How dk and dv of Cauchy lists are summed: "atomic" (fp32 atomic adds per (query, slot), the
+default, measured) or "inverse" (``indexed_csr``: an inverse index, then per-key sums in
+registers; tested against the reference, not yet timed on a GPU). Other scores always use atomics."""
+
+
 def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None):
-    """Launch the backward kernel. Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq] fp32
-    and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (fp32; None without extra)."""
+    """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq]
+    fp32 and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra)."""
+    if KEY_GRADS not in ("atomic", "inverse"):
+        raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
+    inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
     dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dk = torch.zeros(k.shape if not inverse else (1,), dtype=torch.float32, device=k.device)  # (1,): unused
+    dv = torch.zeros(v.shape if not inverse else (1,), dtype=torch.float32, device=v.device)
     dgamma_sq = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)  # [B, Hq, N]
     d_extra_k = d_extra_v = None
     if extra is not None:
@@ -279,8 +290,12 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
         d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
         *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse, **blocks,
     )
+    if inverse:
+        from sparsefocus.kernels.indexed_csr import key_grads
+
+        dk, dv = key_grads(q, k, v, index, gamma_sq, out, grad_out, stat)
     return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
 
 

@@ -245,13 +245,18 @@ def test_layer_projects_to_dk_and_trains_gamma_per_head():
     assert gamma.shape == (4,) and torch.isfinite(gamma.grad).all() and gamma.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_triton_path_equals_lean_in_the_interpreter(causal):
+@pytest.mark.parametrize("causal,key_grads,sink", [(False, "atomic", 0), (True, "atomic", 0), (True, "inverse", 1), (False, "inverse", 0)])
+def test_triton_path_equals_lean_in_the_interpreter(monkeypatch, causal, key_grads, sink):
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", key_grads)  # "inverse": dk, dv summed per key over an inverse index
     q, k, v = (x.requires_grad_() for x in _qkv(24, heads=2, kv_heads=1, seed=12))
     results = []
+    pattern = "zeta:k=4,window=4,chunks=3,local=2,curves=2" + (",sink=1" if sink else "")
     for impl in ("lean", "triton"):
         gamma = torch.tensor([0.8, 1.5], requires_grad=True)
-        out = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2,curves=2", causal=causal, impl=impl, params={"gamma": gamma})
+        params = {"gamma": gamma} | ({"sink_key": torch.tensor([[0.2, -0.1, 0.3], [0.5, 0.4, 0.1]])} if sink else {})
+        out = sf.sparse_attention(q, k, v, pattern, causal=causal, impl=impl, params=params)
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
     for name, lean, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
         torch.testing.assert_close(tri, lean, atol=1e-4, rtol=1e-3, msg=name)

@@ -136,3 +136,53 @@ def test_indexed_kernel_dv_scatter_widths(dim_v):
     for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
         assert rel_err(x, y) < 1e-5, f"dim_v {dim_v} {name}: relative error {rel_err(x, y):.2e}"
 
+
+
+@pytest.mark.parametrize("n,m,slots,heads", [(1, 4, 3, (4, 2)), (37, 23, 9, (4, 2)), (50, 7, 20, (4, 4)), (21, 64, 5, (3, 1))])
+def test_inverse_index_key_grads_match_reference(monkeypatch, n, m, slots, heads):
+    """KEY_GRADS="inverse" (per-key sums over an inverse index): dk and dv as the reference, with
+    repeated keys, unused slots, GQA and keys that no query lists (their gradients are 0)."""
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", "inverse")
+    q, k, v, _, gamma = make_case(n, m, "cauchy", torch.float32, slots=slots, q_heads=heads[0], kv_heads=heads[1], dim_v=5)
+    index = torch.randint(-1, max(1, m // 2), (2, heads[0], n, slots), device=DEVICE)  # keys >= m // 2 never listed
+    grad_out = torch.randn(2, heads[0], n, 5, device=DEVICE)
+    got = run(indexed_attention, q, k, v, index, gamma, "cauchy", torch.float32, grad_out)
+    want = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float32, grad_out)
+    for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
+        assert rel_err(x, y) < 1e-5, f"{name}: relative error {rel_err(x, y):.2e}"
+    assert (got[2][:, :, max(1, m // 2):] == 0).all() and (got[3][:, :, max(1, m // 2):] == 0).all()
+
+
+def test_inverse_index_with_extra_slot_and_fp16_within_twice_torch_error(monkeypatch):
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", "inverse")
+    q, k, v, index, gamma = make_case(63, 50, "cauchy", torch.float16, slots=37, dim=16, dim_v=8)
+    grad_out = torch.randn(2, 4, 63, 8, device=DEVICE)
+    truth = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float32, grad_out)
+    torch_low = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float16, grad_out)
+    kernel = run(indexed_attention, q, k, v, index, gamma, "cauchy", torch.float16, grad_out)
+    for name, x, y, t in zip(["out", "dq", "dk", "dv", "dgamma"], kernel, torch_low, truth):
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    n, extra_k, extra_v = 19, *_extras("per_kv_head", 19, 2, 6, 3)
+    q, k, v, index, gamma = make_case(n, 11, "cauchy", torch.float32)
+    results = []
+    for fn in (indexed_attention, indexed_attention_ref):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v)]
+        out = fn(*leaves[:3], index, score="cauchy", gamma=gamma, extra_key=leaves[3], extra_value=leaves[4])
+        results.append([out, *torch.autograd.grad(out.sum(), leaves)])
+    for name, x, y in zip(["out", "dq", "dk", "dv", "d_extra_k", "d_extra_v"], *results):
+        assert rel_err(x, y) < 1e-5, f"extra slot, {name}: relative error {rel_err(x, y):.2e}"
+
+
+def test_key_grads_mode_is_checked(monkeypatch):
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", "csr")
+    q, k, v, index, gamma = make_case(5, 4, "cauchy", torch.float32)
+    out = indexed_attention(q.requires_grad_(), k, v, index, score="cauchy", gamma=gamma)
+    with pytest.raises(ValueError, match="KEY_GRADS"):
+        out.sum().backward()

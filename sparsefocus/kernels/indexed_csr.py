@@ -1,0 +1,147 @@
+"""Key gradients of indexed Cauchy attention without float atomics: an inverse index, then one
+program per block of keys that sums over the queries that listed them.
+
+The atomic backward (``indexed._indexed_bwd_kernel``) adds p * dO (Dv floats) into dv once per
+(query, slot): at N=64K with 32 slots that is 8.6 G fp32 reductions through L2, and on the H200
+its time followed the number of pairs whatever the lists' structure
+(``benchmarks/zeta_bwd_probe.py``). Here the reductions happen in registers instead:
+
+1. ``build_inverse``: for each key, the flat query rows that list it (CSR: offsets [L + 1] and
+   entries, L = B * Hk * M keys), by a counting pass and a filling pass with int32 atomics (one
+   per pair, 4 bytes instead of Dv floats). A query that lists a key twice appears twice.
+2. ``key_grads``: one program per (BLOCK_N keys, batch x kv head) walks each key's entries
+   BLOCK_E at a time, gathers q, dO, the Cauchy sum and delta = sum(o * dO) of those queries,
+   recomputes the weights and accumulates dk [BN, D] and dv [BN, Dv] in fp32 registers; every
+   key row is stored once, in the input dtype (no fp32 [B, Hk, M, Dv] buffer, no cast pass).
+
+The query side (dq, d gamma, the extra slot) stays in the indexed backward kernel with its
+scatter switched off. Cauchy weights only (ZETA's score). The order of a key's entries depends
+on the atomics' order on a GPU, so its fp32 sums may differ in the last bits between runs, as
+the atomic backward's do.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+
+@triton.jit
+def _listed_keys(IDX, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, start):
+    """(flat key [BM, BK] int64 = kv_bh * M + idx, valid [BM, BK], flat query row [BM] int32) of
+    slots start .. start + BLOCK_K of this program's BLOCK_M queries."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = start + tl.arange(0, BLOCK_K)
+    row_offs = bh.to(tl.int64) * N + rows  # [BM]
+    ok = (rows < N)[:, None] & (slots[None, :] < NUM_SLOTS)
+    idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=ok, other=-1)  # [BM, BK]
+    valid = ok & (idx >= 0)
+    return kv_bh.to(tl.int64) * M + idx, valid, row_offs.to(tl.int32)
+
+
+@triton.jit
+def _count_kernel(IDX, COUNT, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """COUNT[kv_bh * M + key] += 1 for every listed (query, slot)."""
+    for start in range(0, NUM_SLOTS, BLOCK_K):
+        key, valid, _ = _listed_keys(IDX, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M, BLOCK_K, start)
+        tl.atomic_add(COUNT + key, tl.full(key.shape, 1, tl.int32), mask=valid, sem="relaxed")
+
+
+@triton.jit
+def _fill_kernel(IDX, CURSOR, ENTRIES, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Write each listing query's flat row at its key's next free entry (CURSOR starts at the offsets)."""
+    for start in range(0, NUM_SLOTS, BLOCK_K):
+        key, valid, row = _listed_keys(IDX, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M, BLOCK_K, start)
+        at = tl.atomic_add(CURSOR + key, tl.full(key.shape, 1, tl.int32), mask=valid, sem="relaxed")  # [BM, BK] old values
+        tl.store(ENTRIES + at, tl.broadcast_to(row[:, None], key.shape), mask=valid)
+
+
+def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """The queries listing each key.
+
+    Args:
+        index: [B, Hq, N, K] int32 contiguous key positions (-1 unused); n_keys: M; kv_heads: Hk
+            (query head h lists keys of kv head h // (Hq // Hk)).
+    Returns:
+        offsets [B * Hk * M + 1] int32 and entries [pairs] int32: the flat query rows
+        (b * Hq + h) * N + i listing key (b, kv head, j) are entries[offsets[l] : offsets[l + 1]]
+        with l = (b * Hk + kv head) * M + j.
+    """
+    batch, q_heads, n_queries, slots = index.shape
+    if batch * q_heads * n_queries * slots >= 2**31:
+        raise ValueError(f"the inverse index holds at most 2**31 - 1 (query, slot) pairs; got {batch * q_heads * n_queries * slots}")
+    count = torch.zeros(batch * kv_heads * n_keys, dtype=torch.int32, device=index.device)
+    grid = (triton.cdiv(n_queries, 16), batch * q_heads)
+    sizes = (n_queries, n_keys, slots, q_heads, q_heads // kv_heads)
+    block_k = min(32, triton.next_power_of_2(max(slots, 1)))
+    _count_kernel[grid](index, count, *sizes, BLOCK_M=16, BLOCK_K=block_k)
+    offsets = torch.zeros(count.numel() + 1, dtype=torch.int32, device=index.device)
+    torch.cumsum(count, 0, out=offsets[1:])
+    entries = torch.empty(int(offsets[-1].item()), dtype=torch.int32, device=index.device)
+    cursor = offsets[:-1].clone()
+    _fill_kernel[grid](index, cursor, entries, *sizes, BLOCK_M=16, BLOCK_K=block_k)
+    return offsets, entries
+
+
+@triton.jit
+def _key_grads_kernel(
+    Q, K, V, DOUT, STAT, DELTA, GAMMA_SQ, OFFSETS, ENTRIES, DK, DV_,
+    N, M, HQ,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    pid_n, kv_bh = tl.program_id(0), tl.program_id(1)
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = keys < M
+    flat = kv_bh.to(tl.int64) * M + keys  # [BN]
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    d_ok, dv_ok = offs_d < D, offs_dv < DV
+    kj = tl.load(K + flat[:, None] * D + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BN, BD]
+    vj = tl.load(V + flat[:, None] * DV + offs_dv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)  # [BN, BDV]
+    first = tl.load(OFFSETS + flat, mask=key_ok, other=0)
+    count = tl.load(OFFSETS + flat + 1, mask=key_ok, other=0) - first  # [BN]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for t in range(0, tl.max(count, axis=0), BLOCK_E):
+        e = t + tl.arange(0, BLOCK_E)
+        e_ok = e[None, :] < count[:, None]  # [BN, BE]
+        row = tl.load(ENTRIES + first[:, None] + e[None, :], mask=e_ok, other=0).to(tl.int64)  # [BN, BE] flat query rows
+        gamma_sq = tl.load(GAMMA_SQ + (row // N) % HQ, mask=e_ok, other=1.0)
+        stat = tl.load(STAT + row, mask=e_ok, other=1.0)  # Cauchy sum of the query's weights
+        delta = tl.load(DELTA + row, mask=e_ok, other=0.0)
+        qt = tl.load(Q + row[:, :, None] * D + offs_d[None, None, :], mask=e_ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
+        dot = tl.load(DOUT + row[:, :, None] * DV + offs_dv[None, None, :], mask=e_ok[:, :, None] & dv_ok[None, None, :], other=0.0).to(tl.float32)
+        diff = qt - kj[:, None, :]  # [BN, BE, BD]: q - k
+        w = tl.where(e_ok, 1.0 / (tl.sum(diff * diff, axis=2) + gamma_sq), 0.0)  # [BN, BE]
+        p = w / tl.where(stat > 0, stat, 1.0)
+        dv += tl.sum(p[:, :, None] * dot, axis=1)
+        dp = tl.sum(dot * vj[:, None, :], axis=2)  # [BN, BE]
+        d_sq = -(dp - delta) * w * p  # d loss / d squared distance, as in indexed._slot_grads
+        dk += tl.sum((-2.0 * d_sq)[:, :, None] * diff, axis=1)
+    tl.store(DK + flat[:, None] * D + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok[:, None] & d_ok[None, :])
+    tl.store(DV_ + flat[:, None] * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=key_ok[:, None] & dv_ok[None, :])
+
+
+def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, out: Tensor, grad_out: Tensor, stat: Tensor) -> tuple[Tensor, Tensor]:
+    """dk [B, Hk, M, D] and dv [B, Hk, M, Dv] (input dtypes) of indexed Cauchy attention.
+
+    Args: q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], index [B, Hq, N, K] int32, out and
+    grad_out [B, Hq, N, Dv], all contiguous; gamma_sq [Hq] fp32; stat [B, Hq, N] fp32 (each
+    query's sum of Cauchy weights, extra slot included, from the forward).
+    """
+    offsets, entries = build_inverse(index, k.shape[2], k.shape[1])
+    delta = (out.float() * grad_out.float()).sum(-1).contiguous()  # [B, Hq, N]: sum_j p_j dp_j
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    batch, kv_heads, n_keys, dim = k.shape
+    block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(v.shape[-1])
+    grid = (triton.cdiv(n_keys, 16), batch * kv_heads)
+    _key_grads_kernel[grid](
+        q, k, v, grad_out, stat, delta, gamma_sq, offsets, entries, dk, dv, q.shape[2], n_keys, q.shape[1],
+        D=dim, DV=v.shape[-1], BLOCK_N=16, BLOCK_E=8, BLOCK_D=block_d, BLOCK_DV=block_dv,
+    )
+    return dk, dv
