@@ -6,7 +6,8 @@ selection at 32 rows x 4 warps, the indexed forward at 32 rows x 8 slots x 4 war
 backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8); "old_select" and
 "old_indexed" take only that part of the old tiles. With --key-grads: the default (fp32 atomic
 dk/dv) against ``indexed.KEY_GRADS = "inverse"`` (per-key sums over an inverse index), after a
-check that both give the same gradients (printed as relative differences).
+check that both give the same gradients (printed as relative differences), and the inverse
+path with other key tiles ("inverse_32x4", "inverse_8x16", "inverse_16x16": BLOCK_N x BLOCK_E).
 """
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.zeta_bench import timed_ms, zeta_inputs, zeta_step
-from sparsefocus.kernels import indexed, zeta_select
+from benchmarks.zeta_bench import peak_mb, timed_ms, zeta_inputs, zeta_step
+from sparsefocus.kernels import indexed, indexed_csr, zeta_select
 
 OLD_SELECT = {"BLOCK_M": 32, "num_warps": 4}
 OLD_INDEXED = {"fwd": {"BLOCK_M": 32, "BLOCK_K": 8, "num_warps": 4}, "bwd": {"BLOCK_M": 16, "BLOCK_K": 2, "num_warps": 2}}
+KEY_TILES = {
+    "inverse": {"BLOCK_N": 16, "BLOCK_E": 8, "num_warps": 4}, "inverse_32x4": {"BLOCK_N": 32, "BLOCK_E": 4, "num_warps": 4},
+    "inverse_8x16": {"BLOCK_N": 8, "BLOCK_E": 16, "num_warps": 4}, "inverse_16x16": {"BLOCK_N": 16, "BLOCK_E": 16, "num_warps": 8},
+}
 
 
 def use(tiles: str) -> None:
@@ -28,7 +33,8 @@ def use(tiles: str) -> None:
         zeta_select.SELECT_OVERRIDES.update(OLD_SELECT)
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
-    indexed.KEY_GRADS = "inverse" if tiles == "inverse" else "atomic"
+    indexed.KEY_GRADS = "inverse" if tiles in KEY_TILES else "atomic"
+    indexed_csr.TILES.update(KEY_TILES.get(tiles, KEY_TILES["inverse"]))
 
 
 def gradients(q, k, v, gamma) -> list:
@@ -56,7 +62,7 @@ def main() -> None:
     parser.add_argument("--key-grads", action="store_true", help="the default against KEY_GRADS='inverse'")
     args = parser.parse_args()
     variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
-    variants = ("new", "inverse") if args.key_grads else variants
+    variants = ("new", *KEY_TILES) if args.key_grads else variants
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         if args.key_grads:
@@ -66,7 +72,10 @@ def main() -> None:
                 use(tiles)
                 fwd = timed_ms(zeta_step(q, k, v, gamma, backward=False), 7)
                 both = timed_ms(zeta_step(q, k, v, gamma), 7)
-                print(json.dumps({"N": n, "rep": rep, "tiles": tiles, "fwd_ms": fwd, "fwdbwd_ms": both}), flush=True)
+                row = {"N": n, "rep": rep, "tiles": tiles, "fwd_ms": fwd, "fwdbwd_ms": both}
+                if args.key_grads and rep == 0:
+                    row["peak_mb"] = peak_mb(zeta_step(q, k, v, gamma))  # the memory target: <= SDPA's
+                print(json.dumps(row), flush=True)
     use("new")
 
 

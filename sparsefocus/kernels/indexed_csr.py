@@ -29,6 +29,10 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
+TILES = {"BLOCK_N": 16, "BLOCK_E": 8, "num_warps": 4}
+"""Tile of ``_key_grads_kernel``: BLOCK_N keys, BLOCK_E of their entries at a time ([BN, BE, Dv]
+fp32 gathered dO). A first guess, not tuned; benchmarks/zeta_tiles_ab.py --key-grads tries others."""
+
 
 @triton.jit
 def _listed_keys(IDX, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, start):
@@ -139,9 +143,9 @@ def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, 
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     batch, kv_heads, n_keys, dim = k.shape
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(v.shape[-1])
-    grid = (triton.cdiv(n_keys, 16), batch * kv_heads)
+    grid = (triton.cdiv(n_keys, TILES["BLOCK_N"]), batch * kv_heads)
     _key_grads_kernel[grid](
         q, k, v, grad_out, stat, delta, gamma_sq, offsets, entries, dk, dv, q.shape[2], n_keys, q.shape[1],
-        D=dim, DV=v.shape[-1], BLOCK_N=16, BLOCK_E=8, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        D=dim, DV=v.shape[-1], BLOCK_D=block_d, BLOCK_DV=block_dv, **TILES,
     )
     return dk, dv
