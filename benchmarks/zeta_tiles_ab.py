@@ -8,6 +8,8 @@ backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8); "o
 dk/dv) against ``indexed.KEY_GRADS = "inverse"`` (per-key sums over an inverse index), after a
 check that both give the same gradients (printed as relative differences), and the inverse
 path with other key tiles ("inverse_32x4", "inverse_8x16", "inverse_16x16": BLOCK_N x BLOCK_E).
+With --split-band: "split_band", the selection with the band in its own tile
+(``SELECT_OVERRIDES["split"]``; the same keys).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ def use(tiles: str) -> None:
     indexed.TILE_OVERRIDES.clear()
     if tiles in ("old", "old_select"):
         zeta_select.SELECT_OVERRIDES.update(OLD_SELECT)
+    if tiles == "split_band":
+        zeta_select.SELECT_OVERRIDES["split"] = True
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
     indexed.KEY_GRADS = "inverse" if tiles in KEY_TILES else "atomic"
@@ -60,9 +64,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--parts", action="store_true", help="also old selection tiles alone and old indexed tiles alone")
     parser.add_argument("--key-grads", action="store_true", help="the default against KEY_GRADS='inverse'")
+    parser.add_argument("--split-band", action="store_true", help="the default against the band in its own selection tile")
     args = parser.parse_args()
     variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
     variants = ("new", *KEY_TILES) if args.key_grads else variants
+    variants = ((variants if args.key_grads else ("new",)) + ("split_band",)) if args.split_band else variants
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         if args.key_grads:

@@ -377,3 +377,21 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
     got = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
     for name, x, y in zip(("codes", "positions", "count"), got, want):
         assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("data", ["gaussian", "grid"])
+def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch, data):
+    """The band's own tile (16 window + 8 band columns instead of 32) keeps the same keys in the
+    same order, also when many distances tie at the cut (grid data) and with padding."""
+    from sparsefocus.kernels import zeta_select
+
+    q, k, _ = _qkv(61, seed=21)
+    if data == "grid":
+        q, k = (torch.round(2 * x) / 2 for x in (q, k))  # few distinct points: ties everywhere
+    padding = torch.rand(2, 61, generator=torch.Generator().manual_seed(22)) > 0.15
+    spec = sf.parse_pattern("zeta:k=10,window=16,chunks=3,local=8")
+    padded = select_keys_fused(spec, q, k, True, padding)
+    monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", True)
+    split = select_keys_fused(spec, q, k, True, padding)
+    assert torch.equal(split, padded)
+    assert torch.equal(mask_from_indices(split, 61), mask_from_indices(select_keys(spec, q, k, True, padding), 61))
