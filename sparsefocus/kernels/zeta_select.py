@@ -67,11 +67,21 @@ def _nearest_rounds(packed, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W:
 
 
 @triton.jit
-def _threshold(values, valid, values_b, valid_b, want, top, STEPS, EXACT_STOP: tl.constexpr):
-    """[BM] a cut t: the valid entries <= t among values [BM, BC] and values_b [BM, BB] (int32
-    in [0, top]; two tiles, so that 64 window and 32 band candidates need not be padded to 128)
-    are the ``want`` [BM] smallest, plus any that tie with the last of them; top when a row has
-    fewer.
+def _sum2(x, x_b, TWO: tl.constexpr):
+    """[BM] row sums of int32 x [BM, BC] plus, when TWO, of x_b [BM, BB] (without TWO the second
+    tile is a placeholder and costs no reduction)."""
+    total = tl.sum(x, axis=1)
+    if TWO:
+        total += tl.sum(x_b, axis=1)
+    return total
+
+
+@triton.jit
+def _threshold(values, valid, values_b, valid_b, want, top, STEPS, EXACT_STOP: tl.constexpr, TWO: tl.constexpr):
+    """[BM] a cut t: the valid entries <= t among values [BM, BC] and, when TWO, values_b
+    [BM, BB] (int32 in [0, top]; two tiles, so that 64 window and 32 band candidates need not be
+    padded to 128) are the ``want`` [BM] smallest, plus any that tie with the last of them; top
+    when a row has fewer.
 
     Bisection with counting passes. Plain (EXACT_STOP off): STEPS >= log2(top + 1) passes from
     [0, top] to the smallest t with at least ``want`` entries <= t. EXACT_STOP: the interval
@@ -84,12 +94,17 @@ def _threshold(values, valid, values_b, valid_b, want, top, STEPS, EXACT_STOP: t
     masked = tl.where(valid, values, top)
     masked_b = tl.where(valid_b, values_b, top)
     if EXACT_STOP:
-        short = tl.sum(valid.to(tl.int32), axis=1) + tl.sum(valid_b.to(tl.int32), axis=1) < want  # keeps every valid entry: cut = top
-        lo = tl.where(short, top, tl.minimum(tl.min(masked, axis=1), tl.min(masked_b, axis=1)))
-        hi = tl.where(short, top, tl.maximum(tl.max(tl.where(valid, values, 0), axis=1), tl.max(tl.where(valid_b, values_b, 0), axis=1)))
+        short = _sum2(valid.to(tl.int32), valid_b.to(tl.int32), TWO) < want  # keeps every valid entry: cut = top
+        smallest = tl.min(masked, axis=1)
+        largest = tl.max(tl.where(valid, values, 0), axis=1)
+        if TWO:
+            smallest = tl.minimum(smallest, tl.min(masked_b, axis=1))
+            largest = tl.maximum(largest, tl.max(tl.where(valid_b, values_b, 0), axis=1))
+        lo = tl.where(short, top, smallest)
+        hi = tl.where(short, top, largest)
         while tl.max((lo < hi).to(tl.int32), axis=0) > 0:  # each pass shrinks hi - lo or closes it
             mid = lo + (hi - lo) // 2
-            count = _count_at_most(masked, masked_b, mid)
+            count = _sum2((masked <= mid[:, None]).to(tl.int32), (masked_b <= mid[:, None]).to(tl.int32), TWO)
             hi = tl.where(count >= want, mid, hi)
             lo = tl.where(count == want, mid, tl.where(count >= want, lo, mid + 1))
         return hi
@@ -98,16 +113,10 @@ def _threshold(values, valid, values_b, valid_b, want, top, STEPS, EXACT_STOP: t
         hi = tl.zeros([values.shape[0]], tl.int32) + top
         for _ in range(STEPS):
             mid = lo + (hi - lo) // 2
-            enough = _count_at_most(masked, masked_b, mid) >= want
+            enough = _sum2((masked <= mid[:, None]).to(tl.int32), (masked_b <= mid[:, None]).to(tl.int32), TWO) >= want
             hi = tl.where(enough, mid, hi)
             lo = tl.where(enough, lo, mid + 1)
         return lo
-
-
-@triton.jit
-def _count_at_most(values, values_b, cut):
-    """[BM] entries <= cut [BM] in the two tiles [BM, BC] and [BM, BB]."""
-    return tl.sum((values <= cut[:, None]).to(tl.int32), axis=1) + tl.sum((values_b <= cut[:, None]).to(tl.int32), axis=1)
 
 
 @triton.jit
@@ -119,28 +128,30 @@ def _kept(bits, cand, valid, cut, last):
 @triton.jit
 def _store_nearest_distinct(
     distance, cand, valid, distance_b, cand_b, valid_b, out_rows, row_ok, M, STEPS,
-    WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, EXACT_STOP: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, EXACT_STOP: tl.constexpr, TWO: tl.constexpr,
 ):
-    """Store the WIDTH nearest of distinct candidates (two tiles: positions cand [BM, BC] and
-    cand_b [BM, BB], distances fp32 >= 0) at the row pointers out_rows [BM], in candidate order
+    """Store the WIDTH nearest of distinct candidates (positions cand [BM, BC] and, when TWO,
+    cand_b [BM, BB]; distances fp32 >= 0) at the row pointers out_rows [BM], in candidate order
     (the first tile's, then the second's), then -1s; ties at the cut go to the smaller positions.
     A cut on the distance bits (at most 31 counting passes on int32, ``_threshold``) replaces
     WIDTH rounds of int64 minima."""
     bits, bits_b = distance.to(tl.int32, bitcast=True), distance_b.to(tl.int32, bitcast=True)  # monotone in a non-negative float
-    cut = _threshold(bits, valid, bits_b, valid_b, WIDTH, 0x7FFFFFFF, 31, EXACT_STOP)
-    below = tl.sum((valid & (bits < cut[:, None])).to(tl.int32), axis=1) + tl.sum((valid_b & (bits_b < cut[:, None])).to(tl.int32), axis=1)
+    cut = _threshold(bits, valid, bits_b, valid_b, WIDTH, 0x7FFFFFFF, 31, EXACT_STOP, TWO)
+    below = _sum2((valid & (bits < cut[:, None])).to(tl.int32), (valid_b & (bits_b < cut[:, None])).to(tl.int32), TWO)
     tie, tie_b = valid & (bits == cut[:, None]), valid_b & (bits_b == cut[:, None])
     need = WIDTH - below
     last = tl.full([BLOCK_M], M, tl.int32)  # every tie kept ...
-    if tl.max(tl.sum(tie.to(tl.int32), axis=1) + tl.sum(tie_b.to(tl.int32), axis=1) - need) > 0:  # ... unless more tie than fit: rare
-        last = _threshold(cand, tie, cand_b, tie_b, need, M, STEPS, EXACT_STOP)
-    keep, keep_b = _kept(bits, cand, valid, cut, last), _kept(bits_b, cand_b, valid_b, cut, last)
-    first = tl.sum(keep.to(tl.int32), axis=1)  # [BM] kept in the first tile
+    if tl.max(_sum2(tie.to(tl.int32), tie_b.to(tl.int32), TWO) - need) > 0:  # ... unless more tie than fit: rare
+        last = _threshold(cand, tie, cand_b, tie_b, need, M, STEPS, EXACT_STOP, TWO)
+    keep = _kept(bits, cand, valid, cut, last)
+    kept = tl.sum(keep.to(tl.int32), axis=1)  # [BM] kept in the first tile
     slot = tl.cumsum(keep.to(tl.int32), axis=1) - 1  # [BM, BC] output slot of each kept candidate
     tl.store(out_rows[:, None] + slot, cand, mask=keep & row_ok[:, None])
-    slot_b = first[:, None] + tl.cumsum(keep_b.to(tl.int32), axis=1) - 1  # [BM, BB]
-    tl.store(out_rows[:, None] + slot_b, cand_b, mask=keep_b & row_ok[:, None])
-    kept = first + tl.sum(keep_b.to(tl.int32), axis=1)
+    if TWO:
+        keep_b = _kept(bits_b, cand_b, valid_b, cut, last)
+        slot_b = kept[:, None] + tl.cumsum(keep_b.to(tl.int32), axis=1) - 1  # [BM, BB] after the first tile's
+        tl.store(out_rows[:, None] + slot_b, cand_b, mask=keep_b & row_ok[:, None])
+        kept += tl.sum(keep_b.to(tl.int32), axis=1)
     cols = tl.arange(0, BLOCK_W)
     unused = row_ok[:, None] & (cols[None, :] >= kept[:, None]) & (cols[None, :] < WIDTH)
     tl.store(out_rows[:, None] + cols[None, :], tl.full([BLOCK_M, BLOCK_W], -1, tl.int32), mask=unused)
@@ -219,8 +230,8 @@ def _zeta_select_kernel(
     distance = _distances(q_base, k_base, cand, row_ok, D)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
-        distance_b = _distances(q_base, k_base, cand_b, row_ok, D)
-        _store_nearest_distinct(distance, cand, valid, distance_b, cand_b, cand_b >= 0, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, EXACT_STOP)
+        distance_b = _distances(q_base, k_base, cand_b, row_ok, D)  # a [BM, 1] placeholder without SPLIT: all masked
+        _store_nearest_distinct(distance, cand, valid, distance_b, cand_b, cand_b >= 0, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, EXACT_STOP, SPLIT)
     else:
         packed = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cand.to(tl.int64)
         packed = tl.where(valid, packed, PACKED_NONE)
