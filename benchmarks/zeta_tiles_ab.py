@@ -7,7 +7,8 @@ backward at 16 rows x 2 slots x 2 warps (the defaults before commit 0d71ae8); "o
 "old_indexed" take only that part of the old tiles. With --key-grads: the default (fp32 atomic
 dk/dv) against ``indexed.KEY_GRADS = "inverse"`` (per-key sums over an inverse index), after a
 check that both give the same gradients (printed as relative differences), and the inverse
-path with other key tiles ("inverse_32x4", "inverse_8x16", "inverse_16x16": BLOCK_N x BLOCK_E).
+path with other key tiles ("inverse_32x4", "inverse_8x16", "inverse_16x16": BLOCK_N x BLOCK_E) and
+with its query pass on the atomic backward's tiles instead of the forward's ("inverse_q1").
 With --split-band: "split_band", the selection with the band in its own tile
 (``SELECT_OVERRIDES["split"]``; the same keys).
 """
@@ -25,7 +26,9 @@ OLD_INDEXED = {"fwd": {"BLOCK_M": 32, "BLOCK_K": 8, "num_warps": 4}, "bwd": {"BL
 KEY_TILES = {
     "inverse": {"BLOCK_N": 16, "BLOCK_E": 8, "num_warps": 4}, "inverse_32x4": {"BLOCK_N": 32, "BLOCK_E": 4, "num_warps": 4},
     "inverse_8x16": {"BLOCK_N": 8, "BLOCK_E": 16, "num_warps": 4}, "inverse_16x16": {"BLOCK_N": 16, "BLOCK_E": 16, "num_warps": 8},
+    "inverse_q1": {"BLOCK_N": 16, "BLOCK_E": 8, "num_warps": 4},  # and the query pass on the atomic backward's tiles
 }
+ATOMIC_BWD_TILES = {"BLOCK_M": 16, "BLOCK_K": 1, "num_warps": 2}
 
 
 def use(tiles: str) -> None:
@@ -38,6 +41,8 @@ def use(tiles: str) -> None:
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
     indexed.KEY_GRADS = "inverse" if tiles in KEY_TILES else "atomic"
+    if tiles == "inverse_q1":
+        indexed.TILE_OVERRIDES["bwd"] = ATOMIC_BWD_TILES
     indexed_csr.TILES.update(KEY_TILES.get(tiles, KEY_TILES["inverse"]))
 
 

@@ -233,9 +233,11 @@ TILE_OVERRIDES: dict[str, dict] = {}
 """Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
-def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool) -> tuple[tuple, dict]:
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True) -> tuple[tuple, dict]:
+    """Grid, sizes and tiles; a backward that does not scatter dk, dv (KEY_GRADS "inverse") is a
+    gather like the forward and starts from the forward's tiles (a guess, not tuned)."""
     batch, q_heads, n_queries, dim = q.shape
-    blocks = _blocks(dim, v.shape[-1], backward) | TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
+    blocks = _blocks(dim, v.shape[-1], backward and scatter) | TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     sizes = (n_queries, k.shape[2], index.shape[-1], q_heads, q_heads // k.shape[1])
     return (grid, sizes), blocks
@@ -284,7 +286,7 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     if extra is not None:
         d_extra_k = torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)
         d_extra_v = torch.empty(*q.shape[:3], v.shape[-1], dtype=extra.value.dtype, device=q.device)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True)
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,

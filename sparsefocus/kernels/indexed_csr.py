@@ -73,7 +73,8 @@ def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Te
         index: [B, Hq, N, K] int32 contiguous key positions (-1 unused); n_keys: M; kv_heads: Hk
             (query head h lists keys of kv head h // (Hq // Hk)).
     Returns:
-        offsets [B * Hk * M + 1] int32 and entries [pairs] int32: the flat query rows
+        offsets [B * Hk * M + 1] int32 and entries [B * Hq * N * K] int32 (those past
+        offsets[-1] unused): the flat query rows
         (b * Hq + h) * N + i listing key (b, kv head, j) are entries[offsets[l] : offsets[l + 1]]
         with l = (b * Hk + kv head) * M + j.
     """
@@ -87,7 +88,8 @@ def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Te
     _count_kernel[grid](index, count, *sizes, BLOCK_M=16, BLOCK_K=block_k)
     offsets = torch.zeros(count.numel() + 1, dtype=torch.int32, device=index.device)
     torch.cumsum(count, 0, out=offsets[1:])
-    entries = torch.empty(int(offsets[-1].item()), dtype=torch.int32, device=index.device)
+    # sized for every slot used (the exact total, offsets[-1], would cost a device-to-host sync)
+    entries = torch.empty(batch * q_heads * n_queries * slots, dtype=torch.int32, device=index.device)
     cursor = offsets[:-1].clone()
     _fill_kernel[grid](index, cursor, entries, *sizes, BLOCK_M=16, BLOCK_K=block_k)
     return offsets, entries
