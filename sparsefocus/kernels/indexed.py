@@ -162,7 +162,7 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -175,6 +175,8 @@ def _indexed_bwd_kernel(
     o = tl.load(OUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
     do = tl.load(DOUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)  # [BM]: sum_j p_j dp_j
+    if not SCATTER_KV:  # indexed_csr.key_grads needs it per query
+        tl.store(DELTA + row_offs, delta, mask=row_ok)
     stat = tl.load(STAT + row_offs, mask=row_ok, other=0.0)
     gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
     inv_total = 1.0 / tl.where(stat > 0, stat, 1.0)
@@ -286,18 +288,19 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     if extra is not None:
         d_extra_k = torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)
         d_extra_v = torch.empty(*q.shape[:3], v.shape[-1], dtype=extra.value.dtype, device=q.device)
+    delta = torch.empty(q.shape[:3] if inverse else (1,), dtype=torch.float32, device=q.device)  # [B, Hq, N]: sum(o * dO)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
-        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q,
+        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q, delta,
         *sizes, scale, *extra_kw["sizes"],
         D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse, **blocks,
     )
     if inverse:
         from sparsefocus.kernels.indexed_csr import key_grads
 
-        dk, dv = key_grads(q, k, v, index, gamma_sq, out, grad_out, stat)
+        dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, delta)
     return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
 
 

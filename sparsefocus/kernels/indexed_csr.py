@@ -87,7 +87,7 @@ def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Te
     block_k = min(32, triton.next_power_of_2(max(slots, 1)))
     _count_kernel[grid](index, count, *sizes, BLOCK_M=16, BLOCK_K=block_k)
     offsets = torch.zeros(count.numel() + 1, dtype=torch.int32, device=index.device)
-    torch.cumsum(count, 0, out=offsets[1:])
+    offsets[1:] = torch.cumsum(count, 0, dtype=torch.int32)
     # sized for every slot used (the exact total, offsets[-1], would cost a device-to-host sync)
     entries = torch.empty(batch * q_heads * n_queries * slots, dtype=torch.int32, device=index.device)
     cursor = offsets[:-1].clone()
@@ -133,15 +133,15 @@ def _key_grads_kernel(
     tl.store(DV_ + flat[:, None] * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=key_ok[:, None] & dv_ok[None, :])
 
 
-def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, out: Tensor, grad_out: Tensor, stat: Tensor) -> tuple[Tensor, Tensor]:
+def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
     """dk [B, Hk, M, D] and dv [B, Hk, M, Dv] (input dtypes) of indexed Cauchy attention.
 
-    Args: q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], index [B, Hq, N, K] int32, out and
+    Args: q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], index [B, Hq, N, K] int32 and
     grad_out [B, Hq, N, Dv], all contiguous; gamma_sq [Hq] fp32; stat [B, Hq, N] fp32 (each
-    query's sum of Cauchy weights, extra slot included, from the forward).
+    query's sum of Cauchy weights, extra slot included, from the forward); delta [B, Hq, N] fp32
+    = sum(out * grad_out) per query (stored by the query pass, so no fp32 copy of out is made).
     """
     offsets, entries = build_inverse(index, k.shape[2], k.shape[1])
-    delta = (out.float() * grad_out.float()).sum(-1).contiguous()  # [B, Hq, N]: sum_j p_j dp_j
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     batch, kv_heads, n_keys, dim = k.shape
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(v.shape[-1])
