@@ -118,6 +118,7 @@ def indexed_attention_ref(
     extra_key: Tensor | None = None,
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
+    sink_key: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys (the slow twin of the Triton kernel).
 
@@ -133,11 +134,15 @@ def indexed_attention_ref(
             and value [B, Hq or Hk, N, Dv] (e.g. ZETA's cumulative mean token), scored like the
             listed keys; both or neither. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
+        sink_key: optional [Hq, D] attention sink, Cauchy only: one more slot in every row with
+            this key (per query head) and value 0, so it only adds its weight to the normaliser
+            (ZETA's ``sink=1``). Default: none.
     Returns:
         [B, Hq, N, Dv] in fp32; rows with no valid key are zero.
     """
     if score not in SCORE_KINDS:
         raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORE_KINDS)}")
+    check_sink_key(q, sink_key, score)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     valid = index >= 0  # [B, Hq, N, K]
     safe = index.clamp_min(0).long()
@@ -145,12 +150,25 @@ def indexed_attention_ref(
     values = gather_keys(upcast(v), safe)  # [B, Hq, N, K, Dv]
     if extra_key is not None or extra_value is not None:
         keys, values, valid = _append_extra_slot(keys, values, valid, extra_key, extra_value, extra_mask)
+    if sink_key is not None:
+        sink = upcast(sink_key)[None, :, None, :].expand(*keys.shape[:3], -1)  # [B, Hq, N, D]
+        keys, values, valid = _append_extra_slot(keys, values, valid, sink, torch.zeros_like(values[..., 0, :]), None)
     raw = indexed_scores(upcast(q), keys, score, scale)
     if score == "cauchy":
         weights = cauchy_weights(raw, valid, gamma, q.shape[1])
     else:
         weights = masked_softmax(raw, valid)
     return torch.einsum("bhnk,bhnkd->bhnd", weights, values)
+
+
+def check_sink_key(q: Tensor, sink_key: Tensor | None, score: str) -> None:
+    """A sink key is [Hq, D] and goes with Cauchy weights only (ValueError otherwise)."""
+    if sink_key is None:
+        return
+    if score != "cauchy":
+        raise ValueError(f"sink_key needs score='cauchy' (a zero-value key that only adds its weight), got score={score!r}")
+    if tuple(sink_key.shape) != (q.shape[1], q.shape[-1]):
+        raise ValueError(f"sink_key must be [Hq, D] = [{q.shape[1]}, {q.shape[-1]}], got {tuple(sink_key.shape)}")
 
 
 def _append_extra_slot(

@@ -321,29 +321,11 @@ class Zeta(Pattern):
         else:
             mean_k, mean_v = mean_k.expand(-1, -1, n_queries, -1), mean_v.expand(-1, -1, n_queries, -1)
             present = present.expand(-1, -1, n_queries)
-        sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)
-        if sink is not None:
-            k, v, index = append_sink(k, v, index, sink)
+        sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)  # [Hq, D] or None: a zero-value key in every list
         return kernel(
-            q, k, v, index, score="cauchy", gamma=self.gamma_of(params), extra_key=mean_k, extra_value=mean_v, extra_mask=present
+            q, k, v, index, score="cauchy", gamma=self.gamma_of(params), extra_key=mean_k, extra_value=mean_v, extra_mask=present,
+            sink_key=sink,
         )
-
-
-def append_sink(k: Tensor, v: Tensor, index: Tensor, sink: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Keys and values with one more position M holding the sink (key ``sink`` [Hq, D], value 0),
-    listed last by every query.
-
-    k [B, Hk, M, D], v [B, Hk, M, Dv], index [B|1, Hq|1, N, K] -> k [B, Hq, M+1, D],
-    v [B, Hq, M+1, Dv], index [B, Hq, N, K+1]. KV heads are expanded to Hq first (GQA), since the
-    sink is per query head."""
-    batch, heads, n_keys = k.shape[0], sink.shape[0], k.shape[2]
-    k, v = expand_kv(k, heads), expand_kv(v, heads)
-    sink_k = sink.to(k.dtype)[None, :, None, :].expand(batch, -1, 1, -1)  # [B, Hq, 1, D]
-    k = torch.cat([k, sink_k], dim=2)
-    v = torch.cat([v, v.new_zeros(batch, heads, 1, v.shape[-1])], dim=2)
-    index = index.expand(batch, heads, *index.shape[2:])
-    index = torch.cat([index, torch.full_like(index[..., :1], n_keys)], dim=-1)  # [B, Hq, N, K+1]
-    return k, v, index
 
 
 def squared_distances(q: Tensor, k: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sparsefocus.attention.common import SCORE_KINDS, indexed_attention_ref
+from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
 LOG2E = 1.4426950408889634
@@ -99,6 +99,16 @@ def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE: tl.con
 
 
 @triton.jit
+def _sink_weights(q, SINK, hq, gamma_sq, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(Cauchy weight [BM] of the query head's sink key for each query of q [BM, BD], diff
+    [BM, BD] = q - sink)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    sink = tl.load(SINK + hq * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)  # [BD]
+    diff = q - sink[None, :]
+    return 1.0 / (tl.sum(diff * diff, axis=1) + gamma_sq), diff
+
+
+@triton.jit
 def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
     """Flat element offsets [BM] of the extra slot's rows (strided: expanded tensors are not copied)."""
     b, h = bh // HQ, (bh % HQ) // EGROUP
@@ -121,10 +131,11 @@ def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D
 
 @triton.jit
 def _indexed_fwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK,
+    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK, SINK,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -133,6 +144,8 @@ def _indexed_fwd_kernel(
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite start: all-masked tiles give exp(-inf) = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    if HAS_SINK:  # Cauchy only: a zero-value key, so only the normaliser grows
+        l_i += tl.where(row_ok, _sink_weights(q, SINK, bh % HQ, gamma_sq, D, BLOCK_D)[0], 0.0)
     if HAS_EXTRA:
         e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
@@ -162,11 +175,11 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA, SINK, DSINK,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SCATTER_KV: tl.constexpr,
+    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -183,6 +196,12 @@ def _indexed_bwd_kernel(
     k_base, v_base = kv_bh.to(tl.int64) * M * D, kv_bh.to(tl.int64) * M * DV
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dgamma_sq = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINK:  # value 0, so dp = 0 and d loss / d squared distance = delta w^2 / S
+        w_s, diff_s = _sink_weights(q, SINK, bh % HQ, gamma_sq, D, BLOCK_D)
+        d_sq = tl.where(row_ok, delta * w_s * w_s * inv_total, 0.0)  # [BM]
+        dgamma_sq += d_sq
+        dq += (2.0 * d_sq)[:, None] * diff_s
+        tl.store(DSINK + row_offs[:, None] * D + offs_d[None, :], (-2.0 * d_sq)[:, None] * diff_s, mask=row_ok[:, None] & d_ok[None, :])
     if HAS_EXTRA:
         e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
@@ -254,16 +273,17 @@ def _extra_args(q: Tensor, extra: "Extra | None") -> tuple[tuple, dict]:
     return (extra.key, extra.value, extra.mask), dict(sizes=(group, *strides), HAS_EXTRA=True)
 
 
-def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel. Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
+def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel (sink: [Hq, D] or None). Returns out [B, Hq, N, Dv] (q.dtype)
+    and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     stat = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_fwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, stat, *pointers, *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], **blocks,
+        q, k, v, index, gamma_sq, out, stat, *pointers, q if sink is None else sink, *sizes, scale, *extra_kw["sizes"],
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_SINK=sink is not None, **blocks,
     )
     return out, stat
 
@@ -274,9 +294,10 @@ default, measured) or "inverse" (``indexed_csr``: an inverse index, then per-key
 registers; tested against the reference, not yet timed on a GPU). Other scores always use atomics."""
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None):
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None):
     """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq]
-    fp32 and the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra)."""
+    fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and
+    the sink's d key [Hq, D] fp32 (None without sink)."""
     if KEY_GRADS not in ("atomic", "inverse"):
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
     inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
@@ -289,19 +310,23 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         d_extra_k = torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)
         d_extra_v = torch.empty(*q.shape[:3], v.shape[-1], dtype=extra.value.dtype, device=q.device)
     delta = torch.empty(q.shape[:3] if inverse else (1,), dtype=torch.float32, device=q.device)  # [B, Hq, N]: sum(o * dO)
+    d_sink = None if sink is None else torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)  # per row
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
         d_extra_k if extra is not None else q, d_extra_v if extra is not None else q, delta,
+        q if sink is None else sink, q if sink is None else d_sink,
         *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse, **blocks,
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse,
+        HAS_SINK=sink is not None, **blocks,
     )
     if inverse:
         from sparsefocus.kernels.indexed_csr import key_grads
 
         dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, delta)
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v
+    d_sink = None if sink is None else d_sink.sum(dim=(0, 2))  # [Hq, D]
+    return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v, d_sink
 
 
 class Extra(NamedTuple):
@@ -321,30 +346,32 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
 
 class IndexedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
-    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None."""
+    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None;
+    sink_key [Hq, D] contiguous or None (Cauchy only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None):
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None, sink_key=None):
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask)
+        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink_key)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key)
         ctx.scale, ctx.score_code = scale, score_code
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask = ctx.saved_tensors
+        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key = ctx.saved_tensors
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
-        dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra
+        dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
+            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, sink_key
         )
         dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
         if extra is not None:
             d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None
+        d_sink = None if d_sink is None else d_sink.to(sink_key.dtype)
+        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -378,6 +405,7 @@ def indexed_attention(
     extra_key: Tensor | None = None,
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
+    sink_key: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -399,23 +427,30 @@ def indexed_attention(
             [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
             place, not copied); scored like the listed keys; both receive gradients. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
+        sink_key: optional [Hq, D] attention sink (Cauchy only): a key per query head with value
+            0 in every row, adding only its weight to the normaliser; receives a gradient.
+            Computed per row in the kernels, so k, v and index are not extended. Default: none.
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
     index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
     _check_index(q, k, v, index, score)
     _check_extra(q, v, extra_key, extra_value, extra_mask)
+    check_sink_key(q, sink_key, score)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
     if q.shape[2] == 0 or (index.shape[-1] == 0 and extra_key is None) or k.shape[2] == 0:
         return indexed_attention_ref(
-            q, k, v, index, scale=scale, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask
+            q, k, v, index, scale=scale, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask,
+            sink_key=sink_key,
         ).to(q.dtype)
     k, v = k.to(q.dtype), v.to(q.dtype)
     index = index.to(torch.int32).contiguous()
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
+    extras = extras or (None, None, None)
+    sink = None if sink_key is None else sink_key.float().contiguous()  # [Hq, D]; fp32: the kernels compute in fp32
     return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras, sink
     )
 
 

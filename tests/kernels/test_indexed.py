@@ -186,3 +186,48 @@ def test_key_grads_mode_is_checked(monkeypatch):
     out = indexed_attention(q.requires_grad_(), k, v, index, score="cauchy", gamma=gamma)
     with pytest.raises(ValueError, match="KEY_GRADS"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse"])
+def test_sink_key_matches_reference_with_extra_slot_and_gqa(monkeypatch, key_grads):
+    """A per-query-head zero-value sink computed in the kernels (k, v, index not extended):
+    output and every gradient, the sink's included, as the reference that appends it as a slot."""
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", key_grads)
+    n, m = 23, 13
+    q, k, v, index, gamma = make_case(n, m, "cauchy", torch.float32)
+    index[0, 1, 2] = -1  # a row with the sink alone: output 0, still a sink gradient
+    extra_k, extra_v = _extras("per_kv_head", n, 2, 6, 3)
+    sink = 0.5 * torch.randn(4, 6, device=DEVICE)
+    grad_out = torch.randn(2, 4, n, 3, device=DEVICE)
+    results = []
+    for fn in (indexed_attention, indexed_attention_ref):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v, sink)]
+        g = gamma.clone().requires_grad_()
+        out = fn(*leaves[:3], index, score="cauchy", gamma=g, extra_key=leaves[3], extra_value=leaves[4], sink_key=leaves[5])
+        results.append([out, *torch.autograd.grad(out, leaves + [g], grad_out)])
+    names = ["out", "dq", "dk", "dv", "d_extra_k", "d_extra_v", "d_sink", "dgamma"]
+    for name, x, y in zip(names, *results):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
+        assert rel_err(x, y) < 1e-5, f"{key_grads} {name}: relative error {rel_err(x, y):.2e}"
+    assert results[0][6].abs().min() > 0, "every sink coordinate gets a gradient"
+
+
+def test_sink_key_in_fp16_within_twice_torch_error_and_bad_sinks_rejected():
+    q, k, v, index, gamma = make_case(63, 50, "cauchy", torch.float16, slots=37, dim=16, dim_v=8)
+    sink = 0.3 * torch.randn(4, 16, device=DEVICE)
+    grad_out = torch.randn(2, 4, 63, 8, device=DEVICE)
+
+    def run_sink(fn, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)] + [sink.clone().requires_grad_()]
+        out = fn(*leaves[:3], index, score="cauchy", gamma=gamma, sink_key=leaves[3])
+        return [out, *torch.autograd.grad(out.float(), leaves, grad_out)]
+
+    truth, torch_low, kernel = run_sink(indexed_attention_ref, torch.float32), run_sink(indexed_attention_ref, torch.float16), run_sink(indexed_attention, torch.float16)
+    for name, x, y, t in zip(["out", "dq", "dk", "dv", "d_sink"], kernel, torch_low, truth):
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    with pytest.raises(ValueError, match="cauchy"):
+        indexed_attention(q, k, v, index, score="dot", sink_key=sink)
+    with pytest.raises(ValueError, match=r"\[Hq, D\]"):
+        indexed_attention(q, k, v, index, score="cauchy", sink_key=sink[:, :3])
