@@ -293,15 +293,18 @@ def test_chunked_causal_mean_equals_cumulative_sum_with_gradients(monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_triton_path_equals_reference_with_padding(causal):
+@pytest.mark.parametrize("sink", [0, 1])
+def test_triton_path_equals_reference_with_padding(causal, sink):
     q, k, v = (x.requires_grad_() for x in _qkv(40, heads=2, kv_heads=1, seed=18))
     padding = torch.rand(2, 40, generator=torch.Generator().manual_seed(19)) > 0.25
-    padding[1, :3] = False  # leading padded keys: causal rows 0..2 of batch 1 see nothing
+    padding[1, :3] = False  # leading padded keys: causal rows 0..2 of batch 1 see nothing (but a sink)
     results = []
     for impl in ("reference", "triton"):
         gamma = torch.tensor([0.6, 1.7], requires_grad=True)
+        params = {"gamma": gamma} | ({"sink_key": torch.tensor([[0.3, -0.2, 0.1], [-0.4, 0.2, 0.5]])} if sink else {})
         out = sf.sparse_attention(
-            q, k, v, "zeta:k=5,window=6,chunks=3,local=3", causal=causal, impl=impl, key_padding_mask=padding, params={"gamma": gamma}
+            q, k, v, "zeta:k=5,window=6,chunks=3,local=3" + (",sink=1" if sink else ""), causal=causal, impl=impl,
+            key_padding_mask=padding, params=params,
         )
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
     for name, ref, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
