@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from benchmarks.zeta_bench import peak_mb, timed_ms, zeta_inputs, zeta_step
+from benchmarks.zeta_bench import PATTERN, peak_mb, timed_ms, zeta_inputs, zeta_step
+from sparsefocus.attention.patterns import parse_pattern
+from sparsefocus.attention.zeta import select_keys_fused
 from sparsefocus.kernels import indexed, indexed_csr, zeta_select
 
 OLD_SELECT = {"BLOCK_M": 32, "num_warps": 4}
@@ -63,6 +65,17 @@ def compare_key_grads(q, k, v, gamma) -> dict:
     return {name: ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for name, a, b in zip(("dq", "dk", "dv", "dgamma"), inverse, atomic)}
 
 
+def compare_split_selection(q, k) -> dict:
+    """Rows whose selected keys differ (set or order) between the band in its own tile and the padded tile."""
+    spec = parse_pattern(PATTERN)
+    use("new")
+    padded = select_keys_fused(spec, q.detach(), k.detach(), True, None)
+    use("split_band")
+    split = select_keys_fused(spec, q.detach(), k.detach(), True, None)
+    use("new")
+    return {"rows_differing": (padded != split).any(-1).float().mean().item()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("lengths", type=int, nargs="*", default=[4096, 8192, 65536])
@@ -78,6 +91,8 @@ def main() -> None:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         if args.key_grads:
             print(json.dumps({"N": n, "inverse_vs_atomic_rel_diff": compare_key_grads(q, k, v, gamma)}), flush=True)
+        if args.split_band:
+            print(json.dumps({"N": n, "split_vs_padded_selection": compare_split_selection(q, k)}), flush=True)
         for rep in range(args.reps):
             for tiles in variants:
                 use(tiles)
