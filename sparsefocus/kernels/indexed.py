@@ -294,6 +294,35 @@ default, measured) or "inverse" (``indexed_csr``: an inverse index, then per-key
 registers; tested against the reference, not yet timed on a GPU). Other scores always use atomics."""
 
 
+class _Grads(NamedTuple):
+    """Output buffers of the backward kernel (None or a (1,) placeholder for what it does not write)."""
+
+    dq: Tensor  # [B, Hq, N, D] q.dtype
+    dk: Tensor  # [B, Hk, M, D] fp32 (atomic key gradients)
+    dv: Tensor  # [B, Hk, M, Dv] fp32 (atomic key gradients)
+    dgamma_sq: Tensor  # [B, Hq, N] fp32
+    d_extra_k: Tensor | None  # [B, Hq, N, D] fp32
+    d_extra_v: Tensor | None  # [B, Hq, N, Dv] in the extra value's dtype
+    delta: Tensor  # [B, Hq, N] fp32 sum(o * dO) (inverse key gradients)
+    d_sink: Tensor | None  # [B, Hq, N, D] fp32, per row
+
+
+def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: Tensor | None, inverse: bool) -> _Grads:
+    fp32 = dict(dtype=torch.float32, device=q.device)
+    rows = q.shape[:3]
+    unused = torch.empty(1, **fp32)
+    return _Grads(
+        dq=torch.empty_like(q),
+        dk=unused if inverse else torch.zeros(k.shape, **fp32),
+        dv=unused if inverse else torch.zeros(v.shape, **fp32),
+        dgamma_sq=torch.zeros(rows, **fp32),
+        d_extra_k=None if extra is None else torch.empty(*rows, q.shape[-1], **fp32),
+        d_extra_v=None if extra is None else torch.empty(*rows, v.shape[-1], dtype=extra.value.dtype, device=q.device),
+        delta=torch.empty(rows, **fp32) if inverse else unused,
+        d_sink=None if sink is None else torch.empty(*rows, q.shape[-1], **fp32),
+    )
+
+
 def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None):
     """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq]
     fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and
@@ -301,32 +330,23 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     if KEY_GRADS not in ("atomic", "inverse"):
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
     inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
-    dq = torch.empty_like(q)
-    dk = torch.zeros(k.shape if not inverse else (1,), dtype=torch.float32, device=k.device)  # (1,): unused
-    dv = torch.zeros(v.shape if not inverse else (1,), dtype=torch.float32, device=v.device)
-    dgamma_sq = torch.zeros(q.shape[:3], dtype=torch.float32, device=q.device)  # [B, Hq, N]
-    d_extra_k = d_extra_v = None
-    if extra is not None:
-        d_extra_k = torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)
-        d_extra_v = torch.empty(*q.shape[:3], v.shape[-1], dtype=extra.value.dtype, device=q.device)
-    delta = torch.empty(q.shape[:3] if inverse else (1,), dtype=torch.float32, device=q.device)  # [B, Hq, N]: sum(o * dO)
-    d_sink = None if sink is None else torch.empty(*q.shape[:3], q.shape[-1], dtype=torch.float32, device=q.device)  # per row
+    g = _grad_buffers(q, k, v, extra, sink, inverse)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
+    optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
     _indexed_bwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, grad_out, stat, dq, dk, dv, dgamma_sq, *pointers,
-        d_extra_k if extra is not None else q, d_extra_v if extra is not None else q, delta,
-        q if sink is None else sink, q if sink is None else d_sink,
+        q, k, v, index, gamma_sq, out, grad_out, stat, g.dq, g.dk, g.dv, g.dgamma_sq, *pointers, *optional,
         *sizes, scale, *extra_kw["sizes"],
         D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse,
         HAS_SINK=sink is not None, **blocks,
     )
+    dk, dv = g.dk, g.dv
     if inverse:
         from sparsefocus.kernels.indexed_csr import key_grads
 
-        dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, delta)
-    d_sink = None if sink is None else d_sink.sum(dim=(0, 2))  # [Hq, D]
-    return dq, dk.to(k.dtype), dv.to(v.dtype), dgamma_sq.sum(dim=(0, 2)), d_extra_k, d_extra_v, d_sink
+        dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, g.delta)
+    d_sink = None if sink is None else g.d_sink.sum(dim=(0, 2))  # [Hq, D]
+    return g.dq, dk.to(k.dtype), dv.to(v.dtype), g.dgamma_sq.sum(dim=(0, 2)), g.d_extra_k, g.d_extra_v, d_sink
 
 
 class Extra(NamedTuple):
