@@ -15,7 +15,12 @@ cauchy: weight 1 / (||q - k_j||^2 + gamma^2), normalised over the list.
 
 An optional extra slot per query (``extra_key``/``extra_value``, e.g. ZETA's cumulative mean
 token) is scored like a listed key but read from per-row tensors, so its gradients are plain
-per-row stores (no atomics) and the caller need not append it to k and v.
+per-row stores (no atomics) and the caller need not append it to k and v. An optional sink key
+per query head (``sink_key``, Cauchy; value 0) is handled the same way: its weight joins each
+row's normaliser, its gradient is stored per row and summed.
+
+``KEY_GRADS = "inverse"`` moves dk and dv of Cauchy lists out of this backward into
+``indexed_csr`` (per-key sums over an inverse index, no float atomics).
 
 Not done here: a tensor-core variant for lists made of contiguous runs (sorted keys, windows);
 every list is gathered row by row.
