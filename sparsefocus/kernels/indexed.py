@@ -472,7 +472,6 @@ def indexed_attention(
     k, v = k.to(q.dtype), v.to(q.dtype)
     index = index.to(torch.int32).contiguous()
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
-    extras = extras or (None, None, None)
     sink = None if sink_key is None else sink_key.float().contiguous()  # [Hq, D]; fp32: the kernels compute in fp32
     return IndexedAttentionFunction.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras, sink
@@ -493,10 +492,11 @@ def _check_extra(q: Tensor, v: Tensor, extra_key: Tensor | None, extra_value: Te
 
 
 def _kernel_extras(q: Tensor, extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None) -> tuple:
-    """(key, value, int8 mask [B, Hq, N]) for the kernels, or () without an extra slot. Key and
-    value keep their strides (an expanded mean is not copied) as long as the last dim is dense."""
+    """(key, value, int8 mask [B, Hq, N]) for the kernels, or (None, None, None) without an extra
+    slot. Key and value keep their strides (an expanded mean is not copied) as long as the last
+    dim is dense."""
     if extra_key is None:
-        return ()
+        return None, None, None
     key, value = extra_key.to(q.dtype), extra_value.to(q.dtype)
     key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
     if extra_mask is None:
