@@ -354,11 +354,12 @@ def zeta_select(
     block_c = triton.next_power_of_2(curves * window + band)
     block_w = triton.next_power_of_2(width)
     distinct = SELECT_OVERRIDES.get("distinct", curves == 1)
-    # SELECT_OVERRIDES["split"]: the band in its own tile where that is narrower (64 + 32 columns
-    # instead of 128 at the defaults): 25% less counting work but two reductions per pass; the
-    # same keys (tested), not yet timed on a GPU, so off by default
+    # the band in its own tile where that is narrower (64 + 32 columns instead of 128 at the
+    # defaults): 25% less counting work, the same keys (tested; H200, 64K: whole forward+backward
+    # 23.6-23.9 ms against 24.7 with the padded tile, benchmarks/results/zeta_candidates_ab.json);
+    # SELECT_OVERRIDES["split"] = False restores the padded tile
     split = distinct and band > 0 and triton.next_power_of_2(curves * window) + triton.next_power_of_2(band) < block_c
-    split = split and SELECT_OVERRIDES.get("split", False)
+    split = split and SELECT_OVERRIDES.get("split", True)
     block_c, block_b = (triton.next_power_of_2(curves * window), triton.next_power_of_2(band)) if split else (block_c, 1)
     # the distinct cut stops a tile once all its rows have converged: small tiles stop sooner
     # (H200, 64K: 4 rows and 1 warp 6.5 ms for the whole selection; 32 rows and 4 warps 9.4)

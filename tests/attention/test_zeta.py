@@ -393,8 +393,8 @@ def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch
         q, k = (torch.round(2 * x) / 2 for x in (q, k))  # few distinct points: ties everywhere
     padding = torch.rand(2, 61, generator=torch.Generator().manual_seed(22)) > 0.15
     spec = sf.parse_pattern("zeta:k=10,window=16,chunks=3,local=8")
-    padded = select_keys_fused(spec, q, k, True, padding)
-    monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", True)
     split = select_keys_fused(spec, q, k, True, padding)
+    monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", False)
+    padded = select_keys_fused(spec, q, k, True, padding)
     assert torch.equal(split, padded)
     assert torch.equal(mask_from_indices(split, 61), mask_from_indices(select_keys(spec, q, k, True, padding), 61))
