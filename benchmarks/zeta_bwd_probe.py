@@ -4,9 +4,12 @@ Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_bwd_probe.py OUT.j
 B=4, H=16, q/k width 3, Dv=64, bf16, Cauchy weights, 32 slots per query, no mean token.
 Lists: "zeta" (ZETA's causal selection, the benchmark pattern), "zeta_local0" (the same without
 the local band), "uniform" (32 keys drawn uniformly from 0..i: no locality, no shared keys),
-"local" (i-31..i: every key shared by 32 neighbouring queries, the most contended adds) and
+"local" (i-31..i: every key shared by 32 neighbouring queries, the most contended adds),
 "zeta_shuffled" (ZETA's lists given to randomly permuted query rows: same keys per list, but
-neighbouring programs no longer share keys). Forward and forward+backward times, medians.
+neighbouring programs no longer share keys), "zeta_zsorted" (ZETA's lists with the rows in Morton
+order of the queries: neighbouring programs share most keys) and "zeta_zstrided" (the same rows
+in tiles of 16, the tiles interleaved so that consecutive programs lie 1/64 of the rows apart).
+Forward and forward+backward times, medians.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs
 from sparsefocus.attention.patterns import parse_pattern
-from sparsefocus.attention.zeta import select_keys_fused
+from sparsefocus.attention.zeta import _codes, code_bits, select_keys_fused
 from sparsefocus.kernels.indexed import indexed_attention
 
 SLOTS = 32
@@ -36,9 +39,16 @@ def lists(q: torch.Tensor, k: torch.Tensor) -> dict[str, torch.Tensor]:
     zeta = select_keys_fused(parse_pattern(PATTERN), q, k, True, None)
     no_local = select_keys_fused(parse_pattern(PATTERN.replace("local=32", "local=0")), q, k, True, None)
     shuffled = zeta[:, :, torch.randperm(n, generator=gen, device="cuda")]
+    spec = parse_pattern(PATTERN)
+    zorder = torch.argsort(_codes(spec, q.float(), code_bits(spec.bits, 3, 1), True)[0], dim=-1)  # [B, H, N] rows by Morton code
+    tiles = n // 16
+    strided = torch.arange(tiles, device="cuda").view(64, tiles // 64).t().reshape(-1)  # program p -> tile (p % 64) * T/64 + p // 64
+    zstrided = zorder.view(batch, heads, tiles, 16)[:, :, strided].reshape(batch, heads, n)
     return {
         "zeta": zeta, "zeta_local0": no_local, "uniform": uniform,
         "local": torch.where(local >= 0, local, -1).expand(batch, heads, n, SLOTS), "zeta_shuffled": shuffled,
+        "zeta_zsorted": zeta.gather(2, zorder[..., None].expand_as(zeta)),
+        "zeta_zstrided": zeta.gather(2, zstrided[..., None].expand_as(zeta)),
     }
 
 

@@ -4,7 +4,7 @@ define what the kernels must compute."""
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -119,7 +119,6 @@ def indexed_attention_ref(
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
-    locality: "Locality | None" = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys (the slow twin of the Triton kernel).
 
@@ -138,15 +137,12 @@ def indexed_attention_ref(
         sink_key: optional [Hq, D] attention sink, Cauchy only: one more slot in every row with
             this key (per query head) and value 0, so it only adds its weight to the normaliser
             (ZETA's ``sink=1``). Default: none.
-        locality: optional ``Locality`` hint for the Triton backward; checked and ignored here
-            (it changes the order of the kernel's sums, not the result). Default: none.
     Returns:
         [B, Hq, N, Dv] in fp32; rows with no valid key are zero.
     """
     if score not in SCORE_KINDS:
         raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORE_KINDS)}")
     check_sink_key(q, sink_key, score)
-    check_locality(q, k, locality)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     valid = index >= 0  # [B, Hq, N, K]
     safe = index.clamp_min(0).long()
@@ -173,31 +169,6 @@ def check_sink_key(q: Tensor, sink_key: Tensor | None, score: str) -> None:
         raise ValueError(f"sink_key needs score='cauchy' (a zero-value key that only adds its weight), got score={score!r}")
     if tuple(sink_key.shape) != (q.shape[1], q.shape[-1]):
         raise ValueError(f"sink_key must be [Hq, D] = [{q.shape[1]}, {q.shape[-1]}], got {tuple(sink_key.shape)}")
-
-
-class Locality(NamedTuple):
-    """Where each query's keys lie in some order of the keys: a hint for the Triton backward,
-    which then walks the queries by ``row_rank`` and sums the value gradients of each tile of
-    queries over the ``key_order`` ranks near theirs before adding them to memory (ZETA: the
-    keys sorted by Morton code, a query's rank its insertion point). Any values give the same
-    result: a listed key whose rank does not map back to it through ``key_order`` is added
-    directly.
-
-    row_rank: [B, Hq, N] integer; key_order: [B, Hk, M] integer key positions by rank.
-    """
-
-    row_rank: Tensor
-    key_order: Tensor
-
-
-def check_locality(q: Tensor, k: Tensor, locality: Locality | None) -> None:
-    """A locality hint has row_rank [B, Hq, N] and key_order [B, Hk, M], both integer (ValueError otherwise)."""
-    if locality is None:
-        return
-    want = {"row_rank": tuple(q.shape[:3]), "key_order": tuple(k.shape[:3])}
-    for name, x in zip(("row_rank", "key_order"), locality):
-        if x.is_floating_point() or x.is_complex() or tuple(x.shape) != want[name]:
-            raise ValueError(f"locality.{name} must be an integer tensor of shape {list(want[name])}, got {x.dtype} {tuple(x.shape)}")
 
 
 def _append_extra_slot(

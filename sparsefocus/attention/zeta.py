@@ -30,7 +30,7 @@ from typing import ClassVar, Iterator
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import Locality, expand_kv, indexed_attention_ref, upcast
+from sparsefocus.attention.common import expand_kv, indexed_attention_ref, upcast
 from sparsefocus.attention.patterns import Pattern, parse_pattern, register, require
 
 CODE_BITS = 62  # Morton codes stay below 2**62 so that SENTINEL sorts after every real code
@@ -304,10 +304,10 @@ class Zeta(Pattern):
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.indexed import indexed_attention
 
-        index, locality = _select_fused(self, q, k, causal, key_padding_mask)
-        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True, locality=locality)
+        index = select_keys_fused(self, q, k, causal, key_padding_mask)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 
-    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool, locality=None) -> Tensor:
+    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool) -> Tensor:
         """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
 
         The mean token is the kernel's extra slot: per query its own mean key and value
@@ -324,7 +324,7 @@ class Zeta(Pattern):
         sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)  # [Hq, D] or None: a zero-value key in every list
         return kernel(
             q, k, v, index, score="cauchy", gamma=self.gamma_of(params), extra_key=mean_k, extra_value=mean_v, extra_mask=present,
-            sink_key=sink, locality=locality,
+            sink_key=sink,
         )
 
 
@@ -368,38 +368,17 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
 def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """``select_keys`` through the fused Triton kernel (``sparsefocus/kernels/zeta_select.py``):
     the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots."""
-    return _select_fused(spec, q, k, causal, key_padding_mask)[0]
-
-
-def _select_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> tuple[Tensor, Locality]:
-    """``select_keys_fused``'s keys and the ``Locality`` of the first curve's sort for the
-    indexed backward (one key sort serves both)."""
-    from sparsefocus.kernels.zeta_select import sort_key_codes, zeta_select
+    from sparsefocus.kernels.zeta_select import zeta_select
 
     with torch.no_grad():
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
         codes_q, codes_k = _codes(spec, upcast(q), bits, True), _codes(spec, upcast(k), bits, True)  # [S, B, Hq, N], [S, B, Hk, M]
-        real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-        presorted = sort_key_codes(codes_k, real, SENTINEL)  # [S, B, Hk, M] codes and positions
         local = spec.local if causal else 0
-        index = zeta_select(
-            q, k, codes_q, codes_k, real,
+        return zeta_select(
+            q, k, codes_q, codes_k, key_padding_mask,
             width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local,
-            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL, presorted=presorted,
+            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL,
         )
-        return index, sorted_locality(codes_q[0], presorted[0][0], presorted[1][0])
-
-
-def sorted_locality(codes_q: Tensor, sorted_codes: Tensor, order: Tensor) -> Locality:
-    """The indexed backward's hint from one curve: a query's rank is its insertion point among
-    the sorted key codes (its window lies around it), the key order the sort's.
-
-    codes_q [B, Hq, N] int64; sorted_codes, order [B, Hk, M] (``sort_key_codes`` of that curve).
-    """
-    group = codes_q.shape[1] // sorted_codes.shape[1]
-    sorted_codes = sorted_codes.repeat_interleave(group, dim=1) if group > 1 else sorted_codes  # [B, Hq, M]
-    row_rank = torch.searchsorted(sorted_codes, codes_q.contiguous(), out_int32=True)  # [B, Hq, N]
-    return Locality(row_rank, order.to(torch.int32))
 
 
 def _real_keys(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:

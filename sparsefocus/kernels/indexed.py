@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sparsefocus.attention.common import SCORE_KINDS, Locality, check_locality, check_sink_key, indexed_attention_ref
+from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
 LOG2E = 1.4426950408889634
@@ -114,47 +114,6 @@ def _sink_weights(q, SINK, hq, gamma_sq, D: tl.constexpr, BLOCK_D: tl.constexpr)
 
 
 @triton.jit
-def _dense_window(ROW_RANK, row_offs, row_ok, M, DENSE_R: tl.constexpr):
-    """First key rank lo of the tile's dense window [lo, lo + R): centred between the smallest and
-    largest row rank of the tile, kept inside [0, M - R] where M >= R."""
-    rank = tl.load(ROW_RANK + row_offs, mask=row_ok, other=0)  # [BM]
-    low = tl.min(tl.where(row_ok, rank, 2147483647), axis=0)
-    high = tl.max(tl.where(row_ok, rank, -2147483647), axis=0)
-    lo = low + (high - low) // 2 - DENSE_R // 2
-    return tl.maximum(tl.minimum(lo, M - DENSE_R), 0)
-
-
-@triton.jit
-def _dense_gather(dense_p, p, idx, KEY_ORDER, KEY_RANK, kv_row, lo, DENSE_R: tl.constexpr):
-    """Add the weights p [BM, BK] of slots whose key (idx [BM, BK]) ranks in [lo, lo + R) to
-    dense_p [BM, R]. Returns (dense_p, near [BM, BK]: the slots taken). A key counts only where
-    KEY_ORDER maps its rank back to it, so any hint gives the right sums."""
-    valid = idx >= 0
-    rank = tl.load(KEY_RANK + kv_row + idx, mask=valid, other=-1)  # [BM, BK]
-    rel = rank - lo
-    near = valid & (rel >= 0) & (rel < DENSE_R)
-    near = near & (tl.load(KEY_ORDER + kv_row + lo + rel, mask=near, other=-1) == idx)
-    rel = tl.where(near, rel, -1)
-    hit = rel[:, :, None] == tl.arange(0, DENSE_R)[None, None, :]  # [BM, BK, R]
-    return dense_p + tl.sum(tl.where(hit, p[:, :, None], 0.0), axis=1), near
-
-
-@triton.jit
-def _dense_flush(DV_ROWS, KEY_ORDER_ROW, dense_p, do, lo, M, DTYPE: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, DENSE_R: tl.constexpr):
-    """dv of the window's keys, dense_p^T [R, BM] @ do [BM, BDV] on tensor cores (operands in the
-    gradient's dtype, as FlashAttention's dV = P^T dO; fp32 exactly), one atomic add per key row."""
-    if DTYPE == tl.float32:
-        grad = tl.dot(tl.trans(dense_p), do, input_precision="ieee")  # [R, BDV]
-    else:
-        grad = tl.dot(tl.trans(dense_p).to(DTYPE), do.to(DTYPE))
-    ranks = lo + tl.arange(0, DENSE_R)
-    used = (tl.sum(dense_p, axis=0) != 0) & (ranks < M)  # [R]: weights are >= 0, so 0 means no slot
-    keys = tl.load(KEY_ORDER_ROW + ranks, mask=used, other=0)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    tl.atomic_add(DV_ROWS + keys[:, None] * DV + offs_dv[None, :], grad, mask=used[:, None] & (offs_dv[None, :] < DV), sem="relaxed")
-
-
-@triton.jit
 def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
     """Flat element offsets [BM] of the extra slot's rows (strided: expanded tensors are not copied)."""
     b, h = bh // HQ, (bh % HQ) // EGROUP
@@ -162,16 +121,13 @@ def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
 
 
 @triton.jit
-def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROW_ORDER, HAS_ORDER: tl.constexpr):
+def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
-    row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head, or with
-    HAS_ORDER the BLOCK_M consecutive entries of ROW_ORDER [B*Hq, N] (a permutation of rows)."""
+    row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    if HAS_ORDER:
-        rows = tl.load(ROW_ORDER + bh.to(tl.int64) * N + rows, mask=row_ok, other=0)
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
@@ -186,7 +142,7 @@ def _indexed_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
-    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D, Q, False)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
     k_base, v_base = K + kv_bh.to(tl.int64) * M * D, V + kv_bh.to(tl.int64) * M * DV
@@ -225,13 +181,12 @@ def _indexed_fwd_kernel(
 @triton.jit
 def _indexed_bwd_kernel(
     Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA, SINK, DSINK,
-    ROW_ORDER, ROW_RANK, KEY_ORDER, KEY_RANK,
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr, DENSE_R: tl.constexpr,
+    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
-    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D, ROW_ORDER, DENSE_R > 0)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = offs_d < D, offs_dv < DV
     o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
@@ -246,9 +201,6 @@ def _indexed_bwd_kernel(
     k_base, v_base = kv_bh.to(tl.int64) * M * D, kv_bh.to(tl.int64) * M * DV
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dgamma_sq = tl.zeros([BLOCK_M], tl.float32)
-    if DENSE_R > 0:  # the value gradients of keys ranked in [lo, lo + DENSE_R) are summed over the tile first
-        lo = _dense_window(ROW_RANK, row_offs, row_ok, M, DENSE_R)
-        dense_p = tl.zeros([BLOCK_M, DENSE_R], tl.float32)  # [BM, R] summed weights per (row, ranked key)
     if HAS_SINK:  # value 0, so dp = 0 and d loss / d squared distance = delta w^2 / S
         w_s, diff_s = _sink_weights(q, SINK, bh % HQ, gamma_sq, D, BLOCK_D)
         d_sq = tl.where(row_ok, delta * w_s * w_s * inv_total, 0.0)  # [BM]
@@ -284,12 +236,7 @@ def _indexed_bwd_kernel(
         dq += dq_tile
         if SCATTER_KV:  # off when indexed_csr.key_grads computes dk and dv
             tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
-            if DENSE_R > 0:
-                dense_p, near = _dense_gather(dense_p, p, idx, KEY_ORDER, KEY_RANK, kv_bh.to(tl.int64) * M, lo, DENSE_R)
-                v_mask = v_mask & ~near[:, :, None]
             tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
-    if SCATTER_KV and DENSE_R > 0:
-        _dense_flush(DV_ + v_base, KEY_ORDER + kv_bh.to(tl.int64) * M, dense_p, do, lo, M, DOUT.dtype.element_ty, DV, BLOCK_DV, DENSE_R)
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
@@ -312,27 +259,11 @@ TILE_OVERRIDES: dict[str, dict] = {}
 """Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
-DENSE_TILES = dict(BLOCK_M=16, BLOCK_K=1, num_warps=4, DENSE_R=128)
-"""Backward tiles with a ``Locality`` hint: 16 rows sum the value gradients of 128 ranked keys
-(on random q/k at 64K: 59% of the dv atomics gone, ``benchmarks/zeta_dense_ab.py``)."""
-
-
-def _launch_args(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True, dense: bool = False
-) -> tuple[tuple, dict]:
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True) -> tuple[tuple, dict]:
     """Grid, sizes and tiles; a backward that does not scatter dk, dv (KEY_GRADS "inverse") is a
-    gather like the forward and starts from the forward's tiles (a guess, not tuned). ``dense``:
-    the backward has a locality hint; DENSE_R = 0 when the tile cannot feed tl.dot (< 16 rows or
-    value columns)."""
+    gather like the forward and starts from the forward's tiles (a guess, not tuned)."""
     batch, q_heads, n_queries, dim = q.shape
-    blocks = _blocks(dim, v.shape[-1], backward and scatter)
-    if backward:
-        blocks["DENSE_R"] = 0
-        if dense and scatter:
-            blocks |= DENSE_TILES
-    blocks |= TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
-    if backward and min(blocks["BLOCK_M"], blocks["BLOCK_DV"], blocks["DENSE_R"]) < 16:
-        blocks["DENSE_R"] = 0
+    blocks = _blocks(dim, v.shape[-1], backward and scatter) | TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     sizes = (n_queries, k.shape[2], index.shape[-1], q_heads, q_heads // k.shape[1])
     return (grid, sizes), blocks
@@ -397,24 +328,7 @@ def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: 
     )
 
 
-def _locality_args(locality: Locality | None, dense: bool) -> list[Tensor | None]:
-    """(row order [B, Hq, N], row rank, key order [B, Hk, M], key rank) int32 for the kernel: rows
-    sorted by rank (a permutation whatever the hint), and each key's rank (-1 if key_order never
-    names it; key_order entries outside [0, M) name no key)."""
-    if locality is None or not dense:
-        return [None] * 4
-    row_rank = locality.row_rank.to(torch.int32).contiguous()
-    row_order = torch.argsort(row_rank, dim=-1).to(torch.int32)
-    key_order = locality.key_order.to(torch.int32).contiguous()
-    n_keys = key_order.shape[-1]
-    named = (key_order >= 0) & (key_order < n_keys)
-    key_rank = torch.full((*key_order.shape[:-1], n_keys + 1), -1, dtype=torch.int32, device=key_order.device)
-    ranks = torch.arange(n_keys, dtype=torch.int32, device=key_order.device).expand_as(key_order)
-    key_rank.scatter_(-1, torch.where(named, key_order, n_keys).long(), ranks)  # column M collects what names no key
-    return [row_order, row_rank, key_order, key_rank[..., :n_keys].contiguous()]
-
-
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None, locality=None):
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None):
     """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq]
     fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and
     the sink's d key [Hq, D] fp32 (None without sink)."""
@@ -422,10 +336,9 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
     inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
     g = _grad_buffers(q, k, v, extra, sink, inverse)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse, dense=locality is not None)
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
-    optional += [index if x is None else x for x in _locality_args(locality, blocks["DENSE_R"] > 0)]  # index: a dummy int32 pointer
     _indexed_bwd_kernel[grid](
         q, k, v, index, gamma_sq, out, grad_out, stat, g.dq, g.dk, g.dv, g.dgamma_sq, *pointers, *optional,
         *sizes, scale, *extra_kw["sizes"],
@@ -462,32 +375,28 @@ class IndexedAttentionFunction(torch.autograd.Function):
     sink_key [Hq, D] contiguous or None (Cauchy only)."""
 
     @staticmethod
-    def forward(
-        ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None, sink_key=None,
-        row_rank=None, key_order=None,
-    ):
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None, sink_key=None):
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
         out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink_key)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key, row_rank, key_order)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key)
         ctx.scale, ctx.score_code = scale, score_code
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key, row_rank, key_order = ctx.saved_tensors
+        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key = ctx.saved_tensors
         extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
-        locality = None if row_rank is None else Locality(row_rank, key_order)
         gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
         dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, sink_key, locality
+            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, sink_key
         )
         dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
         if extra is not None:
             d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
         d_sink = None if d_sink is None else d_sink.to(sink_key.dtype)
-        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink, None, None
+        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -522,7 +431,6 @@ def indexed_attention(
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
-    locality: Locality | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -547,11 +455,6 @@ def indexed_attention(
         sink_key: optional [Hq, D] attention sink (Cauchy only): a key per query head with value
             0 in every row, adding only its weight to the normaliser; receives a gradient.
             Computed per row in the kernels, so k, v and index are not extended. Default: none.
-        locality: optional ``Locality(row_rank [B, Hq, N], key_order [B, Hk, M])``: the backward
-            then walks the queries in row_rank order and sums the value gradients of each 16
-            rows over the 128 keys ranked around theirs (one tl.dot) before its atomic adds,
-            so lists that share keys among neighbours in that order cost fewer atomics. The
-            result does not depend on it beyond rounding. Default: none (rows in order).
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
@@ -559,7 +462,6 @@ def indexed_attention(
     _check_index(q, k, v, index, score)
     _check_extra(q, v, extra_key, extra_value, extra_mask)
     check_sink_key(q, sink_key, score)
-    check_locality(q, k, locality)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
     if q.shape[2] == 0 or (index.shape[-1] == 0 and extra_key is None) or k.shape[2] == 0:
@@ -572,8 +474,7 @@ def indexed_attention(
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     sink = None if sink_key is None else sink_key.float().contiguous()  # [Hq, D]; fp32: the kernels compute in fp32
     return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras, sink,
-        *(locality or (None, None)),
+        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras, sink
     )
 
 

@@ -271,30 +271,21 @@ def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, 
 FUSED_PREFIXES = True  # filter the prefixes in one Triton kernel: same outputs; H200, 64K fwd+bwd 31.7 -> 30.3 ms
 
 
-def sort_key_codes(codes_k: Tensor, real: Tensor, sentinel: int) -> tuple[Tensor, Tensor]:
-    """All keys sorted by code, padded keys last (as ``sentinel``), stable: codes [S, B, Hk, M]
-    int64 and their positions [S, B, Hk, M] int64 (codes_k [S, B, Hk, M], real [B, M] bool)."""
-    codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
-    return torch.sort(codes, dim=-1, stable=True)
-
-
-def sorted_prefixes(
-    codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int, presorted: tuple[Tensor, Tensor] | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
+def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
 
     Args:
         codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool; step, prefixes: the
         P = ``prefixes`` key counts; sentinel: a code above every real code (given to padded
-        keys and unused tail slots); presorted: ``sort_key_codes``' result when the caller
-        has it already. Default: sorted here.
+        keys and unused tail slots).
     Returns:
         codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
         int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
         position order, as one stable sort of the prefix alone would.
     """
-    sorted_codes, order = sort_key_codes(codes_k, real, sentinel) if presorted is None else presorted  # [S, B, Hk, M]
+    codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
+    sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
     if FUSED_PREFIXES:
         return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel)
     n_keys = codes_k.shape[-1]
@@ -336,7 +327,6 @@ def zeta_select(
     local: int,
     chunk: int | None,
     sentinel: int,
-    presorted: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The ``width`` nearest candidates of every query (ZETA's selection), fused.
 
@@ -346,8 +336,7 @@ def zeta_select(
         key_padding_mask: [B, M] bool, True = real key, or None.
         width: keys kept per query; window: sorted neighbours per curve; local: recent keys of
         the own chunk (causal only); chunk: causal chunk length, or None for non-causal
-        (one search over every real key); sentinel: a code above every real code;
-        presorted: ``sort_key_codes(codes_k, real, sentinel)`` if the caller has it. Default: none.
+        (one search over every real key); sentinel: a code above every real code.
     Returns:
         [B, Hq, N, width] int32 key positions, -1 for unused slots after them: in candidate
         order with one curve, nearest first with several. Ties at the cut go to the smaller
@@ -357,9 +346,9 @@ def zeta_select(
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     real = torch.ones(batch, n_keys, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
     if chunk is None:
-        scodes, spos, count = sorted_prefixes(codes_k, real, n_keys, 1, sentinel, presorted)
+        scodes, spos, count = sorted_prefixes(codes_k, real, n_keys, 1, sentinel)
     else:
-        scodes, spos, count = sorted_prefixes(codes_k, real, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel, presorted)
+        scodes, spos, count = sorted_prefixes(codes_k, real, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     band = local if chunk is not None else 0
     block_c = triton.next_power_of_2(curves * window + band)

@@ -5,7 +5,7 @@ On CPU the kernel runs in Triton's interpreter (tests/conftest.py sets TRITON_IN
 import pytest
 import torch
 
-from sparsefocus.attention.common import Locality, indexed_attention_ref
+from sparsefocus.attention.common import indexed_attention_ref
 from sparsefocus.kernels.indexed import indexed_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -25,11 +25,11 @@ def make_case(n, m, score, dtype, slots=5, q_heads=4, kv_heads=2, dim=6, dim_v=3
     return q, k, v, index, gamma
 
 
-def run(fn, q, k, v, index, gamma, score, dtype, grad_out, **kwargs):
+def run(fn, q, k, v, index, gamma, score, dtype, grad_out):
     leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     g = None if gamma is None else gamma.clone().requires_grad_()
     scale = 0.3 if score != "dot" else None
-    out = fn(*leaves, index, scale=scale, score=score, gamma=g, **kwargs)
+    out = fn(*leaves, index, scale=scale, score=score, gamma=g)
     grads = torch.autograd.grad(out.float(), leaves + ([g] if g is not None else []), grad_out)
     return [out] + list(grads)
 
@@ -231,53 +231,3 @@ def test_sink_key_in_fp16_within_twice_torch_error_and_bad_sinks_rejected():
         indexed_attention(q, k, v, index, score="dot", sink_key=sink)
     with pytest.raises(ValueError, match=r"\[Hq, D\]"):
         indexed_attention(q, k, v, index, score="cauchy", sink_key=sink[:, :3])
-
-
-def _hint(kind: str, q: torch.Tensor, k: torch.Tensor) -> Locality:
-    """A locality hint: "sorted" (keys by their first coordinate, a query's rank its insertion
-    point, as ZETA's codes), "random" (a random permutation and ranks) or "bogus" (repeated and
-    out-of-range key positions)."""
-    batch, q_heads, n, _ = q.shape
-    kv_heads, m = k.shape[1], k.shape[2]
-    if kind == "sorted":
-        key_sorted, order = torch.sort(k[..., 0], dim=-1)
-        group = q_heads // kv_heads
-        rank = torch.searchsorted(key_sorted.repeat_interleave(group, 1).contiguous(), q[..., 0].contiguous())
-        return Locality(rank, order)
-    if kind == "random":
-        return Locality(torch.randint(0, m, (batch, q_heads, n), device=DEVICE), torch.argsort(torch.rand(batch, kv_heads, m, device=DEVICE), -1))
-    return Locality(torch.randint(-3, m + 3, (batch, q_heads, n), device=DEVICE), torch.randint(-3, m + 3, (batch, kv_heads, m), device=DEVICE))
-
-
-@pytest.mark.parametrize("score", ["dot", "neg_sqeuclid", "cauchy"])
-@pytest.mark.parametrize("hint", ["sorted", "random", "bogus"])
-@pytest.mark.parametrize("n,m,heads", [(37, 90, (4, 2)), (50, 300, (3, 1)), (1, 5, (2, 2))])
-def test_locality_hint_matches_reference(score, hint, n, m, heads):
-    """With a hint the backward walks rows by rank and sums dv of keys ranked near the tile in
-    registers (M <= 128: every key; M = 300: some keys each way); whatever the hint, outputs and
-    gradients are the reference's (repeated keys in a list, unused slots, GQA)."""
-    q, k, v, index, gamma = make_case(n, m, score, torch.float32, slots=9, q_heads=heads[0], kv_heads=heads[1], dim=3, dim_v=20)
-    index[..., 1] = index[..., 0]
-    grad_out = torch.randn(2, heads[0], n, 20, device=DEVICE)
-    locality = _hint(hint, q, k)
-    got = run(indexed_attention, q, k, v, index, gamma, score, torch.float32, grad_out, locality=locality)
-    want = run(indexed_attention_ref, q, k, v, index, gamma, score, torch.float32, grad_out, locality=locality)
-    for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
-        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
-        assert rel_err(x, y) < 1e-5, f"{score} {hint} {name}: relative error {rel_err(x, y):.2e}"
-
-
-def test_locality_hint_fp16_within_twice_torch_error_and_bad_hints_rejected():
-    """The tile's dv goes through tl.dot with fp16 operands (FlashAttention's dV = P^T dO)."""
-    q, k, v, index, gamma = make_case(63, 100, "cauchy", torch.float16, slots=37, dim=3, dim_v=32)
-    grad_out = torch.randn(2, 4, 63, 32, device=DEVICE)
-    locality = _hint("sorted", q, k)
-    truth = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float32, grad_out)
-    torch_low = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float16, grad_out)
-    kernel = run(indexed_attention, q, k, v, index, gamma, "cauchy", torch.float16, grad_out, locality=locality)
-    for name, x, y, t in zip(["out", "dq", "dk", "dv", "dgamma"], kernel, torch_low, truth):
-        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
-    for bad in (Locality(locality.row_rank[:, :1], locality.key_order), Locality(locality.row_rank, locality.key_order.float())):
-        for fn in (indexed_attention, indexed_attention_ref):
-            with pytest.raises(ValueError, match="locality"):
-                fn(q, k, v, index, score="cauchy", locality=bad)
