@@ -45,20 +45,33 @@ def zeta_inputs(batch, heads, n, dk=3, dv=64, seed=0):
     return make(batch, heads, n, dk), make(batch, heads, n, dk), make(batch, heads, n, dv), gamma
 
 
+def _backward_of(out: torch.Tensor, inputs: tuple, grad_out: list) -> tuple:
+    """The gradients of inputs under one upstream gradient, made once per closure (random, as
+    ``sparsefocus.bench.runner.step_fn``): autograd.grad, so no .grad is accumulated from call to
+    call (a training step's zero_grad sets them to None; an accumulating add is not attention's)."""
+    if not grad_out:
+        grad_out.append(torch.randn_like(out))
+    return torch.autograd.grad(out, inputs, grad_out[0])
+
+
 def zeta_step(q, k, v, gamma, pattern=PATTERN, backward=True):
+    """A closure: ZETA forward (and backward); returns (dq, dk, dv, dgamma) or None."""
+    grad_out: list = []
+
     def run():
         out = sf.sparse_attention(q, k, v, pattern, causal=True, impl="triton", params={"gamma": gamma})
-        if backward:
-            out.backward(torch.ones_like(out))
+        return _backward_of(out, (q, k, v, gamma), grad_out) if backward else None
     return run
 
 
 def sdpa_step(q, k, v, backward=True):
+    """A closure: SDPA (FlashAttention backend) forward (and backward, same protocol as zeta_step)."""
+    grad_out: list = []
+
     def run():
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if backward:
-            out.backward(torch.ones_like(out))
+        return _backward_of(out, (q, k, v), grad_out) if backward else None
     return run
 
 
@@ -140,12 +153,12 @@ def speed_and_memory(lengths, ratio_lengths, batch=4, heads=16) -> list[dict]:
 def million(n=1 << 20) -> dict:
     q, k, v, gamma = zeta_inputs(1, 16, n)
     start = time.time()
-    zeta_step(q, k, v, gamma)()
+    grads = zeta_step(q, k, v, gamma)()
     torch.cuda.synchronize()
     first = time.time() - start
     row = {"N": n, "B": 1, "H": 16, "first_call_s": first, "fwdbwd_ms": timed_ms(zeta_step(q, k, v, gamma), 2)}
     row["peak_mb"] = peak_mb(zeta_step(q, k, v, gamma))
-    row["grads_finite"] = bool(all(torch.isfinite(x.grad).all() for x in (q, k, v, gamma)))
+    row["grads_finite"] = bool(all(torch.isfinite(x).all() for x in grads))
     return row
 
 
@@ -233,7 +246,7 @@ def main() -> None:
         "pattern": PATTERN,
         "wide_pattern": SINGLE_WIDE,
         "shifted_pattern": SHIFTED,
-        "protocol": "causal, bf16, q/k width 3 (ZETA) or 64 (SDPA), Dv=64; times: CUDA-event median; memory: peak above inputs",
+        "protocol": "causal, bf16, q/k width 3 (ZETA) or 64 (SDPA), Dv=64; times: CUDA-event median; backward: torch.autograd.grad of the inputs under one random upstream gradient made once (no .grad accumulation, as the bench runner); memory: peak above inputs",
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "zeta_bench.json")

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels.scan import scaled_scan
 
 LOG2E = 1.4426950408889634
 SCORE_CODES = {name: code for code, name in enumerate(SCORE_KINDS)}  # dot 0, neg_sqeuclid 1, cauchy 2
@@ -328,10 +329,11 @@ def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: 
     )
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None):
-    """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes), d gamma^2 per head [Hq]
-    fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and
-    the sink's d key [Hq, D] fp32 (None without sink)."""
+def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None, cast=True):
+    """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes; with ``cast`` False dk
+    and dv as summed, fp32 from the atomics), d gamma^2 per head [Hq] fp32, the extra slot's d
+    key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and the sink's d key [Hq, D]
+    fp32 (None without sink)."""
     if KEY_GRADS not in ("atomic", "inverse"):
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
     inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
@@ -351,7 +353,9 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
 
         dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, g.delta)
     d_sink = None if sink is None else g.d_sink.sum(dim=(0, 2))  # [Hq, D]
-    return g.dq, dk.to(k.dtype), dv.to(v.dtype), g.dgamma_sq.sum(dim=(0, 2)), g.d_extra_k, g.d_extra_v, d_sink
+    if cast:
+        dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+    return g.dq, dk, dv, g.dgamma_sq.sum(dim=(0, 2)), g.d_extra_k, g.d_extra_v, d_sink
 
 
 class Extra(NamedTuple):
@@ -397,6 +401,89 @@ class IndexedAttentionFunction(torch.autograd.Function):
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
         d_sink = None if d_sink is None else d_sink.to(sink_key.dtype)
         return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink
+
+
+class CausalMeanIndexedFunction(torch.autograd.Function):
+    """``IndexedAttentionFunction`` whose extra slot is the causal mean of k and v over the real
+    keys (ZETA's mean token), computed inside by the Triton scan (``scan.scaled_scan``). The
+    mean's gradient scan adds straight into the fp32 dk, dv of the atomics and stores k's and
+    v's dtype once, instead of a separate mean gradient, a cast and an add (a separate mean
+    would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16; this, 1.5 GB).
+    Inputs as IndexedAttentionFunction's, N = M, plus real [B, M] bool."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, real, sink_key=None):
+        realf = real.to(torch.float32).contiguous()  # [B, M]
+        count = realf.cumsum(-1)
+        inverse = 1.0 / count.clamp_min(1.0)
+        mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, M, D], [B, Hk, M, Dv]
+        mask = (count > 0)[:, None, :].expand(*q.shape[:3]).to(torch.int8).contiguous()  # [B, Hq, N]
+        gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
+        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, Extra(mean_k, mean_v, mask), sink_key)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse)
+        ctx.scale, ctx.score_code = scale, score_code
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse = ctx.saved_tensors
+        gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
+        dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = _indexed_backward(
+            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, Extra(mean_k, mean_v, mask), sink_key, cast=False
+        )
+        kv_heads = k.shape[1]
+        # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
+        dk = scaled_scan(_group_sum(d_mean_k, kv_heads), inverse, realf, reverse=True, base=dk, dtype=k.dtype)
+        dv = scaled_scan(_group_sum(d_mean_v, kv_heads), inverse, realf, reverse=True, base=dv, dtype=v.dtype)
+        dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
+        d_sink = None if d_sink is None else d_sink.to(sink_key.dtype)
+        return dq, dk, dv, None, dgamma, None, None, None, d_sink
+
+
+def indexed_attention_causal_mean(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    *,
+    score: str = "cauchy",
+    gamma: Tensor | float | None = None,
+    key_padding_mask: Tensor | None = None,
+    sink_key: Tensor | None = None,
+    scale: float | None = None,
+) -> Tensor:
+    """``indexed_attention`` with one extra slot per query: the mean key and value of the real
+    keys 0..i (ZETA's causal mean token), fused (see ``CausalMeanIndexedFunction``).
+
+    The same result as ``indexed_attention_ref(q, k, v, index, extra_key=mean_k,
+    extra_value=mean_v, extra_mask=present, ...)`` with ``mean_k, mean_v, present =
+    mean_tokens(k, v, True, key_padding_mask)`` (``sparsefocus.attention.zeta``), the slow twin
+    the tests compare it with.
+
+    Args:
+        q: [B, Hq, N, D]; k: [B, Hk, N, D]; v: [B, Hk, N, Dv] (as many keys as queries, N >= 1).
+        index: [B, Hq, N, K] key positions, -1 unused; K >= 1.
+        score, gamma, sink_key, scale: as ``indexed_attention``.
+        key_padding_mask: [B, N] bool, True = real key; padded keys are left out of the means.
+            Default: every key is real.
+    Returns:
+        [B, Hq, N, Dv] in q.dtype.
+    """
+    index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
+    _check_index(q, k, v, index, score)
+    check_sink_key(q, sink_key, score)
+    if k.shape[2] != q.shape[2] or q.shape[2] == 0 or index.shape[-1] == 0:
+        raise ValueError(f"indexed_attention_causal_mean needs N = M >= 1 and K >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, index {tuple(index.shape)}")
+    real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
+    if tuple(real.shape) != (k.shape[0], k.shape[2]):
+        raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
+    k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+    sink = None if sink_key is None else sink_key.float().contiguous()
+    return CausalMeanIndexedFunction.apply(
+        q.contiguous(), k, v, index.to(torch.int32).contiguous(), gamma_heads, scale, SCORE_CODES[score], real, sink
+    )
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:

@@ -24,7 +24,17 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
-BLOCK_N = 64  # rows per tile: T = N / 64 tiles keeps the torch carry scan small
+TILE_OVERRIDES: dict = {}
+"""Benchmark hook: {"BLOCK_N": rows per tile, "num_warps": ...} replacing ``_tiles``' choice."""
+
+
+def _tiles(width: int) -> dict:
+    """Rows per tile and warps (H200, 64K rows, B x H = 64, ``benchmarks/zeta_scan_probe.py``):
+    64 rows and 1 warp for wide rows (v, 64 columns: 0.54 / 0.79 ms forward / reversed, against
+    0.69 / 1.02 with 4 warps); 128 rows and 2 warps for narrow ones (k, 3 columns: 0.14 / 0.16
+    against 0.19 / 0.24 at 64 rows and 4 warps). The tile totals' scan then has N / BLOCK_N steps."""
+    tiles = dict(BLOCK_N=64, num_warps=1) if width >= 16 else dict(BLOCK_N=128, num_warps=2)
+    return tiles | TILE_OVERRIDES
 
 
 @triton.jit
@@ -41,7 +51,8 @@ def _tile_sums_kernel(X, PRE, SUMS, N, XW, T, H, BLOCK_N: tl.constexpr, BLOCK_X:
 
 @triton.jit
 def _tile_scan_kernel(
-    X, PRE, POST, CARRY, OUT, N, XW, T, H, REVERSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr
+    X, PRE, POST, CARRY, BASE, OUT, N, XW, T, H,
+    REVERSE: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
 ):
     tile, bh, pid_x = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -54,30 +65,42 @@ def _tile_scan_kernel(
     post = tl.load(POST + row_base, mask=rows < N, other=0.0)
     carry = tl.load(CARRY + (bh.to(tl.int64) * XW + cols) * T + tile, mask=cols < XW, other=0.0)  # [BX]
     total = tl.cumsum(x * pre[:, None], axis=0, reverse=REVERSE) + carry[None, :]
-    tl.store(OUT + offsets, (total * post[:, None]).to(OUT.dtype.element_ty), mask=ok)
+    result = total * post[:, None]
+    if HAS_BASE:  # a gradient summed elsewhere (fp32 atomics): added here, stored once in OUT's dtype
+        result += tl.load(BASE + offsets, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
 
 
-def scaled_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool = False) -> Tensor:
-    """out[b, h, i] = post[b, i] * sum_{j <= i} pre[b, j] * x[b, h, j] (j >= i when ``reverse``).
+def scaled_scan(
+    x: Tensor, pre: Tensor, post: Tensor, reverse: bool = False, base: Tensor | None = None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """out[b, h, i] = post[b, i] * sum_{j <= i} pre[b, j] * x[b, h, j] (j >= i when ``reverse``),
+    plus base[b, h, i] when given.
 
     Args:
         x: [B, H, N, X] any float dtype; pre, post: [B, N] fp32 row scales.
         reverse: sum over the rows at and after i instead of at and before.
+        base: optional [B, H, N, X] tensor (any float dtype) added in fp32 before the one store.
+            Default: none.
+        dtype: the output's dtype. Default: x's.
     Returns:
-        [B, H, N, X] in x's dtype; sums are fp32 (tile sums, then a scan of the T = N / 64 tile
-        totals).
+        [B, H, N, X]; sums are fp32 (tile sums, then a scan of the T = N / BLOCK_N tile totals).
     """
     batch, heads, n, width = x.shape
     x = x.contiguous()
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
-    tiles = triton.cdiv(n, BLOCK_N)
-    block_x = min(64, triton.next_power_of_2(width))
-    grid = (tiles, batch * heads, triton.cdiv(width, block_x))
+    blocks = _tiles(width)
+    tiles = triton.cdiv(n, blocks["BLOCK_N"])
+    blocks["BLOCK_X"] = min(64, triton.next_power_of_2(width))
+    grid = (tiles, batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
     sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
-    _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, BLOCK_N=BLOCK_N, BLOCK_X=block_x)
+    _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
     carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
-    out = torch.empty_like(x)
-    _tile_scan_kernel[grid](x, pre, post, carry, out, n, width, tiles, heads, REVERSE=reverse, BLOCK_N=BLOCK_N, BLOCK_X=block_x)
+    out = torch.empty_like(x, dtype=dtype or x.dtype)
+    if base is not None and base.shape != x.shape:
+        raise ValueError(f"base must have x's shape {tuple(x.shape)}, got {tuple(base.shape)}")
+    base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
+    _tile_scan_kernel[grid](x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks)
     return out
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparsefocus.attention.common import indexed_attention_ref
-from sparsefocus.kernels.indexed import indexed_attention
+from sparsefocus.kernels.indexed import indexed_attention, indexed_attention_causal_mean
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -231,3 +231,57 @@ def test_sink_key_in_fp16_within_twice_torch_error_and_bad_sinks_rejected():
         indexed_attention(q, k, v, index, score="dot", sink_key=sink)
     with pytest.raises(ValueError, match=r"\[Hq, D\]"):
         indexed_attention(q, k, v, index, score="cauchy", sink_key=sink[:, :3])
+
+
+def _causal_mean_twin(q, k, v, index, *, score, gamma, key_padding_mask, sink_key):
+    """The slow twin of ``indexed_attention_causal_mean``: torch's causal mean + the reference."""
+    from sparsefocus.attention.zeta import mean_tokens
+
+    mean_k, mean_v, present = mean_tokens(k, v, True, key_padding_mask)
+    return indexed_attention_ref(
+        q, k, v, index, score=score, gamma=gamma, extra_key=mean_k, extra_value=mean_v, extra_mask=present, sink_key=sink_key
+    )
+
+
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse"])
+@pytest.mark.parametrize("n,heads,sink", [(2, (2, 2), False), (37, (4, 2), True), (130, (3, 1), False)])
+def test_causal_mean_extra_slot_fused_matches_twin(monkeypatch, key_grads, n, heads, sink):
+    """The causal mean token computed inside (its gradient scan added onto the atomics' fp32 dk,
+    dv): outputs and dq, dk, dv, d gamma, d sink as torch's mean + the reference; padded keys,
+    leading ones included (rows with no mean), GQA, lengths spanning several scan tiles."""
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", key_grads)
+    q, k, v, index, gamma = make_case(n, n, "cauchy", torch.float32, slots=6, q_heads=heads[0], kv_heads=heads[1], dim=3, dim_v=20)
+    padding = torch.rand(2, n, device=DEVICE) > 0.2
+    padding[1, :2] = False
+    sink_key = 0.5 * torch.randn(heads[0], 3, device=DEVICE) if sink else None
+    grad_out = torch.randn(2, heads[0], n, 20, device=DEVICE)
+    results = []
+    for fn in (indexed_attention_causal_mean, _causal_mean_twin):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sink_key.clone().requires_grad_()] if sink else [])
+        g = gamma.clone().requires_grad_()
+        out = fn(*leaves[:3], index, score="cauchy", gamma=g, key_padding_mask=padding, sink_key=leaves[3] if sink else None)
+        results.append([out, *torch.autograd.grad(out, leaves + [g], grad_out)])
+    for name, x, y in zip(["out", "dq", "dk", "dv", *(["d_sink"] if sink else []), "dgamma"], *results):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
+        assert rel_err(x, y) < 1e-5, f"{key_grads} {name}: relative error {rel_err(x, y):.2e}"
+
+
+def test_causal_mean_extra_slot_fp16_within_twice_torch_error_and_bad_shapes():
+    q, k, v, index, gamma = make_case(63, 63, "cauchy", torch.float16, slots=17, dim=3, dim_v=16)
+    grad_out = torch.randn(2, 4, 63, 16, device=DEVICE)
+
+    def run_mean(fn, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, index, score="cauchy", gamma=gamma, key_padding_mask=None, sink_key=None)
+        return [out, *torch.autograd.grad(out.float(), leaves, grad_out)]
+
+    truth, torch_low = run_mean(_causal_mean_twin, torch.float32), run_mean(_causal_mean_twin, torch.float16)
+    kernel = run_mean(indexed_attention_causal_mean, torch.float16)
+    for name, x, y, t in zip(["out", "dq", "dk", "dv"], kernel, torch_low, truth):
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    with pytest.raises(ValueError, match="N = M"):
+        indexed_attention_causal_mean(q, k[:, :, :40], v[:, :, :40], index.clamp_max(39))
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        indexed_attention_causal_mean(q, k, v, index, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device=DEVICE))

@@ -15,7 +15,7 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("n", [1, 63, 64, 200])
+@pytest.mark.parametrize("n", [1, 63, 64, 200, 300])
 @pytest.mark.parametrize("reverse", [False, True])
 def test_scaled_scan_matches_explicit_sum(n, reverse):
     x = torch.randn(2, 3, n, 5, device=DEVICE)
@@ -24,6 +24,19 @@ def test_scaled_scan_matches_explicit_sum(n, reverse):
     total = scaled.flip(2).cumsum(2).flip(2) if reverse else scaled.cumsum(2)
     want = total * post[:, None, :, None]
     assert rel_err(scaled_scan(x, pre, post, reverse=reverse), want) < 1e-5
+
+
+@pytest.mark.parametrize("width", [5, 40])
+def test_scaled_scan_adds_a_base_and_stores_the_asked_dtype(width):
+    """``base`` (the atomics' fp32 gradient) is added before the one store, in ``dtype``."""
+    x = torch.randn(2, 3, 150, width, device=DEVICE, dtype=torch.float16)
+    pre, post = torch.rand(2, 150, device=DEVICE), torch.rand(2, 150, device=DEVICE)
+    base = torch.randn(2, 3, 150, width, device=DEVICE)
+    got = scaled_scan(x, pre, post, reverse=True, base=base, dtype=torch.float32)
+    want = scaled_scan(x.float(), pre, post, reverse=True) + base
+    assert got.dtype == torch.float32 and rel_err(got, want) < 1e-5
+    with pytest.raises(ValueError, match="base"):
+        scaled_scan(x, pre, post, base=base[:, :, :7])
 
 
 @pytest.mark.parametrize("n", [1, 7, 130])
