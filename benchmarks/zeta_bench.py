@@ -54,9 +54,10 @@ def _backward_of(out: torch.Tensor, inputs: tuple, grad_out: list) -> tuple:
     return torch.autograd.grad(out, inputs, grad_out[0])
 
 
-def zeta_step(q, k, v, gamma, pattern=PATTERN, backward=True):
-    """A closure: ZETA forward (and backward); returns (dq, dk, dv, dgamma) or None."""
-    grad_out: list = []
+def zeta_step(q, k, v, gamma, pattern=PATTERN, backward=True, grad_out: list | None = None):
+    """A closure: ZETA forward (and backward); returns (dq, dk, dv, dgamma) or None. grad_out:
+    a list holding (or receiving) the upstream gradient, to share one between closures."""
+    grad_out = [] if grad_out is None else grad_out
 
     def run():
         out = sf.sparse_attention(q, k, v, pattern, causal=True, impl="triton", params={"gamma": gamma})

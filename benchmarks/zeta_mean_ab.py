@@ -29,10 +29,11 @@ def use(variant: str) -> None:
 
 
 def compare(q, k, v, gamma) -> dict:
+    upstream: list = []  # one upstream gradient for both
     use("old")
-    old = zeta_step(q, k, v, gamma)()
+    old = zeta_step(q, k, v, gamma, grad_out=upstream)()
     use("new")
-    new = zeta_step(q, k, v, gamma)()
+    new = zeta_step(q, k, v, gamma, grad_out=upstream)()
     return {name: ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item() for name, a, b in zip(("dq", "dk", "dv", "dgamma"), new, old)}
 
 
