@@ -10,7 +10,8 @@ check that both give the same gradients (printed as relative differences), and t
 path with other key tiles ("inverse_32x4", "inverse_8x16", "inverse_16x16": BLOCK_N x BLOCK_E) and
 with its query pass on the atomic backward's tiles instead of the forward's ("inverse_q1").
 With --split-band: "split_band", the selection with the band in its own tile
-(``SELECT_OVERRIDES["split"]``; the same keys).
+(``SELECT_OVERRIDES["split"]``; the same keys; the default since fbda9d5). With --indexed: the
+indexed kernel's defaults against the tiles of INDEXED_TILES.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ KEY_TILES = {
     "inverse_q1": {"BLOCK_N": 16, "BLOCK_E": 8, "num_warps": 4},  # and the query pass on the atomic backward's tiles
 }
 ATOMIC_BWD_TILES = {"BLOCK_M": 16, "BLOCK_K": 1, "num_warps": 2}
+INDEXED_TILES = {  # --indexed: other indexed-kernel tiles against the defaults (16x16 slots x 2 warps fwd, 16x1x2 bwd)
+    "fwd_16x8_w2": {"fwd": {"BLOCK_M": 16, "BLOCK_K": 8, "num_warps": 2}},
+    "fwd_8x16_w1": {"fwd": {"BLOCK_M": 8, "BLOCK_K": 16, "num_warps": 1}},
+    "bwd_8x1_w1": {"bwd": {"BLOCK_M": 8, "BLOCK_K": 1, "num_warps": 1}},
+    "fwd_16x8_w2_bwd_8x1_w1": {"fwd": {"BLOCK_M": 16, "BLOCK_K": 8, "num_warps": 2}, "bwd": {"BLOCK_M": 8, "BLOCK_K": 1, "num_warps": 1}},
+}
 
 
 def use(tiles: str) -> None:
@@ -42,6 +49,7 @@ def use(tiles: str) -> None:
         zeta_select.SELECT_OVERRIDES["split"] = True
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
+    indexed.TILE_OVERRIDES.update(INDEXED_TILES.get(tiles, {}))
     indexed.KEY_GRADS = "inverse" if tiles in KEY_TILES else "atomic"
     if tiles == "inverse_q1":
         indexed.TILE_OVERRIDES["bwd"] = ATOMIC_BWD_TILES
@@ -80,10 +88,12 @@ def main() -> None:
     parser.add_argument("--parts", action="store_true", help="also old selection tiles alone and old indexed tiles alone")
     parser.add_argument("--key-grads", action="store_true", help="the default against KEY_GRADS='inverse'")
     parser.add_argument("--split-band", action="store_true", help="the default against the band in its own selection tile")
+    parser.add_argument("--indexed", action="store_true", help="the default against the INDEXED_TILES (only these)")
     args = parser.parse_args()
     variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
     variants = ("new", *KEY_TILES) if args.key_grads else variants
     variants = ((variants if args.key_grads else ("new",)) + ("split_band",)) if args.split_band else variants
+    variants = ("new", *INDEXED_TILES) if args.indexed else variants
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         if args.key_grads:
