@@ -83,7 +83,7 @@ def probe(n: int) -> list[dict]:
     codes_q, codes_k = _codes(spec, q.float(), bits, True), _codes(spec, k.float(), bits, True)
     real = torch.ones(4, n, dtype=torch.bool, device="cuda")
     chunk = spec.chunk_size(n)
-    scodes, spos, count, _ = sorted_prefixes(codes_k, real, chunk, spec.chunks - 1, SENTINEL)
+    scodes, spos, count = sorted_prefixes(codes_k, real, chunk, spec.chunks - 1, SENTINEL)
     out = torch.empty(4, 16, n, spec.k, dtype=torch.int32, device="cuda")
     rows = []
     for search, gather, cut in ((1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)):

@@ -184,7 +184,7 @@ def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr):
 
 @triton.jit
 def _zeta_select_kernel(
-    Q, K, SK, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
+    Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
     N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
     CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, EXACT_STOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -207,9 +207,7 @@ def _zeta_select_kernel(
     searching = row_ok & (prefix >= 0)
     prefix = tl.maximum(prefix, 0)
     count = tl.load(NVALID + prefix * B + b, mask=searching, other=0)  # [BM] searchable keys
-    q_base = Q + (bh.to(tl.int64) * N + rows) * D
     cand = tl.full([BLOCK_M, BLOCK_C], -1, tl.int32)
-    distance = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
     for s in tl.static_range(CURVES):
         code = tl.load(CODES_Q + ((s * B + b) * HQ + hq).to(tl.int64) * N + rows, mask=row_ok, other=0)
         base = (((prefix * CURVES + s) * B + b) * HK + hk).to(tl.int64) * M  # [BM]
@@ -220,18 +218,16 @@ def _zeta_select_kernel(
         ok = mine & searching[:, None] & (slot < count[:, None])
         found = tl.load(SPOS + base[:, None] + slot, mask=ok, other=-1)
         cand = tl.where(mine, found, cand)
-        # the window's keys lie in one run of the sorted coordinates: no gather through positions
-        distance = tl.where(mine, _distances(q_base, SK + base[:, None] * D, tl.where(ok, slot, -1), row_ok, D), distance)
     cand_b = tl.full([BLOCK_M, BLOCK_B], -1, tl.int32)  # the band's own tile (SPLIT), else unused
-    k_base = K + (b * HK + hk).to(tl.int64) * M * D
     if CAUSAL and LOCAL > 0:
         if SPLIT:
             cand_b = _band(cand_b, tl.arange(0, BLOCK_B), 0, LOCAL, rows, row_ok, chunk_start, REAL, b, M)
         else:
             cand = _band(cand, cols, CURVES * WINDOW, LOCAL, rows, row_ok, chunk_start, REAL, b, M)
-            in_band = cols[None, :] >= CURVES * WINDOW
-            distance = tl.where(in_band, _distances(q_base, k_base, tl.where(in_band, cand, -1), row_ok, D), distance)
     valid = cand >= 0
+    k_base = K + (b * HK + hk).to(tl.int64) * M * D
+    q_base = Q + (bh.to(tl.int64) * N + rows) * D
+    distance = _distances(q_base, k_base, cand, row_ok, D)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
         distance_b = _distances(q_base, k_base, cand_b, row_ok, D)  # a [BM, 1] placeholder without SPLIT: all masked
@@ -245,18 +241,14 @@ def _zeta_select_kernel(
 
 
 @triton.jit
-def _prefix_filter_kernel(
-    SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, K, OUT_K, M, ROWS, B, HK, step, sentinel, D: tl.constexpr, BLOCK: tl.constexpr
-):
+def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, HK, step, sentinel, BLOCK: tl.constexpr):
     """One program per (prefix p, sorted row): keep the entries with position < min((p + 1) * step,
     M) and a real code, compacted in order (a running count carried over BLOCK-wide tiles), then
-    fill the tail with sentinel / -1. With D > 0 also the kept keys' coordinates (K [B*HK, M, D])
-    in the same order (OUT_K; its tail is left unwritten and never read)."""
+    fill the tail with sentinel / -1."""
     pid = tl.program_id(0)
     p, row = pid // ROWS, pid % ROWS  # row = (curve * B + b) * HK + head
     limit = tl.minimum((p + 1) * step, M)
     src, dst = row.to(tl.int64) * M, pid.to(tl.int64) * M
-    k_row = K + (row % (B * HK)).to(tl.int64) * M * D  # this row's (b, head) keys
     kept = 0
     for start in range(0, M, BLOCK):
         at = start + tl.arange(0, BLOCK)
@@ -266,9 +258,6 @@ def _prefix_filter_kernel(
         dest = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(OUT_CODES + dst + dest, code, mask=keep)
         tl.store(OUT_POS + dst + dest, position.to(tl.int32), mask=keep)
-        for d in tl.static_range(D):
-            coordinate = tl.load(k_row + position.to(tl.int64) * D + d, mask=keep)
-            tl.store(OUT_K + (dst + dest) * D + d, coordinate, mask=keep)
         kept += tl.sum(keep.to(tl.int32), axis=0)
     for start in range((kept // BLOCK) * BLOCK, M, BLOCK):
         at = start + tl.arange(0, BLOCK)
@@ -282,28 +271,23 @@ def _prefix_filter_kernel(
 FUSED_PREFIXES = True  # filter the prefixes in one Triton kernel: same outputs; H200, 64K fwd+bwd 31.7 -> 30.3 ms
 
 
-def sorted_prefixes(
-    codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int, k: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
 
     Args:
         codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool; step, prefixes: the
         P = ``prefixes`` key counts; sentinel: a code above every real code (given to padded
-        keys and unused tail slots); k: [B, Hk, M, D] keys whose coordinates to copy in the
-        same order, or None.
+        keys and unused tail slots).
     Returns:
         codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
-        int32 (-1 there), the number of valid keys [P, B] int32 and, with k, the coordinates
-        [P, S, B, Hk, M, D] in k's dtype (the selection then reads a window's keys in one run of
-        memory instead of gathering them by position; entries past the count are unspecified).
-        Stable: equal codes keep position order, as one stable sort of the prefix alone would.
+        int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
+        position order, as one stable sort of the prefix alone would.
     """
     codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
     sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
     if FUSED_PREFIXES:
-        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel, k)
+        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel)
     n_keys = codes_k.shape[-1]
     # built on the device: a host list copied in would synchronise the stream once per call
     limit = (torch.arange(1, prefixes + 1, device=codes_k.device) * step).clamp_max(n_keys).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
@@ -315,35 +299,20 @@ def sorted_prefixes(
     out_pos = torch.full(shape, -1, dtype=torch.int32, device=codes_k.device)
     out_pos.scatter_(-1, dest, order[None].expand_as(keep).to(torch.int32))
     count = keep[:, 0, :, 0].sum(-1).to(torch.int32)  # [P, B]: the same for every curve and head
-    out_pos = out_pos[..., :n_keys].contiguous()
-    return out_codes[..., :n_keys].contiguous(), out_pos, count.contiguous(), None if k is None else _gather_coordinates(k, out_pos)
+    return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
 
 
-def _gather_coordinates(k: Tensor, positions: Tensor) -> Tensor:
-    """k's rows at positions [P, S, B, Hk, M] (-1: any row) -> [P, S, B, Hk, M, D] (torch path)."""
-    batch, kv_heads, n_keys, dim = k.shape
-    rows = torch.arange(batch * kv_heads, device=k.device).view(batch, kv_heads, 1) * n_keys  # [B, Hk, 1]
-    flat = (positions.long().clamp_min(0) + rows).flatten()  # [P * S * B * Hk * M]
-    return k.reshape(-1, dim).index_select(0, flat).view(*positions.shape, dim)
-
-
-def _filter_prefixes_fused(
-    sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, k: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def _filter_prefixes_fused(sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
     """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
     curves, batch, kv_heads, n_keys = sorted_codes.shape
     rows = curves * batch * kv_heads
     out_codes = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int64, device=order.device)
     out_pos = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int32, device=order.device)
     count = torch.empty(prefixes, batch, dtype=torch.int32, device=order.device)
-    dim = 0 if k is None else k.shape[-1]
-    out_k = None if k is None else torch.empty(prefixes, curves, batch, kv_heads, n_keys, dim, dtype=k.dtype, device=k.device)
-    keys = order if k is None else k.contiguous()  # order: a dummy pointer
     _prefix_filter_kernel[(prefixes * rows,)](
-        sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, keys, keys if out_k is None else out_k,
-        n_keys, rows, batch, kv_heads, step, sentinel, D=dim, BLOCK=1024,
+        sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, n_keys, rows, batch, kv_heads, step, sentinel, BLOCK=1024,
     )
-    return out_codes, out_pos, count, out_k
+    return out_codes, out_pos, count
 
 
 def zeta_select(
@@ -376,11 +345,10 @@ def zeta_select(
     curves, batch, q_heads, n_queries = codes_q.shape
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     real = torch.ones(batch, n_keys, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    k = k.contiguous()
     if chunk is None:
-        scodes, spos, count, sorted_k = sorted_prefixes(codes_k, real, n_keys, 1, sentinel, k)
+        scodes, spos, count = sorted_prefixes(codes_k, real, n_keys, 1, sentinel)
     else:
-        scodes, spos, count, sorted_k = sorted_prefixes(codes_k, real, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel, k)
+        scodes, spos, count = sorted_prefixes(codes_k, real, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     band = local if chunk is not None else 0
     block_c = triton.next_power_of_2(curves * window + band)
@@ -398,7 +366,7 @@ def zeta_select(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k, sorted_k, codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
+        q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
         DISTINCT=distinct, EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
