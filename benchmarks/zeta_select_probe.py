@@ -69,7 +69,10 @@ def _probe_kernel(
         distance = (cand * 7919 % 1000).to(tl.float32)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH
     if CUT:
-        _store_nearest_distinct(distance, cand, valid, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W)
+        none = tl.full([BLOCK_M, 1], -1, tl.int32)  # no second (band) tile
+        _store_nearest_distinct(
+            distance, cand, valid, none.to(tl.float32), none, none >= 0, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, True, False, 8
+        )
     else:
         first = tl.arange(0, BLOCK_C) < WIDTH
         tl.store(out_rows[:, None] + cols[None, :], cand + distance.to(tl.int32) * 0, mask=row_ok[:, None] & first[None, :])

@@ -11,7 +11,8 @@ path with other key tiles ("inverse_32x4", "inverse_8x16", "inverse_16x16": BLOC
 with its query pass on the atomic backward's tiles instead of the forward's ("inverse_q1").
 With --split-band: "split_band", the selection with the band in its own tile
 (``SELECT_OVERRIDES["split"]``; the same keys; the default since fbda9d5). With --indexed: the
-indexed kernel's defaults against the tiles of INDEXED_TILES.
+indexed kernel's defaults against the tiles of INDEXED_TILES. With --halving: the selection's
+cut with its first passes interpolating (the default) against plain halving ("halving").
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def use(tiles: str) -> None:
         zeta_select.SELECT_OVERRIDES.update(OLD_SELECT)
     if tiles == "split_band":
         zeta_select.SELECT_OVERRIDES["split"] = True
+    if tiles == "halving":
+        zeta_select.SELECT_OVERRIDES["guesses"] = 0
     if tiles in ("old", "old_indexed"):
         indexed.TILE_OVERRIDES.update(OLD_INDEXED)
     indexed.TILE_OVERRIDES.update(INDEXED_TILES.get(tiles, {}))
@@ -70,15 +73,15 @@ def compare_key_grads(q, k, v, gamma) -> dict:
     return {name: ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for name, a, b in zip(("dq", "dk", "dv", "dgamma"), inverse, atomic)}
 
 
-def compare_split_selection(q, k) -> dict:
-    """Rows whose selected keys differ (set or order) between the band in its own tile and the padded tile."""
+def compare_selection(q, k, variant: str) -> dict:
+    """Rows whose selected keys differ (set or order) between the default and a variant."""
     spec = parse_pattern(PATTERN)
     use("new")
-    padded = select_keys_fused(spec, q.detach(), k.detach(), True, None)
-    use("split_band")
-    split = select_keys_fused(spec, q.detach(), k.detach(), True, None)
+    default = select_keys_fused(spec, q.detach(), k.detach(), True, None)
+    use(variant)
+    other = select_keys_fused(spec, q.detach(), k.detach(), True, None)
     use("new")
-    return {"rows_differing": (padded != split).any(-1).float().mean().item()}
+    return {"rows_differing": (default != other).any(-1).float().mean().item()}
 
 
 def main() -> None:
@@ -89,17 +92,21 @@ def main() -> None:
     parser.add_argument("--key-grads", action="store_true", help="the default against KEY_GRADS='inverse'")
     parser.add_argument("--split-band", action="store_true", help="the default against the band in its own selection tile")
     parser.add_argument("--indexed", action="store_true", help="the default against the INDEXED_TILES (only these)")
+    parser.add_argument("--halving", action="store_true", help="the default (the cut's first 8 passes interpolate) against plain halving (only this)")
     args = parser.parse_args()
     variants = ("new", "old", "old_select", "old_indexed") if args.parts else ("new", "old")
     variants = ("new", *KEY_TILES) if args.key_grads else variants
     variants = ((variants if args.key_grads else ("new",)) + ("split_band",)) if args.split_band else variants
     variants = ("new", *INDEXED_TILES) if args.indexed else variants
+    variants = ("new", "halving") if args.halving else variants
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
         if args.key_grads:
             print(json.dumps({"N": n, "inverse_vs_atomic_rel_diff": compare_key_grads(q, k, v, gamma)}), flush=True)
         if args.split_band:
-            print(json.dumps({"N": n, "split_vs_padded_selection": compare_split_selection(q, k)}), flush=True)
+            print(json.dumps({"N": n, "split_vs_padded_selection": compare_selection(q, k, "split_band")}), flush=True)
+        if args.halving:
+            print(json.dumps({"N": n, "halving_vs_guesses_selection": compare_selection(q, k, "halving")}), flush=True)
         for rep in range(args.reps):
             for tiles in variants:
                 use(tiles)

@@ -360,12 +360,13 @@ def test_equal_distances_go_to_smaller_positions_in_every_path(monkeypatch, patt
     padding = torch.rand(1, 60, generator=gen) > 0.1
     spec = sf.parse_pattern(pattern)
     got = {}
-    for stop in (False, True):
+    for stop, guesses in ((False, 0), (True, 0), (True, 8)):  # halving from [0, top]; from the row's range; interpolating first
         monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "exact_stop", stop)
-        got[stop] = mask_from_indices(select_keys_fused(spec, q, k, causal, padding), 60)
-    assert torch.equal(got[True], got[False])
-    assert torch.equal(got[True], mask_from_indices(select_keys(spec, q, k, causal, padding), 60))
-    assert torch.equal(got[True], dense_selection(spec, q, k, causal, padding))
+        monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "guesses", guesses)
+        got[stop, guesses] = mask_from_indices(select_keys_fused(spec, q, k, causal, padding), 60)
+    assert torch.equal(got[True, 0], got[False, 0]) and torch.equal(got[True, 8], got[False, 0])
+    assert torch.equal(got[True, 8], mask_from_indices(select_keys(spec, q, k, causal, padding), 60))
+    assert torch.equal(got[True, 8], dense_selection(spec, q, k, causal, padding))
 
 
 @pytest.mark.parametrize("n,step,prefixes,curves", [(70, 10, 6, 1), (1100, 300, 3, 2), (5, 5, 1, 1)])
