@@ -37,7 +37,7 @@ from torch import Tensor
 
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.scan import scaled_scan
+from sparsefocus.kernels.scan import mean_scales, scaled_scan
 
 LOG2E = 1.4426950408889634
 SCORE_CODES = {name: code for code, name in enumerate(SCORE_KINDS)}  # dot 0, neg_sqeuclid 1, cauchy 2
@@ -375,6 +375,12 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
     return grad if heads == q_heads else grad.view(batch, heads, q_heads // heads, n, width).sum(2)
 
 
+def _parameter_grads(ctx, gamma: Tensor, dgamma_sq: Tensor, sink_key: Tensor | None, d_sink: Tensor | None) -> tuple:
+    """(d gamma [Hq] from d gamma^2, when gamma (input 4) needs it; d sink in the sink's dtype)."""
+    dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
+    return dgamma, None if d_sink is None else d_sink.to(sink_key.dtype)
+
+
 class IndexedAttentionFunction(torch.autograd.Function):
     """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
     extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None;
@@ -397,11 +403,10 @@ class IndexedAttentionFunction(torch.autograd.Function):
         dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
             q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, sink_key
         )
-        dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
+        dgamma, d_sink = _parameter_grads(ctx, gamma, dgamma_sq, sink_key, d_sink)
         if extra is not None:
             d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
             d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        d_sink = None if d_sink is None else d_sink.to(sink_key.dtype)
         return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink
 
 
@@ -415,11 +420,10 @@ class CausalMeanIndexedFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, index, gamma, scale, score_code, real, sink_key=None):
-        realf = real.to(torch.float32).contiguous()  # [B, M]
-        count = realf.cumsum(-1)
-        inverse = 1.0 / count.clamp_min(1.0)
+        count = real.to(torch.float32).cumsum(-1)  # [B, M] real keys 0..i
+        realf, inverse = mean_scales(real, count)
         mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, M, D], [B, Hk, M, Dv]
-        mask = (count > 0)[:, None, :].expand(*q.shape[:3]).to(torch.int8).contiguous()  # [B, Hq, N]
+        mean_k, mean_v, mask = _kernel_extras(q, mean_k, mean_v, (count > 0)[:, None, :])  # mask int8 [B, Hq, N]
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, Extra(mean_k, mean_v, mask), sink_key)
         ctx.save_for_backward(q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse)
@@ -437,8 +441,7 @@ class CausalMeanIndexedFunction(torch.autograd.Function):
         # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
         dk = scaled_scan(_group_sum(d_mean_k, kv_heads), inverse, realf, reverse=True, base=dk, dtype=k.dtype)
         dv = scaled_scan(_group_sum(d_mean_v, kv_heads), inverse, realf, reverse=True, base=dv, dtype=v.dtype)
-        dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
-        d_sink = None if d_sink is None else d_sink.to(sink_key.dtype)
+        dgamma, d_sink = _parameter_grads(ctx, gamma, dgamma_sq, sink_key, d_sink)
         return dq, dk, dv, None, dgamma, None, None, None, d_sink
 
 
@@ -471,9 +474,7 @@ def indexed_attention_causal_mean(
     Returns:
         [B, Hq, N, Dv] in q.dtype.
     """
-    index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
-    _check_index(q, k, v, index, score)
-    check_sink_key(q, sink_key, score)
+    index = _checked_index(q, k, v, index, score, sink_key)
     if k.shape[2] != q.shape[2] or q.shape[2] == 0 or index.shape[-1] == 0:
         raise ValueError(f"indexed_attention_causal_mean needs N = M >= 1 and K >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, index {tuple(index.shape)}")
     real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
@@ -481,11 +482,8 @@ def indexed_attention_causal_mean(
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
-    k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
-    sink = None if sink_key is None else sink_key.float().contiguous()
-    return CausalMeanIndexedFunction.apply(
-        q.contiguous(), k, v, index.to(torch.int32).contiguous(), gamma_heads, scale, SCORE_CODES[score], real, sink
-    )
+    q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
+    return CausalMeanIndexedFunction.apply(q, k, v, index, gamma_heads, scale, SCORE_CODES[score], real, sink)
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -547,10 +545,8 @@ def indexed_attention(
     Returns:
         [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
     """
-    index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
-    _check_index(q, k, v, index, score)
+    index = _checked_index(q, k, v, index, score, sink_key)
     _check_extra(q, v, extra_key, extra_value, extra_mask)
-    check_sink_key(q, sink_key, score)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
     if q.shape[2] == 0 or (index.shape[-1] == 0 and extra_key is None) or k.shape[2] == 0:
@@ -558,13 +554,24 @@ def indexed_attention(
             q, k, v, index, scale=scale, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask,
             sink_key=sink_key,
         ).to(q.dtype)
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    index = index.to(torch.int32).contiguous()
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
-    sink = None if sink_key is None else sink_key.float().contiguous()  # [Hq, D]; fp32: the kernels compute in fp32
-    return IndexedAttentionFunction.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(), index, gamma_heads, scale, SCORE_CODES[score], *extras, sink
-    )
+    q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
+    return IndexedAttentionFunction.apply(q, k, v, index, gamma_heads, scale, SCORE_CODES[score], *extras, sink)
+
+
+def _checked_index(q: Tensor, k: Tensor, v: Tensor, index: Tensor, score: str, sink_key: Tensor | None) -> Tensor:
+    """index broadcast to [B, Hq, N, K], after the checks shared by the public functions."""
+    index = index.expand(q.shape[0], q.shape[1], *index.shape[2:]) if index.dim() == 4 else index
+    _check_index(q, k, v, index, score)
+    check_sink_key(q, sink_key, score)
+    return index
+
+
+def _kernel_tensors(q: Tensor, k: Tensor, v: Tensor, index: Tensor, sink_key: Tensor | None) -> tuple:
+    """What the kernels read: q, k, v contiguous in q's dtype, index int32, the sink [Hq, D] in
+    fp32 (the kernels compute in fp32) or None."""
+    sink = None if sink_key is None else sink_key.float().contiguous()
+    return q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), index.to(torch.int32).contiguous(), sink
 
 
 def _check_extra(q: Tensor, v: Tensor, extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None) -> None:

@@ -87,6 +87,8 @@ def scaled_scan(
         [B, H, N, X]; sums are fp32 (tile sums, then a scan of the T = N / BLOCK_N tile totals).
     """
     batch, heads, n, width = x.shape
+    if base is not None and base.shape != x.shape:
+        raise ValueError(f"base must have x's shape {tuple(x.shape)}, got {tuple(base.shape)}")
     x = x.contiguous()
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
     blocks = _tiles(width)
@@ -97,8 +99,6 @@ def scaled_scan(
     _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
     carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
     out = torch.empty_like(x, dtype=dtype or x.dtype)
-    if base is not None and base.shape != x.shape:
-        raise ValueError(f"base must have x's shape {tuple(x.shape)}, got {tuple(base.shape)}")
     base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
     _tile_scan_kernel[grid](x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks)
     return out
@@ -114,15 +114,23 @@ def exclusive_cumsum(x: Tensor, reverse: bool = False) -> Tensor:
     return torch.nn.functional.pad(x[..., :-1], (1, 0)).cumsum(-1)
 
 
+def mean_scales(real: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The causal mean's row scales: real [B, M] as fp32 (pre of the forward scan) and
+    1 / max(count, 1) (post), count the real keys 0..i [B, M] (cumulated from real if None)."""
+    realf = real.to(torch.float32).contiguous()
+    count = realf.cumsum(-1) if count is None else count.to(torch.float32)
+    return realf, (1.0 / count.clamp_min(1.0)).contiguous()
+
+
 class CausalMeanScan(torch.autograd.Function):
     """``CausalMean`` (sparsefocus.attention.zeta) through ``scaled_scan``: same signature
     (x [B, H, M, X], real [B, M] bool, count [B, M] real keys in 0..i), same result."""
 
     @staticmethod
     def forward(ctx, x: Tensor, real: Tensor, count: Tensor) -> Tensor:
-        inverse = 1.0 / count.to(torch.float32).clamp_min(1.0)
+        realf, inverse = mean_scales(real, count)
         ctx.save_for_backward(real, inverse)
-        return scaled_scan(x, real.to(torch.float32), inverse)
+        return scaled_scan(x, realf, inverse)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

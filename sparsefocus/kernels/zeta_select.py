@@ -14,9 +14,9 @@ searchsorted, gathers and topk over row blocks). Here:
   fp32 and keeps the ``width`` nearest. A candidate is packed as (distance bits << 32 | position)
   in an int64, so ties go to the smaller position and a key proposed by two curves is one value.
   With one curve every candidate is distinct (the window searches earlier chunks, the band the
-  own chunk): the ``width`` nearest are found by bisecting the distance bits for the cut (at
-  most 31 counting passes on int32; a tile stops once every row has a cut with exactly
-  ``width`` keys below it), and stored in candidate order. With several curves a key can be
+  own chunk): the ``width`` nearest are found by a search on the distance bits for the cut
+  (counting passes on int32, the first ones interpolating, then halving; a tile stops once
+  every row has a cut with exactly ``width`` keys below it), and stored in candidate order. With several curves a key can be
   proposed twice, so they are taken by ``width`` rounds of "smallest value above the last
   one", nearest first, which also drops repeats. (A bitonic ``tl.topk`` on the packed values
   measured 4x slower than the rounds on the H200.)
@@ -100,7 +100,8 @@ def _threshold(
     masked = tl.where(valid, values, top)
     masked_b = tl.where(valid_b, values_b, top)
     if EXACT_STOP:
-        short = _sum2(valid.to(tl.int32), valid_b.to(tl.int32), TWO) < want  # keeps every valid entry: cut = top
+        n_valid = _sum2(valid.to(tl.int32), valid_b.to(tl.int32), TWO)
+        short = n_valid < want  # keeps every valid entry: cut = top
         smallest = tl.min(masked, axis=1)
         largest = tl.max(tl.where(valid, values, 0), axis=1)
         if TWO:
@@ -109,7 +110,7 @@ def _threshold(
         lo = tl.where(short, top, smallest)
         hi = tl.where(short, top, largest)
         below_lo = tl.zeros_like(lo)  # entries < lo, < want
-        upto_hi = _sum2(valid.to(tl.int32), valid_b.to(tl.int32), TWO)  # entries <= hi, >= want
+        upto_hi = n_valid  # entries <= hi, >= want
         passes = 0
         while tl.max((lo < hi).to(tl.int32), axis=0) > 0:  # each pass shrinks hi - lo or closes it
             mid = lo + (hi - lo) // 2
@@ -150,8 +151,8 @@ def _store_nearest_distinct(
     """Store the WIDTH nearest of distinct candidates (positions cand [BM, BC] and, when TWO,
     cand_b [BM, BB]; distances fp32 >= 0) at the row pointers out_rows [BM], in candidate order
     (the first tile's, then the second's), then -1s; ties at the cut go to the smaller positions.
-    A cut on the distance bits (at most 31 counting passes on int32, ``_threshold``) replaces
-    WIDTH rounds of int64 minima."""
+    A cut on the distance bits (counting passes on int32, ``_threshold``) replaces WIDTH rounds
+    of int64 minima."""
     bits, bits_b = distance.to(tl.int32, bitcast=True), distance_b.to(tl.int32, bitcast=True)  # monotone in a non-negative float
     cut = _threshold(bits, valid, bits_b, valid_b, WIDTH, 0x7FFFFFFF, 31, EXACT_STOP, TWO, GUESSES)
     below = _sum2((valid & (bits < cut[:, None])).to(tl.int32), (valid_b & (bits_b < cut[:, None])).to(tl.int32), TWO)
@@ -188,7 +189,8 @@ def _band(cand, cols, AT: tl.constexpr, LOCAL: tl.constexpr, rows, row_ok, chunk
 
 @triton.jit
 def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr):
-    """[BM, BC] fp32 squared distances of each row's query to its candidate keys (0 where cand < 0)."""
+    """[BM, BC] fp32 squared distances of each row's query to its candidate keys (a key at 0
+    where cand < 0: callers mask those entries)."""
     valid = cand >= 0
     distance = tl.zeros(cand.shape, tl.float32)
     for d in tl.static_range(D):
