@@ -2,8 +2,8 @@
 call (B=4, H=16, Dv=64, bf16, causal, the bench's pattern and protocol), the busy time (union of
 kernel intervals), and the largest gaps with the kernels on either side. The window starts at the
 call (a CUDA event recorded just before it, as the bench's timer does), so the time the GPU
-waits for the first kernel counts as a gap. Each N is probed with the means scanned before the
-selection (``zeta.EARLY_MEANS``, the default) and after it.
+waits for the first kernel counts as a gap. Each N is probed twice. The profiler itself adds
+launch overhead, so the gaps are upper bounds of those of an unprofiled call.
 
 Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_idle_probe.py OUT_DIR [N ...]
 Writes OUT_DIR/zeta_idle_probe.json.
@@ -19,7 +19,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.zeta_bench import zeta_inputs, zeta_step
-from sparsefocus.attention import zeta
 
 
 def kernel_intervals(prof) -> list[tuple[float, float, str]]:
@@ -31,8 +30,7 @@ def kernel_intervals(prof) -> list[tuple[float, float, str]]:
     return sorted(rows)
 
 
-def probe(n: int, early: bool) -> dict:
-    zeta.EARLY_MEANS = early
+def probe(n: int) -> dict:
     q, k, v, gamma = zeta_inputs(4, 16, n)
     step = zeta_step(q, k, v, gamma)
     for _ in range(3):
@@ -56,8 +54,9 @@ def probe(n: int, early: bool) -> dict:
             cursor, previous = e, name
     gaps.sort(key=lambda g: -g["us"])
     return {
-        "N": n, "early_means": early, "window_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_ms": (end - start - busy) / 1e3,
+        "N": n, "window_ms": (end - start) / 1e3, "busy_ms": busy / 1e3, "idle_ms": (end - start - busy) / 1e3,
         "kernels": len(spans), "largest_gaps": gaps[:15],
+        "timeline": [{"at_us": round(s - start, 1), "us": round(e - s, 1), "name": name[:70]} for s, e, name in spans],
     }
 
 
@@ -66,10 +65,9 @@ def main() -> None:
     lengths = [int(x) for x in sys.argv[2:]] or [65536]
     rows = []
     for n in lengths:
-        for early in (True, False, True, False):
-            rows.append(probe(n, early))
-            print(json.dumps({key: rows[-1][key] for key in ("N", "early_means", "window_ms", "busy_ms", "idle_ms", "kernels")}), flush=True)
-    zeta.EARLY_MEANS = True
+        for _ in range(2):
+            rows.append(probe(n))
+            print(json.dumps({key: rows[-1][key] for key in ("N", "window_ms", "busy_ms", "idle_ms", "kernels")}), flush=True)
     payload = {"device": torch.cuda.get_device_name(), "commit": os.environ.get("SPARSEFOCUS_COMMIT", "unknown"),
                "command": "PYTHONPATH=. python benchmarks/zeta_idle_probe.py " + " ".join(sys.argv[1:]), "rows": rows}
     path = os.path.join(out_dir, "zeta_idle_probe.json")

@@ -6,8 +6,7 @@ Usage on a CUDA machine:  PYTHONPATH=. python benchmarks/zeta_mean_ab.py [N ...]
 Prints one JSON row per (N, repetition, variant): "new" (both), "old_mean" (separate mean),
 "old_scan" (old scan tiles), "old" (neither); B=4, H=16, Dv=64, bf16, causal, the bench's
 pattern and protocol. First, per N: the relative difference of dq, dk, dv, d gamma between
-"new" and "old", and the peak memory of both. With --early: "new" (the means scanned before the
-selection is issued, ``zeta.EARLY_MEANS``) against "late_means" (after it) only.
+"new" and "old", and the peak memory of both.
 """
 
 from __future__ import annotations
@@ -23,16 +22,15 @@ VARIANTS = ("new", "old_mean", "old_scan", "old")
 
 
 def use(variant: str) -> None:
-    zeta.FUSED_MEAN = variant in ("new", "old_scan", "late_means")
-    zeta.EARLY_MEANS = variant != "late_means"
+    zeta.FUSED_MEAN = variant in ("new", "old_scan")
     scan.TILE_OVERRIDES.clear()
     if variant in ("old_scan", "old"):
         scan.TILE_OVERRIDES.update(BLOCK_N=64, num_warps=4)
 
 
-def compare(q, k, v, gamma, other: str) -> dict:
+def compare(q, k, v, gamma) -> dict:
     upstream: list = []  # one upstream gradient for both
-    use(other)
+    use("old")
     old = zeta_step(q, k, v, gamma, grad_out=upstream)()
     use("new")
     new = zeta_step(q, k, v, gamma, grad_out=upstream)()
@@ -43,18 +41,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("lengths", type=int, nargs="*", default=[8192, 32768, 65536])
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--early", action="store_true", help="the means scanned before the selection against after it")
     args = parser.parse_args()
-    other, variants = ("late_means", ("new", "late_means")) if args.early else ("old", VARIANTS)
     for n in args.lengths:
         q, k, v, gamma = zeta_inputs(4, 16, n)
-        row = {"N": n, f"new_vs_{other}_rel_diff": compare(q, k, v, gamma, other)}
-        for variant in (other, "new"):
+        row = {"N": n, "new_vs_old_rel_diff": compare(q, k, v, gamma)}
+        for variant in ("old", "new"):
             use(variant)
             row[f"peak_mb_{variant}"] = peak_mb(zeta_step(q, k, v, gamma))
         print(json.dumps(row), flush=True)
         for rep in range(args.reps):
-            for variant in variants:
+            for variant in VARIANTS:
                 use(variant)
                 print(json.dumps({"N": n, "rep": rep, "variant": variant, "fwdbwd_ms": timed_ms(zeta_step(q, k, v, gamma), 7)}), flush=True)
     use("new")

@@ -59,16 +59,17 @@ def use(tiles: str) -> None:
     indexed_csr.TILES.update(KEY_TILES.get(tiles, KEY_TILES["inverse"]))
 
 
-def gradients(q, k, v, gamma) -> list:
-    return [x.float() for x in zeta_step(q, k, v, gamma)()]
+def gradients(q, k, v, gamma, upstream: list) -> list:
+    return [x.float() for x in zeta_step(q, k, v, gamma, grad_out=upstream)()]
 
 
 def compare_key_grads(q, k, v, gamma) -> dict:
     """Relative differences of dq, dk, dv, d gamma between the inverse index and the atomics."""
+    upstream: list = []  # one upstream gradient for both
     use("new")
-    atomic = gradients(q, k, v, gamma)
+    atomic = gradients(q, k, v, gamma, upstream)
     use("inverse")
-    inverse = gradients(q, k, v, gamma)
+    inverse = gradients(q, k, v, gamma, upstream)
     use("new")
     return {name: ((a - b).norm() / b.norm().clamp_min(1e-30)).item() for name, a, b in zip(("dq", "dk", "dv", "dgamma"), inverse, atomic)}
 

@@ -41,7 +41,6 @@ GAMMA_MIN = 1e-3
 SINK_INIT = 1.0  # sink keys start at (1, ..., 1): far from q, k near 0 at init, so nearly weightless
 ROW_BUDGET = 1 << 24  # candidate entries materialised at once by the lean selection
 FUSED_MEAN = True  # triton, causal, N = M: the mean token inside the indexed kernel's function (False: benchmarks' A/B)
-EARLY_MEANS = True  # ... with the means scanned before the selection is issued (False: benchmarks' A/B)
 
 # Bit-spreading steps for 3-D codes (libmorton-style): x = (x | x << shift) & mask.
 _SPREAD3 = ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F), (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249))
@@ -304,16 +303,13 @@ class Zeta(Pattern):
         return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention_ref, fused=False)
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
-        from sparsefocus.kernels.indexed import causal_means, indexed_attention, indexed_attention_causal_mean
+        from sparsefocus.kernels.indexed import indexed_attention, indexed_attention_causal_mean
 
-        fused_mean = FUSED_MEAN and causal and q.shape[2] == k.shape[2] > 0  # the mean token fused into the kernel's extra slot
-        # the means first: the GPU scans while the CPU is still issuing the selection's many small steps
-        means = causal_means(k.to(q.dtype), v.to(q.dtype), key_padding_mask) if fused_mean and EARLY_MEANS else None
         index = select_keys_fused(self, q, k, causal, key_padding_mask)
-        if fused_mean and index.shape[-1] > 0:
+        if FUSED_MEAN and causal and q.shape[2] == k.shape[2] and index.shape[-1] > 0:  # the mean token fused into the kernel's extra slot
             return indexed_attention_causal_mean(
                 q, k, v, index, score="cauchy", gamma=self.gamma_of(params), key_padding_mask=key_padding_mask,
-                sink_key=self.sink_of(params, q.shape[1], q.shape[-1], q.device), means=means,
+                sink_key=self.sink_of(params, q.shape[1], q.shape[-1], q.device),
             )
         return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 

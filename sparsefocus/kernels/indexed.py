@@ -410,46 +410,20 @@ class IndexedAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink
 
 
-class CausalMeans(NamedTuple):
-    """ZETA's causal mean token, computed ahead of ``indexed_attention_causal_mean`` (no autograd
-    graph: that function's backward adds the means' gradient to dk, dv itself)."""
-
-    key: Tensor  # [B, Hk, N, D] mean of the real keys 0..i, k's dtype
-    value: Tensor  # [B, Hk, N, Dv] the same for v
-    present: Tensor  # [B, 1, N] bool: some real key among 0..i
-    real: Tensor  # [B, N] fp32 1 for real keys (the forward scan's pre, the gradient scan's post)
-    inverse: Tensor  # [B, N] fp32 1 / max(count of real keys 0..i, 1)
-
-
-def causal_means(k: Tensor, v: Tensor, key_padding_mask: Tensor | None = None) -> CausalMeans:
-    """The mean key and value of the real keys 0..i for every i, by the Triton scan.
-
-    Args:
-        k: [B, Hk, N, D]; v: [B, Hk, N, Dv].
-        key_padding_mask: [B, N] bool, True = real key; padded keys are left out. Default: all real.
-    Returns:
-        CausalMeans, for ``indexed_attention_causal_mean(..., means=)``.
-    """
-    real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    if tuple(real.shape) != (k.shape[0], k.shape[2]) or tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        raise ValueError(f"causal_means needs k [B, H, N, D], v [B, H, N, Dv] and key_padding_mask [B, N]; got k {tuple(k.shape)}, v {tuple(v.shape)}, mask {tuple(real.shape)}")
-    with torch.no_grad():
-        count = real.to(torch.float32).cumsum(-1)  # [B, N] real keys 0..i
-        realf, inverse = mean_scales(real, count)
-        return CausalMeans(scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse), (count > 0)[:, None, :], realf, inverse)
-
-
 class CausalMeanIndexedFunction(torch.autograd.Function):
     """``IndexedAttentionFunction`` whose extra slot is the causal mean of k and v over the real
-    keys (ZETA's mean token, ``CausalMeans`` from the Triton scan). The mean's gradient scan
-    (``scan.scaled_scan``) adds straight into the fp32 dk, dv of the atomics and stores k's and
+    keys (ZETA's mean token), computed inside by the Triton scan (``scan.scaled_scan``). The
+    mean's gradient scan adds straight into the fp32 dk, dv of the atomics and stores k's and
     v's dtype once, instead of a separate mean gradient, a cast and an add (a separate mean
     would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16; this, 1.5 GB).
-    Inputs as IndexedAttentionFunction's, N = M, plus the means' five tensors (no gradient)."""
+    Inputs as IndexedAttentionFunction's, N = M, plus real [B, M] bool."""
 
     @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, mean_k, mean_v, present, realf, inverse, sink_key=None):
-        mean_k, mean_v, mask = _kernel_extras(q, mean_k, mean_v, present)  # mask int8 [B, Hq, N]
+    def forward(ctx, q, k, v, index, gamma, scale, score_code, real, sink_key=None):
+        count = real.to(torch.float32).cumsum(-1)  # [B, M] real keys 0..i
+        realf, inverse = mean_scales(real, count)
+        mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, M, D], [B, Hk, M, Dv]
+        mean_k, mean_v, mask = _kernel_extras(q, mean_k, mean_v, (count > 0)[:, None, :])  # mask int8 [B, Hq, N]
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
         out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, Extra(mean_k, mean_v, mask), sink_key)
         ctx.save_for_backward(q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse)
@@ -468,7 +442,7 @@ class CausalMeanIndexedFunction(torch.autograd.Function):
         dk = scaled_scan(_group_sum(d_mean_k, kv_heads), inverse, realf, reverse=True, base=dk, dtype=k.dtype)
         dv = scaled_scan(_group_sum(d_mean_v, kv_heads), inverse, realf, reverse=True, base=dv, dtype=v.dtype)
         dgamma, d_sink = _parameter_grads(ctx, gamma, dgamma_sq, sink_key, d_sink)
-        return dq, dk, dv, None, dgamma, None, None, None, None, None, None, None, d_sink
+        return dq, dk, dv, None, dgamma, None, None, None, d_sink
 
 
 def indexed_attention_causal_mean(
@@ -482,7 +456,6 @@ def indexed_attention_causal_mean(
     key_padding_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
     scale: float | None = None,
-    means: CausalMeans | None = None,
 ) -> Tensor:
     """``indexed_attention`` with one extra slot per query: the mean key and value of the real
     keys 0..i (ZETA's causal mean token), fused (see ``CausalMeanIndexedFunction``).
@@ -498,22 +471,19 @@ def indexed_attention_causal_mean(
         score, gamma, sink_key, scale: as ``indexed_attention``.
         key_padding_mask: [B, N] bool, True = real key; padded keys are left out of the means.
             Default: every key is real.
-        means: ``causal_means(k, v, key_padding_mask)`` of these very k, v and mask, made
-            earlier (ZETA makes them before its selection, so the GPU scans while the CPU is
-            still issuing the selection). Default: made here.
     Returns:
         [B, Hq, N, Dv] in q.dtype.
     """
     index = _checked_index(q, k, v, index, score, sink_key)
     if k.shape[2] != q.shape[2] or q.shape[2] == 0 or index.shape[-1] == 0:
         raise ValueError(f"indexed_attention_causal_mean needs N = M >= 1 and K >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, index {tuple(index.shape)}")
+    real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
+    if tuple(real.shape) != (k.shape[0], k.shape[2]):
+        raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    means = causal_means(k, v, key_padding_mask) if means is None else means
-    if means.key.shape != k.shape or means.value.shape != v.shape:
-        raise ValueError(f"means were made for k {tuple(means.key.shape)}, v {tuple(means.value.shape)}, not k {tuple(k.shape)}, v {tuple(v.shape)}")
-    return CausalMeanIndexedFunction.apply(q, k, v, index, gamma_heads, scale, SCORE_CODES[score], *means, sink)
+    return CausalMeanIndexedFunction.apply(q, k, v, index, gamma_heads, scale, SCORE_CODES[score], real, sink)
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sparsefocus.attention.common import indexed_attention_ref
-from sparsefocus.kernels.indexed import causal_means, indexed_attention, indexed_attention_causal_mean
+from sparsefocus.kernels.indexed import indexed_attention, indexed_attention_causal_mean
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -258,20 +258,14 @@ def test_causal_mean_extra_slot_fused_matches_twin(monkeypatch, key_grads, n, he
     sink_key = 0.5 * torch.randn(heads[0], 3, device=DEVICE) if sink else None
     grad_out = torch.randn(2, heads[0], n, 20, device=DEVICE)
     results = []
-    for fn in (indexed_attention_causal_mean, _causal_mean_twin, _with_means_made_first):
+    for fn in (indexed_attention_causal_mean, _causal_mean_twin):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([sink_key.clone().requires_grad_()] if sink else [])
         g = gamma.clone().requires_grad_()
         out = fn(*leaves[:3], index, score="cauchy", gamma=g, key_padding_mask=padding, sink_key=leaves[3] if sink else None)
         results.append([out, *torch.autograd.grad(out, leaves + [g], grad_out)])
-    for name, x, y, early in zip(["out", "dq", "dk", "dv", *(["d_sink"] if sink else []), "dgamma"], *results):
+    for name, x, y in zip(["out", "dq", "dk", "dv", *(["d_sink"] if sink else []), "dgamma"], *results):
         assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
         assert rel_err(x, y) < 1e-5, f"{key_grads} {name}: relative error {rel_err(x, y):.2e}"
-        assert rel_err(early, y) < 1e-5, f"{key_grads} {name} with the means made first: relative error {rel_err(early, y):.2e}"
-
-
-def _with_means_made_first(q, k, v, index, **kwargs):
-    """``indexed_attention_causal_mean`` given ``causal_means`` made beforehand (as ZETA does)."""
-    return indexed_attention_causal_mean(q, k, v, index, means=causal_means(k, v, kwargs["key_padding_mask"]), **kwargs)
 
 
 def test_causal_mean_extra_slot_fp16_within_twice_torch_error_and_bad_shapes():
@@ -291,5 +285,3 @@ def test_causal_mean_extra_slot_fp16_within_twice_torch_error_and_bad_shapes():
         indexed_attention_causal_mean(q, k[:, :, :40], v[:, :, :40], index.clamp_max(39))
     with pytest.raises(ValueError, match="key_padding_mask"):
         indexed_attention_causal_mean(q, k, v, index, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device=DEVICE))
-    with pytest.raises(ValueError, match="means were made for"):
-        indexed_attention_causal_mean(q, k, v, index, means=causal_means(k[..., :2], v))
