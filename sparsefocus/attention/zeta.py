@@ -342,7 +342,9 @@ def squared_distances(q: Tensor, k: Tensor) -> Tensor:
 
 
 def _codes(spec: Zeta, x: Tensor, bits: int, fused: bool = False) -> Tensor:
-    """[S, ...] Morton codes of x [..., D] on each of the spec's curves."""
+    """[S, ...] Morton codes of x [..., D] on each of the spec's curves (one curve: a view, no copy)."""
+    if spec.curves == 1:
+        return curve_codes(x, bits, 0, 1, fused)[None]
     return torch.stack([curve_codes(x, bits, curve, spec.curves, fused) for curve in range(spec.curves)])
 
 
@@ -374,16 +376,19 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
 def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """``select_keys`` through the fused Triton kernel (``sparsefocus/kernels/zeta_select.py``):
     the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots."""
-    from sparsefocus.kernels.zeta_select import zeta_select
+    from sparsefocus.kernels.zeta_select import key_prefixes, zeta_select
 
     with torch.no_grad():
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
-        codes_q, codes_k = _codes(spec, upcast(q), bits, True), _codes(spec, upcast(k), bits, True)  # [S, B, Hq, N], [S, B, Hk, M]
+        chunk = spec.chunk_size(q.shape[2]) if causal else None
+        # the keys' codes and sort first: the GPU sorts while the CPU issues the queries' codes
+        codes_k = _codes(spec, upcast(k), bits, True)  # [S, B, Hk, M]
+        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL)
+        codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
         return zeta_select(
-            q, k, codes_q, codes_k, key_padding_mask,
-            width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local,
-            chunk=spec.chunk_size(q.shape[2]) if causal else None, sentinel=SENTINEL,
+            q, k, codes_q, prefixes, key_padding_mask,
+            width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local, chunk=chunk,
         )
 
 

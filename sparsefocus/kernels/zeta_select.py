@@ -176,15 +176,16 @@ def _store_nearest_distinct(
 
 
 @triton.jit
-def _band(cand, cols, AT: tl.constexpr, LOCAL: tl.constexpr, rows, row_ok, chunk_start, REAL, b, M):
+def _band(cand, cols, AT: tl.constexpr, LOCAL: tl.constexpr, rows, row_ok, chunk_start, REAL, b, M, PADDED: tl.constexpr):
     """cand [BM, BC] with columns AT .. AT + LOCAL - 1 set to the band: column AT + l holds
-    position i - l when it lies in the own chunk and is a real key, else -1."""
+    position i - l when it lies in the own chunk and is a real key (every key without PADDED), else -1."""
     back = cols - AT  # band slot l: position i - l
     mine = (back >= 0) & (back < LOCAL)
     position = rows[:, None] - back[None, :]
     ok = mine[None, :] & row_ok[:, None] & (position >= chunk_start[:, None]) & (position < M)
-    real = tl.load(REAL + b.to(tl.int64) * M + position, mask=ok, other=0) != 0
-    return tl.where(mine[None, :], tl.where(ok & real, position, -1), cand)
+    if PADDED:
+        ok = ok & (tl.load(REAL + b.to(tl.int64) * M + position, mask=ok, other=0) != 0)
+    return tl.where(mine[None, :], tl.where(ok, position, -1), cand)
 
 
 @triton.jit
@@ -207,7 +208,7 @@ def _zeta_select_kernel(
     N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
     CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, EXACT_STOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, GUESSES: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, GUESSES: tl.constexpr, PADDED: tl.constexpr,
 ):
     """SPLIT (distinct only): the window candidates in [BM, BLOCK_C] and the band in its own
     [BM, BLOCK_B] tile instead of both in one padded tile."""
@@ -240,9 +241,9 @@ def _zeta_select_kernel(
     cand_b = tl.full([BLOCK_M, BLOCK_B], -1, tl.int32)  # the band's own tile (SPLIT), else unused
     if CAUSAL and LOCAL > 0:
         if SPLIT:
-            cand_b = _band(cand_b, tl.arange(0, BLOCK_B), 0, LOCAL, rows, row_ok, chunk_start, REAL, b, M)
+            cand_b = _band(cand_b, tl.arange(0, BLOCK_B), 0, LOCAL, rows, row_ok, chunk_start, REAL, b, M, PADDED)
         else:
-            cand = _band(cand, cols, CURVES * WINDOW, LOCAL, rows, row_ok, chunk_start, REAL, b, M)
+            cand = _band(cand, cols, CURVES * WINDOW, LOCAL, rows, row_ok, chunk_start, REAL, b, M, PADDED)
     valid = cand >= 0
     k_base = K + (b * HK + hk).to(tl.int64) * M * D
     q_base = Q + (bh.to(tl.int64) * N + rows) * D
@@ -290,12 +291,13 @@ def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, 
 FUSED_PREFIXES = True  # filter the prefixes in one Triton kernel: same outputs; H200, 64K fwd+bwd 31.7 -> 30.3 ms
 
 
-def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+def sorted_prefixes(codes_k: Tensor, real: Tensor | None, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
 
     Args:
-        codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool; step, prefixes: the
+        codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool, or None when every key
+        is real (no masking pass: each op costs the CPU tens of us to issue); step, prefixes: the
         P = ``prefixes`` key counts; sentinel: a code above every real code (given to padded
         keys and unused tail slots).
     Returns:
@@ -303,7 +305,7 @@ def sorted_prefixes(codes_k: Tensor, real: Tensor, step: int, prefixes: int, sen
         int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
         position order, as one stable sort of the prefix alone would.
     """
-    codes = codes_k.masked_fill(~real[None, :, None, :], sentinel)
+    codes = codes_k if real is None else codes_k.masked_fill(~real[None, :, None, :], sentinel)
     sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
     if FUSED_PREFIXES:
         return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel)
@@ -334,28 +336,46 @@ def _filter_prefixes_fused(sorted_codes: Tensor, order: Tensor, step: int, prefi
     return out_codes, out_pos, count
 
 
+def key_prefixes(codes_k: Tensor, key_padding_mask: Tensor | None, n_queries: int, chunk: int | None, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The sorted keys every query may search: all real keys (``chunk`` None, not causal) or, per
+    causal chunk boundary p * chunk, the real keys before it (``sorted_prefixes``).
+
+    Args:
+        codes_k: [S, B, Hk, M] int64 Morton codes per curve; key_padding_mask: [B, M] bool, True
+        = real key, or None; n_queries: N; chunk: causal chunk length or None; sentinel: a code
+        above every real code.
+    Returns:
+        ``sorted_prefixes``' (codes [P, S, B, Hk, M], positions [P, S, B, Hk, M], counts [P, B]).
+    """
+    n_keys = codes_k.shape[-1]
+    if chunk is None:
+        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel)
+    return sorted_prefixes(codes_k, key_padding_mask, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
+
+
 def zeta_select(
     q: Tensor,
     k: Tensor,
     codes_q: Tensor,
-    codes_k: Tensor,
+    prefixes: tuple[Tensor, Tensor, Tensor],
     key_padding_mask: Tensor | None,
     *,
     width: int,
     window: int,
     local: int,
     chunk: int | None,
-    sentinel: int,
 ) -> Tensor:
     """The ``width`` nearest candidates of every query (ZETA's selection), fused.
 
     Args:
         q: [B, Hq, N, D]; k: [B, Hk, M, D] (distances are exact, in fp32, on these).
-        codes_q: [S, B, Hq, N] int64 and codes_k: [S, B, Hk, M] int64 Morton codes per curve.
+        codes_q: [S, B, Hq, N] int64 Morton codes per curve.
+        prefixes: ``key_prefixes(codes_k, key_padding_mask, N, chunk, sentinel)`` of the keys'
+            codes (a separate step so that callers can issue the sort first).
         key_padding_mask: [B, M] bool, True = real key, or None.
         width: keys kept per query; window: sorted neighbours per curve; local: recent keys of
         the own chunk (causal only); chunk: causal chunk length, or None for non-causal
-        (one search over every real key); sentinel: a code above every real code.
+        (one search over every real key).
     Returns:
         [B, Hq, N, width] int32 key positions, -1 for unused slots after them: in candidate
         order with one curve, nearest first with several. Ties at the cut go to the smaller
@@ -363,11 +383,8 @@ def zeta_select(
     """
     curves, batch, q_heads, n_queries = codes_q.shape
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
-    real = torch.ones(batch, n_keys, dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    if chunk is None:
-        scodes, spos, count = sorted_prefixes(codes_k, real, n_keys, 1, sentinel)
-    else:
-        scodes, spos, count = sorted_prefixes(codes_k, real, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
+    real = key_padding_mask  # None: every key is real, and no pass over a mask is issued
+    scodes, spos, count = prefixes
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     band = local if chunk is not None else 0
     block_c = triton.next_power_of_2(curves * window + band)
@@ -385,11 +402,11 @@ def zeta_select(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, real.to(torch.int8).contiguous(), out,
+        q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, out if real is None else real.to(torch.int8).contiguous(), out,
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
         DISTINCT=distinct, EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
-        SPLIT=split, BLOCK_B=block_b, GUESSES=SELECT_OVERRIDES.get("guesses", 8),
+        SPLIT=split, BLOCK_B=block_b, GUESSES=SELECT_OVERRIDES.get("guesses", 8), PADDED=real is not None,
         num_warps=SELECT_OVERRIDES.get("num_warps", 1 if distinct else 4),
     )
     return out

@@ -267,9 +267,11 @@ def test_triton_path_equals_lean_in_the_interpreter(monkeypatch, causal, key_gra
     "pattern",
     ["zeta:k=8,window=16,chunks=4,local=4", "zeta:k=6,window=5,curves=3,chunks=3,local=0", "zeta:k=5,window=4,bits=3", "zeta:k=4,window=8,curves=2,chunks=3,local=3"],
 )
-def test_fused_selection_kernel_equals_lean_selection(pattern, causal):
+@pytest.mark.parametrize("padded", [True, False])
+def test_fused_selection_kernel_equals_lean_selection(pattern, causal, padded):
+    """Without a padding mask the fused path skips every pass over one (the kernel's PADDED off)."""
     q, k, _ = _qkv(70, seed=14)
-    padding = torch.rand(2, 70, generator=torch.Generator().manual_seed(15)) > 0.2
+    padding = torch.rand(2, 70, generator=torch.Generator().manual_seed(15)) > 0.2 if padded else None
     spec = sf.parse_pattern(pattern)
     lean = select_keys(spec, q, k, causal, padding)
     fused = select_keys_fused(spec, q, k, causal, padding)
@@ -381,6 +383,9 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
     got = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
     for name, x, y in zip(("codes", "positions", "count"), got, want):
         assert torch.equal(x, y), name
+    every = zeta_select.sorted_prefixes(codes, torch.ones_like(real), step, prefixes, 1 << 62)
+    for name, x, y in zip(("codes", "positions", "count"), zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62), every):
+        assert torch.equal(x, y), f"{name} without a mask"
 
 
 @pytest.mark.parametrize("data", ["gaussian", "grid"])
