@@ -37,7 +37,7 @@ from torch import Tensor
 
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.scan import mean_scales, scaled_scan, tile_carries
+from sparsefocus.kernels.scan import mean_scales, scaled_scan
 
 LOG2E = 1.4426950408889634
 SCORE_CODES = {name: code for code, name in enumerate(SCORE_KINDS)}  # dot 0, neg_sqeuclid 1, cauchy 2
@@ -122,43 +122,6 @@ def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
 
 
 @triton.jit
-def _causal_mean_rows(X, CARRY, REALF, COUNT, kv_bh, b, tile, rows, row_ok, N, TILES, W: tl.constexpr, BLOCK_W: tl.constexpr):
-    """[BM, BW] fp32 mean of the real rows 0..i of X [B*Hk, N, W] for this tile's rows i: the
-    carry [B*Hk, W, TILES] holds the sum over the earlier tiles of BM rows, the rest is summed
-    here. The forward and backward kernels both call this, so they see the same bits."""
-    cols = tl.arange(0, BLOCK_W)
-    ok = row_ok[:, None] & (cols[None, :] < W)
-    x = tl.load(X + (kv_bh.to(tl.int64) * N + rows[:, None]) * W + cols[None, :], mask=ok, other=0.0).to(tl.float32)  # [BM, BW]
-    real = tl.load(REALF + b.to(tl.int64) * N + rows, mask=row_ok, other=0.0)  # [BM]
-    count = tl.load(COUNT + b.to(tl.int64) * N + rows, mask=row_ok, other=0.0)  # [BM] real keys 0..i
-    carry = tl.load(CARRY + (kv_bh.to(tl.int64) * W + cols) * TILES + tile, mask=cols < W, other=0.0)  # [BW]
-    total = tl.cumsum(x * real[:, None], axis=0) + carry[None, :]
-    return total * (1.0 / tl.maximum(count, 1.0))[:, None]
-
-
-@triton.jit
-def _extra_rows(EK, EV, EMASK, K, V, MK, MV, MREAL, MCOUNT, bh, kv_bh, rows, row_ok, row_offs, N, HQ, EGROUP,
-                EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN, TILES,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MEAN: tl.constexpr):
-    """The extra slot of this tile's rows: (ok [BM], key [BM, 1, BD], value [BM, 1, BDV]) fp32, read
-    from the per-row tensors, or with MEAN the causal mean of k and v made here from the carries."""
-    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    if MEAN:
-        b = bh // HQ
-        tile = tl.program_id(0)
-        e_ok = row_ok & (tl.load(MCOUNT + b.to(tl.int64) * N + rows, mask=row_ok, other=0.0) > 0)
-        ekt = _causal_mean_rows(K, MK, MREAL, MCOUNT, kv_bh, b, tile, rows, row_ok, N, TILES, D, BLOCK_D)
-        evt = _causal_mean_rows(V, MV, MREAL, MCOUNT, kv_bh, b, tile, rows, row_ok, N, TILES, DV, BLOCK_DV)
-        return e_ok, tl.where(e_ok[:, None], ekt, 0.0)[:, None, :], tl.where(e_ok[:, None], evt, 0.0)[:, None, :]
-    e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
-    ek_offs = _extra_offsets(bh, rows, HQ, EGROUP, EK_SB, EK_SH, EK_SN)
-    ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
-    ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=e_ok[:, None, None] & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
-    evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=e_ok[:, None, None] & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
-    return e_ok, ekt, evt
-
-
-@triton.jit
 def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
     row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
@@ -174,11 +137,11 @@ def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D
 
 @triton.jit
 def _indexed_fwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK, SINK, MK, MV, MREAL, MCOUNT,
-    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN, TILES,
+    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK, SINK,
+    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINK: tl.constexpr, MEAN: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -190,11 +153,12 @@ def _indexed_fwd_kernel(
     if HAS_SINK:  # Cauchy only: a zero-value key, so only the normaliser grows
         l_i += tl.where(row_ok, _sink_weights(q, SINK, bh % HQ, gamma_sq, D, BLOCK_D)[0], 0.0)
     if HAS_EXTRA:
-        e_ok, ekt, evt = _extra_rows(
-            EK, EV, EMASK, K, V, MK, MV, MREAL, MCOUNT, bh, kv_bh, rows, row_ok, row_offs, N, HQ, EGROUP,
-            EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN, TILES, D, DV, BLOCK_D, BLOCK_DV, MEAN,
-        )
+        e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
+        ek_offs = _extra_offsets(bh, rows, HQ, EGROUP, EK_SB, EK_SH, EK_SN)
+        ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
+        ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=e_ok[:, None, None] & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
+        evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=e_ok[:, None, None] & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
         s_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)[0]  # names apart from the loop's: types differ
         m_i, l_i, acc = _accumulate(m_i, l_i, acc, s_x, evt, SCORE)
     for start in range(0, NUM_SLOTS, BLOCK_K):
@@ -217,11 +181,11 @@ def _indexed_fwd_kernel(
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA, SINK, DSINK, MK, MV, MREAL, MCOUNT,
-    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN, TILES,
+    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA, SINK, DSINK,
+    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr, MEAN: tl.constexpr,
+    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -245,11 +209,13 @@ def _indexed_bwd_kernel(
         dq += (2.0 * d_sq)[:, None] * diff_s
         tl.store(DSINK + row_offs[:, None] * D + offs_d[None, :], (-2.0 * d_sq)[:, None] * diff_s, mask=row_ok[:, None] & d_ok[None, :])
     if HAS_EXTRA:
-        e_ok, ekt, evt = _extra_rows(
-            EK, EV, EMASK, K, V, MK, MV, MREAL, MCOUNT, bh, kv_bh, rows, row_ok, row_offs, N, HQ, EGROUP,
-            EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN, TILES, D, DV, BLOCK_D, BLOCK_DV, MEAN,
-        )
+        e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
+        ek_offs = _extra_offsets(bh, rows, HQ, EGROUP, EK_SB, EK_SH, EK_SN)
+        ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
+        ek_mask, ev_mask = e_ok[:, None, None] & d_ok[None, None, :], e_ok[:, None, None] & dv_ok[None, None, :]
+        ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=ek_mask, other=0.0).to(tl.float32)
+        evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=ev_mask, other=0.0).to(tl.float32)
         s_x, diff_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)  # names apart from the loop's: types differ
         p_x, dg_x, dq_x, dk_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, SCORE)
         dgamma_sq += dg_x
@@ -294,36 +260,23 @@ TILE_OVERRIDES: dict[str, dict] = {}
 """Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
-MEAN_ROWS = 16
-"""Rows per tile of the causal mean made inside the kernels (``Mean``): their BLOCK_M."""
-
-
-def _launch_args(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True, extra: "Extra | Mean | None" = None
-) -> tuple[tuple, dict]:
+def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True) -> tuple[tuple, dict]:
     """Grid, sizes and tiles; a backward that does not scatter dk, dv (KEY_GRADS "inverse") is a
-    gather like the forward and starts from the forward's tiles (a guess, not tuned). With a
-    ``Mean`` extra slot the tiles are MEAN_ROWS rows, the mean's carries being per tile."""
+    gather like the forward and starts from the forward's tiles (a guess, not tuned)."""
     batch, q_heads, n_queries, dim = q.shape
     blocks = _blocks(dim, v.shape[-1], backward and scatter) | TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
-    if isinstance(extra, Mean):
-        blocks["BLOCK_M"] = MEAN_ROWS
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     sizes = (n_queries, k.shape[2], index.shape[-1], q_heads, q_heads // k.shape[1])
     return (grid, sizes), blocks
 
 
-def _extra_args(q: Tensor, extra: "Extra | Mean | None") -> tuple[tuple, tuple, dict]:
-    """Kernel arguments of the extra slot: per-row pointers (EK, EV, EMASK), the mean's pointers
-    (MK, MV, MREAL, MCOUNT), dummies where unused (q), then group, strides and mean tiles."""
+def _extra_args(q: Tensor, extra: "Extra | None") -> tuple[tuple, dict]:
+    """Kernel arguments of the extra slot: pointers (dummies when absent), group and strides."""
     if extra is None:
-        return (q, q, q), (q, q, q, q), dict(sizes=(1, 0, 0, 0, 0, 0, 0, 1), HAS_EXTRA=False, MEAN=False)
-    if isinstance(extra, Mean):
-        mean = (extra.carry_k, extra.carry_v, extra.real, extra.count)
-        return (q, q, q), mean, dict(sizes=(1, 0, 0, 0, 0, 0, 0, extra.carry_k.shape[-1]), HAS_EXTRA=True, MEAN=True)
+        return (q, q, q), dict(sizes=(1, 0, 0, 0, 0, 0, 0), HAS_EXTRA=False)
     group = q.shape[1] // extra.key.shape[1]
     strides = (*extra.key.stride()[:3], *extra.value.stride()[:3])
-    return (extra.key, extra.value, extra.mask), (q, q, q, q), dict(sizes=(group, *strides, 1), HAS_EXTRA=True, MEAN=False)
+    return (extra.key, extra.value, extra.mask), dict(sizes=(group, *strides), HAS_EXTRA=True)
 
 
 def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None) -> tuple[Tensor, Tensor]:
@@ -332,12 +285,11 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, si
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     stat = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False, extra=extra)
-    pointers, mean, extra_kw = _extra_args(q, extra)
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
+    pointers, extra_kw = _extra_args(q, extra)
     _indexed_fwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, stat, *pointers, q if sink is None else sink, *mean, *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_SINK=sink is not None,
-        MEAN=extra_kw["MEAN"], **blocks,
+        q, k, v, index, gamma_sq, out, stat, *pointers, q if sink is None else sink, *sizes, scale, *extra_kw["sizes"],
+        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_SINK=sink is not None, **blocks,
     )
     return out, stat
 
@@ -363,18 +315,17 @@ class _Grads(NamedTuple):
     d_sink: Tensor | None  # [B, Hq, N, D] fp32, per row
 
 
-def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | Mean | None", sink: Tensor | None, inverse: bool) -> _Grads:
+def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: Tensor | None, inverse: bool) -> _Grads:
     fp32 = dict(dtype=torch.float32, device=q.device)
     rows = q.shape[:3]
     unused = torch.empty(1, **fp32)
-    value_dtype = v.dtype if extra is None or isinstance(extra, Mean) else extra.value.dtype
     return _Grads(
         dq=torch.empty_like(q),
         dk=unused if inverse else torch.zeros(k.shape, **fp32),
         dv=unused if inverse else torch.zeros(v.shape, **fp32),
         dgamma_sq=torch.zeros(rows, **fp32),
         d_extra_k=None if extra is None else torch.empty(*rows, q.shape[-1], **fp32),
-        d_extra_v=None if extra is None else torch.empty(*rows, v.shape[-1], dtype=value_dtype, device=q.device),
+        d_extra_v=None if extra is None else torch.empty(*rows, v.shape[-1], dtype=extra.value.dtype, device=q.device),
         delta=torch.empty(rows, **fp32) if inverse else unused,
         d_sink=None if sink is None else torch.empty(*rows, q.shape[-1], **fp32),
     )
@@ -389,14 +340,14 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
     inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
     g = _grad_buffers(q, k, v, extra, sink, inverse)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse, extra=extra)
-    pointers, mean, extra_kw = _extra_args(q, extra)
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
+    pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
     _indexed_bwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, grad_out, stat, g.dq, g.dk, g.dv, g.dgamma_sq, *pointers, *optional, *mean,
+        q, k, v, index, gamma_sq, out, grad_out, stat, g.dq, g.dk, g.dv, g.dgamma_sq, *pointers, *optional,
         *sizes, scale, *extra_kw["sizes"],
         D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse,
-        HAS_SINK=sink is not None, MEAN=extra_kw["MEAN"], **blocks,
+        HAS_SINK=sink is not None, **blocks,
     )
     dk, dv = g.dk, g.dv
     if inverse:
@@ -407,17 +358,6 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     if cast:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     return g.dq, dk, dv, g.dgamma_sq.sum(dim=(0, 2)), g.d_extra_k, g.d_extra_v, d_sink
-
-
-class Mean(NamedTuple):
-    """The causal mean of k and v over the real keys as the extra slot, made inside the kernels
-    from per-tile carries (so no [B, Hk, N, Dv] mean is written, read or kept for the backward).
-    N = M; the kernels' tiles are MEAN_ROWS rows."""
-
-    carry_k: Tensor  # [B*Hk, D, T] fp32 sum of real k rows in the tiles before each tile of MEAN_ROWS rows
-    carry_v: Tensor  # [B*Hk, Dv, T] fp32 the same for v
-    real: Tensor  # [B, N] fp32 1 for real keys
-    count: Tensor  # [B, N] fp32 real keys among 0..i
 
 
 class Extra(NamedTuple):
@@ -472,32 +412,30 @@ class IndexedAttentionFunction(torch.autograd.Function):
 
 class CausalMeanIndexedFunction(torch.autograd.Function):
     """``IndexedAttentionFunction`` whose extra slot is the causal mean of k and v over the real
-    keys (ZETA's mean token). The means are not materialised: one pass sums each tile of
-    MEAN_ROWS rows (``scan.tile_carries``), and both kernels add the sums within their own tile to
-    the carry (``Mean``); that saves writing the [B, Hk, N, Dv] mean and reading it twice. The
-    mean's gradient scan (``scan.scaled_scan``) adds straight into the fp32 dk, dv of the atomics
-    and stores k's and v's dtype once, instead of a separate mean gradient, a cast and an add.
+    keys (ZETA's mean token), computed inside by the Triton scan (``scan.scaled_scan``). The
+    mean's gradient scan adds straight into the fp32 dk, dv of the atomics and stores k's and
+    v's dtype once, instead of a separate mean gradient, a cast and an add (a separate mean
+    would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16; this, 1.5 GB).
     Inputs as IndexedAttentionFunction's, N = M, plus real [B, M] bool."""
 
     @staticmethod
     def forward(ctx, q, k, v, index, gamma, scale, score_code, real, sink_key=None):
         count = real.to(torch.float32).cumsum(-1)  # [B, M] real keys 0..i
         realf, inverse = mean_scales(real, count)
-        carry_k, carry_v = tile_carries(k, realf, MEAN_ROWS), tile_carries(v, realf, MEAN_ROWS)  # [B*Hk, D or Dv, T]
+        mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, M, D], [B, Hk, M, Dv]
+        mean_k, mean_v, mask = _kernel_extras(q, mean_k, mean_v, (count > 0)[:, None, :])  # mask int8 [B, Hq, N]
         gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
-        mean = Mean(carry_k, carry_v, realf, count.contiguous())
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, mean, sink_key)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, carry_k, carry_v, count, sink_key, realf, inverse)
+        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, Extra(mean_k, mean_v, mask), sink_key)
+        ctx.save_for_backward(q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse)
         ctx.scale, ctx.score_code = scale, score_code
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, carry_k, carry_v, count, sink_key, realf, inverse = ctx.saved_tensors
+        q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse = ctx.saved_tensors
         gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
-        mean = Mean(carry_k, carry_v, realf, count)
         dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, mean, sink_key, cast=False
+            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, Extra(mean_k, mean_v, mask), sink_key, cast=False
         )
         kv_heads = k.shape[1]
         # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients

@@ -92,32 +92,16 @@ def scaled_scan(
     x = x.contiguous()
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
     blocks = _tiles(width)
-    carry = tile_carries(x, pre, blocks["BLOCK_N"], reverse, blocks["num_warps"])  # [BH, X, T]
-    tiles = carry.shape[-1]
+    tiles = triton.cdiv(n, blocks["BLOCK_N"])
     blocks["BLOCK_X"] = min(64, triton.next_power_of_2(width))
     grid = (tiles, batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
+    sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
+    _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
+    carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
     out = torch.empty_like(x, dtype=dtype or x.dtype)
     base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
     _tile_scan_kernel[grid](x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks)
     return out
-
-
-def tile_carries(x: Tensor, pre: Tensor, rows: int, reverse: bool = False, num_warps: int = 1) -> Tensor:
-    """Per tile of ``rows`` rows, the fp32 sum of pre[b, j] * x[b, h, j] over the rows of all
-    earlier tiles (``reverse``: all later ones).
-
-    Args:
-        x: [B, H, N, X] contiguous; pre: [B, N] fp32 contiguous; rows: a power of two.
-    Returns:
-        [B*H, X, T] fp32, T = ceil(N / rows).
-    """
-    batch, heads, n, width = x.shape
-    tiles = triton.cdiv(n, rows)
-    block_x = min(64, triton.next_power_of_2(width))
-    sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
-    grid = (tiles, batch * heads, triton.cdiv(width, block_x))
-    _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, BLOCK_N=rows, BLOCK_X=block_x, num_warps=num_warps)
-    return exclusive_cumsum(sums, reverse)
 
 
 def exclusive_cumsum(x: Tensor, reverse: bool = False) -> Tensor:
