@@ -1,6 +1,8 @@
 """Where the ZETA selection kernel's time goes, by leaving stages out (no hardware counters there).
 
-A copy of ``_zeta_select_kernel`` (one curve, causal, distinct candidates) with switches:
+A copy of ``_zeta_select_kernel`` as of commit 42d65c0 (one curve, causal, distinct candidates,
+the band in its own tile, the default 4 rows and 1 warp per program, its own binary search)
+with switches:
 SEARCH=False takes the middle of the prefix instead of the binary search; GATHER=False skips the
 key loads (distance from the candidate position); CUT=False stores the first WIDTH candidates
 instead of the nearest. The differences of the timings place the cost.
@@ -21,7 +23,22 @@ import triton.language as tl
 from benchmarks.zeta_bench import PATTERN, timed_ms, zeta_inputs
 from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits
-from sparsefocus.kernels.zeta_select import _lower_bound, _store_nearest_distinct, sorted_prefixes
+from sparsefocus.kernels.zeta_select import _band, _distances, _store_nearest_distinct, sorted_prefixes
+
+
+@triton.jit
+def _lower_bound(SCODES, base, count, code, ok, steps):
+    """[BM] number of entries below ``code`` in the sorted runs SCODES[base : base + count]: the
+    binary search the selection kernel ran itself before commit 42d65c0+1 (now torch.searchsorted)."""
+    lo = tl.zeros_like(count)
+    hi = count
+    for _ in range(steps):
+        active = (lo < hi) & ok
+        mid = (lo + hi) // 2
+        found = tl.load(SCODES + base + mid, mask=active, other=0)
+        lo = tl.where(active & (found < code), mid + 1, lo)
+        hi = tl.where(active & (found >= code), mid, hi)
+    return lo
 
 
 @triton.jit
@@ -29,7 +46,7 @@ def _probe_kernel(
     Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT, N, M, B, HQ, CHUNK, STEPS,
     D: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
     SEARCH: tl.constexpr, GATHER: tl.constexpr, CUT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b = bh // HQ
@@ -49,33 +66,24 @@ def _probe_kernel(
         insert = count // 2
     start = tl.minimum(tl.maximum(insert - WINDOW // 2, 0), tl.maximum(count - WINDOW, 0))
     slot = start[:, None] + cols[None, :]
-    mine = cols[None, :] < WINDOW
-    ok = mine & searching[:, None] & (slot < count[:, None])
+    ok = searching[:, None] & (slot < count[:, None])
     cand = tl.load(SPOS + base[:, None] + slot, mask=ok, other=-1)
-    back = cols - WINDOW
-    band = (back >= 0) & (back < LOCAL)
-    position = rows[:, None] - back[None, :]
-    ok = band[None, :] & row_ok[:, None] & (position >= chunk_start[:, None]) & (position < M)
-    cand = tl.where(band[None, :], tl.where(ok, position, -1), cand)
-    valid = cand >= 0
-    distance = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    cand_b = _band(tl.full([BLOCK_M, BLOCK_B], -1, tl.int32), tl.arange(0, BLOCK_B), 0, LOCAL, rows, row_ok, chunk_start, REAL, b, M, False)
+    valid, valid_b = cand >= 0, cand_b >= 0
     if GATHER:
-        k_base = K + bh.to(tl.int64) * M * D
-        for d in tl.static_range(D):
-            q_d = tl.load(Q + (bh.to(tl.int64) * N + rows) * D + d, mask=row_ok, other=0.0).to(tl.float32)
-            k_d = tl.load(k_base + cand.to(tl.int64) * D + d, mask=valid, other=0.0).to(tl.float32)
-            distance += (q_d[:, None] - k_d) * (q_d[:, None] - k_d)
+        q_base, k_base = Q + (bh.to(tl.int64) * N + rows) * D, K + bh.to(tl.int64) * M * D
+        distance, distance_b = _distances(q_base, k_base, cand, row_ok, D), _distances(q_base, k_base, cand_b, row_ok, D)
     else:
-        distance = (cand * 7919 % 1000).to(tl.float32)
+        distance, distance_b = (cand * 7919 % 1000).to(tl.float32), (cand_b * 7919 % 1000).to(tl.float32)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH
     if CUT:
-        none = tl.full([BLOCK_M, 1], -1, tl.int32)  # no second (band) tile
         _store_nearest_distinct(
-            distance, cand, valid, none.to(tl.float32), none, none >= 0, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, True, False, 8
+            distance, cand, valid, distance_b, cand_b, valid_b, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, True, True, 8
         )
     else:
         first = tl.arange(0, BLOCK_C) < WIDTH
         tl.store(out_rows[:, None] + cols[None, :], cand + distance.to(tl.int32) * 0, mask=row_ok[:, None] & first[None, :])
+        tl.store(out_rows, tl.sum(cand_b + distance_b.to(tl.int32) * 0, axis=1), mask=row_ok)  # keeps the band's work alive
 
 
 def probe(n: int) -> list[dict]:
@@ -84,19 +92,18 @@ def probe(n: int) -> list[dict]:
     q, k = q.detach(), k.detach()
     bits = code_bits(spec.bits, 3, 1)
     codes_q, codes_k = _codes(spec, q.float(), bits, True), _codes(spec, k.float(), bits, True)
-    real = torch.ones(4, n, dtype=torch.bool, device="cuda")
     chunk = spec.chunk_size(n)
-    scodes, spos, count = sorted_prefixes(codes_k, real, chunk, spec.chunks - 1, SENTINEL)
+    scodes, spos, count = sorted_prefixes(codes_k, None, chunk, spec.chunks - 1, SENTINEL)
     out = torch.empty(4, 16, n, spec.k, dtype=torch.int32, device="cuda")
     rows = []
     for search, gather, cut in ((1, 1, 1), (0, 1, 1), (1, 0, 1), (1, 1, 0), (0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 0, 1)):
-        for block_m in (16, 32):
+        for block_m, warps in ((4, 1), (8, 1)):
             launch = lambda: _probe_kernel[(triton.cdiv(n, block_m), 64)](
-                q, k, codes_q, scodes, spos, count, real.to(torch.int8), out, n, n, 4, 16, chunk, n.bit_length() + 1,
+                q, k, codes_q, scodes, spos, count, out, out, n, n, 4, 16, chunk, n.bit_length() + 1,
                 D=3, WINDOW=spec.window, LOCAL=spec.local, WIDTH=spec.k, SEARCH=bool(search), GATHER=bool(gather), CUT=bool(cut),
-                BLOCK_M=block_m, BLOCK_C=128, BLOCK_W=32, num_warps=4,
+                BLOCK_M=block_m, BLOCK_C=spec.window, BLOCK_W=32, BLOCK_B=spec.local, num_warps=warps,
             )
-            rows.append({"search": search, "gather": gather, "cut": cut, "BLOCK_M": block_m, "ms": timed_ms(launch, reps=10)})
+            rows.append({"search": search, "gather": gather, "cut": cut, "BLOCK_M": block_m, "warps": warps, "ms": timed_ms(launch, reps=10)})
             print(rows[-1], flush=True)
     return rows
 

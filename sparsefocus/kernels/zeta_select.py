@@ -1,5 +1,6 @@
-"""ZETA's key selection fused in one Triton kernel: binary search, candidate window, local band,
-exact squared distances and the k nearest, without [N, candidates] tensors in memory.
+"""ZETA's key selection: a sort and a search in torch, then one Triton kernel for the candidate
+window, local band, exact squared distances and the k nearest, without [N, candidates] tensors
+in memory.
 
 The slow twin that defines the result is ``sparsefocus.attention.zeta.select_keys`` (torch sort,
 searchsorted, gathers and topk over row blocks). Here:
@@ -8,9 +9,9 @@ searchsorted, gathers and topk over row blocks). Here:
   causal prefix (the keys of chunks < m) keeps the sorted keys inside it by a cumulative count.
   The keys of a prefix in sorted order are the global order filtered, so one sort serves all
   prefixes.
-* one program per (BLOCK_M queries, batch x query head) searches each query's code in its
-  prefix (binary search on int64 codes), loads the ``window`` sorted positions around it on each
-  curve and the ``local`` most recent keys of its own chunk, computes exact squared distances in
+* ``torch.searchsorted`` finds each query's place in its prefix (one thread per query).
+* one program per (BLOCK_M queries, batch x query head) loads the ``window`` sorted positions
+  around that place on each curve and the ``local`` most recent keys of its own chunk, computes exact squared distances in
   fp32 and keeps the ``width`` nearest. A candidate is packed as (distance bits << 32 | position)
   in an int64, so ties go to the smaller position and a key proposed by two curves is one value.
   With one curve every candidate is distinct (the window searches earlier chunks, the band the
@@ -35,21 +36,6 @@ from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpret
 
 PACKED_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # packed value of an empty candidate slot
 SELECT_OVERRIDES: dict = {}  # tile and variant overrides for tuning runs (benchmarks/zeta_profile.py)
-
-
-@triton.jit
-def _lower_bound(SCODES, base, count, code, ok, steps):
-    """[BM] number of entries below ``code`` in the sorted runs SCODES[base : base + count]."""
-    lo = tl.zeros_like(count)
-    hi = count
-    for _ in range(steps):
-        active = (lo < hi) & ok
-        mid = (lo + hi) // 2
-        found = tl.load(SCODES + base + mid, mask=active, other=0)
-        right = found < code
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (found >= code), mid, hi)
-    return lo
 
 
 @triton.jit
@@ -204,7 +190,7 @@ def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr):
 
 @triton.jit
 def _zeta_select_kernel(
-    Q, K, CODES_Q, SCODES, SPOS, NVALID, REAL, OUT,
+    Q, K, INSERT, SPOS, NVALID, REAL, OUT,
     N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
     D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
     CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, EXACT_STOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -221,17 +207,21 @@ def _zeta_select_kernel(
     if CAUSAL:
         chunk_start = (rows // CHUNK) * CHUNK
         prefix = rows // CHUNK - 1  # queries of chunk 0 search nothing
+        span = CHUNK  # the queries of chunk p + 1 searched prefix p together
+        at = rows - chunk_start
     else:
         chunk_start = rows * 0
         prefix = rows * 0
+        span = N
+        at = rows
     searching = row_ok & (prefix >= 0)
     prefix = tl.maximum(prefix, 0)
     count = tl.load(NVALID + prefix * B + b, mask=searching, other=0)  # [BM] searchable keys
     cand = tl.full([BLOCK_M, BLOCK_C], -1, tl.int32)
     for s in tl.static_range(CURVES):
-        code = tl.load(CODES_Q + ((s * B + b) * HQ + hq).to(tl.int64) * N + rows, mask=row_ok, other=0)
-        base = (((prefix * CURVES + s) * B + b) * HK + hk).to(tl.int64) * M  # [BM]
-        insert = _lower_bound(SCODES, base, count, code, searching, STEPS)
+        run = ((prefix * CURVES + s) * B + b) * HK + hk  # [BM] the sorted run each row searched
+        insert = tl.load(INSERT + run.to(tl.int64) * (GROUP * span) + (hq % GROUP) * span + at, mask=searching, other=0)
+        base = run.to(tl.int64) * M  # [BM]
         start = tl.minimum(tl.maximum(insert - WINDOW // 2, 0), tl.maximum(count - WINDOW, 0))
         slot = start[:, None] + cols[None, :] - s * WINDOW  # [BM, BC]
         mine = (cols[None, :] >= s * WINDOW) & (cols[None, :] < (s + 1) * WINDOW)
@@ -353,6 +343,30 @@ def key_prefixes(codes_k: Tensor, key_padding_mask: Tensor | None, n_queries: in
     return sorted_prefixes(codes_k, key_padding_mask, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
 
 
+def _insertion_points(codes_q: Tensor, scodes: Tensor, chunk: int | None, kv_heads: int) -> Tensor:
+    """How many keys of its sorted run code below each query's code, by ``torch.searchsorted``
+    (one thread per query: inside the selection kernel the same binary search kept 4 of a warp's
+    32 lanes busy, 0.96 of its 3.65 ms at 64K on the H200, benchmarks/zeta_select_probe.py).
+
+    Args:
+        codes_q: [S, B, Hq, N] int64; scodes: [P, S, B, Hk, M] int64 sorted runs (sentinels last);
+        chunk: causal chunk length (the queries of chunk p + 1 search run p) or None (one run,
+        searched by every query).
+    Returns:
+        [P, S, B, Hk, G * span] int32, span = chunk or N: run p's queries, query head hk * G + g
+        at g * span + (position within its chunk); G = Hq // Hk.
+    """
+    curves, batch, q_heads, n_queries = codes_q.shape
+    prefixes, group = scodes.shape[0], q_heads // kv_heads
+    span = n_queries if chunk is None else chunk
+    if chunk is not None and (prefixes + 1) * chunk != n_queries:  # the last chunk is short (or absent): pad, unused
+        codes_q = torch.nn.functional.pad(codes_q, (0, (prefixes + 1) * chunk - n_queries))
+    first = 0 if chunk is None else 1  # causal: chunk 0 searches nothing
+    values = codes_q.view(curves, batch, kv_heads, group, prefixes + first, span)[:, :, :, :, first:]  # [S, B, Hk, G, P, span]
+    values = values.permute(4, 0, 1, 2, 3, 5).reshape(prefixes, curves, batch, kv_heads, group * span).contiguous()
+    return torch.searchsorted(scodes, values, out_int32=True)
+
+
 def zeta_select(
     q: Tensor,
     k: Tensor,
@@ -385,6 +399,7 @@ def zeta_select(
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     real = key_padding_mask  # None: every key is real, and no pass over a mask is issued
     scodes, spos, count = prefixes
+    insert = _insertion_points(codes_q, scodes, chunk, kv_heads)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     band = local if chunk is not None else 0
     block_c = triton.next_power_of_2(curves * window + band)
@@ -402,7 +417,7 @@ def zeta_select(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k.contiguous(), codes_q.contiguous(), scodes, spos, count, out if real is None else real.to(torch.int8).contiguous(), out,
+        q.contiguous(), k.contiguous(), insert, spos, count, out if real is None else real.to(torch.int8).contiguous(), out,
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
         DISTINCT=distinct, EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
