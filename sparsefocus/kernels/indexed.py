@@ -185,7 +185,7 @@ def _indexed_bwd_kernel(
     N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
     D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr,
+    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr, DK_ROW: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -236,7 +236,8 @@ def _indexed_bwd_kernel(
         dgamma_sq += dg
         dq += dq_tile
         if SCATTER_KV:  # off when indexed_csr.key_grads computes dk and dv
-            tl.atomic_add(DK + k_offs, dk, mask=k_mask, sem="relaxed")
+            dk_offs = kv_bh.to(tl.int64) * M * DK_ROW + idx[:, :, None] * DK_ROW + offs_d[None, None, :]
+            tl.atomic_add(DK + dk_offs, dk, mask=k_mask, sem="relaxed")
             tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
@@ -306,7 +307,7 @@ class _Grads(NamedTuple):
     """Output buffers of the backward kernel (None or a (1,) placeholder for what it does not write)."""
 
     dq: Tensor  # [B, Hq, N, D] q.dtype
-    dk: Tensor  # [B, Hk, M, D] fp32 (atomic key gradients)
+    dk: Tensor  # [B, Hk, M, dk_row(D)] fp32 (atomic key gradients; columns D.. unused)
     dv: Tensor  # [B, Hk, M, Dv] fp32 (atomic key gradients)
     dgamma_sq: Tensor  # [B, Hq, N] fp32
     d_extra_k: Tensor | None  # [B, Hq, N, D] fp32
@@ -315,13 +316,21 @@ class _Grads(NamedTuple):
     d_sink: Tensor | None  # [B, Hq, N, D] fp32, per row
 
 
+def dk_row(d: int) -> int:
+    """Floats per row of the atomic dk buffer: d rounded up to a multiple of 4, so that rows start
+    on 16-byte boundaries and a row of 3 (ZETA's q/k width) never straddles two 32-byte sectors,
+    the unit of the L2's atomics (the backward is bound by them: 12.5 ms with, 3.7 ms without
+    at ZETA's 64K on the H200, benchmarks/zeta_bwd_parts.py)."""
+    return -(-d // 4) * 4
+
+
 def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: Tensor | None, inverse: bool) -> _Grads:
     fp32 = dict(dtype=torch.float32, device=q.device)
     rows = q.shape[:3]
     unused = torch.empty(1, **fp32)
     return _Grads(
         dq=torch.empty_like(q),
-        dk=unused if inverse else torch.zeros(k.shape, **fp32),
+        dk=unused if inverse else torch.zeros(*k.shape[:3], dk_row(k.shape[-1]), **fp32),
         dv=unused if inverse else torch.zeros(v.shape, **fp32),
         dgamma_sq=torch.zeros(rows, **fp32),
         d_extra_k=None if extra is None else torch.empty(*rows, q.shape[-1], **fp32),
@@ -347,9 +356,9 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         q, k, v, index, gamma_sq, out, grad_out, stat, g.dq, g.dk, g.dv, g.dgamma_sq, *pointers, *optional,
         *sizes, scale, *extra_kw["sizes"],
         D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse,
-        HAS_SINK=sink is not None, **blocks,
+        HAS_SINK=sink is not None, DK_ROW=dk_row(q.shape[-1]), **blocks,
     )
-    dk, dv = g.dk, g.dv
+    dk, dv = g.dk[..., : k.shape[-1]], g.dv
     if inverse:
         from sparsefocus.kernels.indexed_csr import key_grads
 
