@@ -79,14 +79,15 @@ def squash(x: Tensor) -> Tensor:
     return torch.sigmoid(upcast(x))
 
 
-def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = False) -> Tensor:
+def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = False, tag_rows: tuple[int, int] | None = None) -> Tensor:
     """Morton codes of x [..., D] on curve ``curve`` of ``curves`` -> [...] int64.
 
     One curve: grid = floor(sigmoid(x) * 2**bits). Several: the squashed point is shifted by
     curve / p along the diagonal inside [0, 2)^D, p the smallest odd number >= curves (shifted
     quadtrees, Chan 1998; a dyadic shift such as 1/2 would keep every cell boundary and give the
     same order), and quantised with bits + 1 bits, so curve 0 equals the single curve.
-    ``fused`` shifts, quantises and interleaves in one Triton kernel (same fp32 operations).
+    ``fused`` shifts, quantises and interleaves in one Triton kernel (same fp32 operations);
+    ``tag_rows`` (fused only) puts row numbers above the codes (``morton_codes_triton``).
     """
     unit = squash(x)
     levels = 1 << bits
@@ -96,7 +97,7 @@ def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = Fal
     if fused:
         from sparsefocus.kernels.morton import morton_codes_triton
 
-        return morton_codes_triton(unit, bits + extra, shift, levels, top)
+        return morton_codes_triton(unit, bits + extra, shift, levels, top, tag_rows)
     grid = torch.floor((unit + shift) * levels).long().clamp(0, top)
     return morton_codes(grid, bits + extra)
 
@@ -341,11 +342,14 @@ def squared_distances(q: Tensor, k: Tensor) -> Tensor:
     return (q[..., :, None, :] - k[..., None, :, :]).pow(2).sum(-1)
 
 
-def _codes(spec: Zeta, x: Tensor, bits: int, fused: bool = False) -> Tensor:
-    """[S, ...] Morton codes of x [..., D] on each of the spec's curves (one curve: a view, no copy)."""
+def _codes(spec: Zeta, x: Tensor, bits: int, fused: bool = False, tagged: bool = False) -> Tensor:
+    """[S, ...] Morton codes of x [B, H, M, D] on each of the spec's curves (one curve: a view, no
+    copy); ``tagged`` (fused only): each (curve, b, h) row's number above its codes."""
+    rows = x.shape[0] * x.shape[1]
+    tag = lambda curve: (x.shape[2], curve * rows) if tagged else None
     if spec.curves == 1:
-        return curve_codes(x, bits, 0, 1, fused)[None]
-    return torch.stack([curve_codes(x, bits, curve, spec.curves, fused) for curve in range(spec.curves)])
+        return curve_codes(x, bits, 0, 1, fused, tag(0))[None]
+    return torch.stack([curve_codes(x, bits, curve, spec.curves, fused, tag(curve)) for curve in range(spec.curves)])
 
 
 def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
@@ -382,8 +386,11 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
         chunk = spec.chunk_size(q.shape[2]) if causal else None
         # the keys' codes and sort first: the GPU sorts while the CPU issues the queries' codes
-        codes_k = _codes(spec, upcast(k), bits, True)  # [S, B, Hk, M]
-        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL)
+        width = q.shape[-1] * (bits + (spec.curves > 1))  # bits of one code
+        rows = spec.curves * k.shape[0] * k.shape[1]
+        tagged = key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS  # one flat sort (no sentinels to keep last)
+        codes_k = _codes(spec, upcast(k), bits, True, tagged)  # [S, B, Hk, M]
+        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
         return zeta_select(

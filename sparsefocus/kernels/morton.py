@@ -20,7 +20,7 @@ BLOCK = 256
 
 
 @triton.jit
-def _morton_kernel(UNIT, OUT, P, shift, levels, top, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _morton_kernel(UNIT, OUT, P, shift, levels, top, row_len, first_row, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, TAG: tl.constexpr):
     points = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = points < P
     code = tl.zeros([BLOCK], tl.int64)
@@ -30,17 +30,25 @@ def _morton_kernel(UNIT, OUT, P, shift, levels, top, D: tl.constexpr, BITS: tl.c
         cell = tl.minimum(tl.maximum(cell, 0), top)
         for bit in tl.static_range(BITS):
             code |= ((cell >> bit) & 1) << (bit * D + D - 1 - d)
+    if TAG:  # the point's row above the code's D * BITS bits: one flat sort then keeps the rows apart
+        code |= (first_row + points // row_len).to(tl.int64) << (D * BITS)
     tl.store(OUT + points, code, mask=ok)
 
 
-def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top: int) -> Tensor:
+def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top: int, tag_rows: tuple[int, int] | None = None) -> Tensor:
     """Codes of points ``unit`` [..., D] fp32 in [0, 1]: cell = clamp(floor((unit + shift) * levels),
-    0, top) per coordinate, then ``bits`` bits of each interleaved. Returns [...] int64."""
+    0, top) per coordinate, then ``bits`` bits of each interleaved. Returns [...] int64.
+
+    tag_rows: (row length L, first row r0): point p's code gets r0 + p // L (p the flat index
+    over ``unit``'s leading dims) in the bits from D * bits up, so that one flat sort of several
+    rows' codes keeps each row's keys together and in order. The caller keeps the tagged codes
+    below 2**63. Default: no tag."""
     if unit.dtype != torch.float32:
         raise ValueError(f"morton_codes_triton: unit must be float32, got {unit.dtype}")
     dims = unit.shape[-1]
     flat = unit.contiguous().reshape(-1, dims)  # [P, D]
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=unit.device)
     grid = (triton.cdiv(flat.shape[0], BLOCK),)
-    _morton_kernel[grid](flat, out, flat.shape[0], float(shift), float(levels), top, D=dims, BITS=bits, BLOCK=BLOCK)
+    row_len, first_row = tag_rows or (1, 0)
+    _morton_kernel[grid](flat, out, flat.shape[0], float(shift), float(levels), top, row_len, first_row, D=dims, BITS=bits, BLOCK=BLOCK, TAG=tag_rows is not None)
     return out.view(unit.shape[:-1])

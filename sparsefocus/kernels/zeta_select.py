@@ -251,10 +251,13 @@ def _zeta_select_kernel(
 
 
 @triton.jit
-def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, HK, step, sentinel, BLOCK: tl.constexpr):
+def _prefix_filter_kernel(
+    SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, HK, step, sentinel, code_mask, BLOCK: tl.constexpr, TAGGED: tl.constexpr
+):
     """One program per (prefix p, sorted row): keep the entries with position < min((p + 1) * step,
     M) and a real code, compacted in order (a running count carried over BLOCK-wide tiles), then
-    fill the tail with sentinel / -1."""
+    fill the tail with sentinel / -1. TAGGED: the codes carry their row number above code_mask and
+    ORDER holds flat indices (one flat sort), both taken off here."""
     pid = tl.program_id(0)
     p, row = pid // ROWS, pid % ROWS  # row = (curve * B + b) * HK + head
     limit = tl.minimum((p + 1) * step, M)
@@ -264,6 +267,8 @@ def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, 
         at = start + tl.arange(0, BLOCK)
         code = tl.load(SCODES + src + at, mask=at < M, other=sentinel)
         position = tl.load(ORDER + src + at, mask=at < M, other=M)
+        if TAGGED:
+            code, position = code & code_mask, position - src
         keep = (at < M) & (position < limit) & (code < sentinel)
         dest = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(OUT_CODES + dst + dest, code, mask=keep)
@@ -281,7 +286,9 @@ def _prefix_filter_kernel(SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, 
 FUSED_PREFIXES = True  # filter the prefixes in one Triton kernel: same outputs; H200, 64K fwd+bwd 31.7 -> 30.3 ms
 
 
-def sorted_prefixes(codes_k: Tensor, real: Tensor | None, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+def sorted_prefixes(
+    codes_k: Tensor, real: Tensor | None, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
 
@@ -289,16 +296,27 @@ def sorted_prefixes(codes_k: Tensor, real: Tensor | None, step: int, prefixes: i
         codes_k: [S, B, Hk, M] int64 codes per curve; real: [B, M] bool, or None when every key
         is real (no masking pass: each op costs the CPU tens of us to issue); step, prefixes: the
         P = ``prefixes`` key counts; sentinel: a code above every real code (given to padded
-        keys and unused tail slots).
+        keys and unused tail slots); tag_shift: the codes carry their row number (the flat index
+        of (curve, b, head)) from this bit up (``morton_codes_triton``'s tag, only without
+        padding): one flat stable sort then orders every row at once (H200, 64K: 0.56 against
+        0.64 ms for the rows' sort, benchmarks/results/zeta_sort_probe.json). Default: untagged.
     Returns:
         codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
         int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
         position order, as one stable sort of the prefix alone would.
     """
-    codes = codes_k if real is None else codes_k.masked_fill(~real[None, :, None, :], sentinel)
-    sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
+    if tag_shift is not None and real is not None:
+        raise ValueError("sorted_prefixes: tagged codes need every key real (no padding mask)")
+    if tag_shift is None:
+        codes = codes_k if real is None else codes_k.masked_fill(~real[None, :, None, :], sentinel)
+        sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
+    else:  # each row's keys stay a contiguous block of the flat order, in the row's own order
+        sorted_codes, order = (x.view(codes_k.shape) for x in torch.sort(codes_k.reshape(-1), stable=True))
     if FUSED_PREFIXES:
-        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel)
+        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel, tag_shift)
+    if tag_shift is not None:
+        rows = torch.arange(order[..., 0].numel(), device=order.device).view(*order.shape[:-1], 1)  # [S, B, Hk, 1]
+        sorted_codes, order = sorted_codes & ((1 << tag_shift) - 1), order - rows * order.shape[-1]
     n_keys = codes_k.shape[-1]
     # built on the device: a host list copied in would synchronise the stream once per call
     limit = (torch.arange(1, prefixes + 1, device=codes_k.device) * step).clamp_max(n_keys).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
@@ -313,7 +331,9 @@ def sorted_prefixes(codes_k: Tensor, real: Tensor | None, step: int, prefixes: i
     return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
 
 
-def _filter_prefixes_fused(sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+def _filter_prefixes_fused(
+    sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
     curves, batch, kv_heads, n_keys = sorted_codes.shape
     rows = curves * batch * kv_heads
@@ -321,26 +341,29 @@ def _filter_prefixes_fused(sorted_codes: Tensor, order: Tensor, step: int, prefi
     out_pos = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int32, device=order.device)
     count = torch.empty(prefixes, batch, dtype=torch.int32, device=order.device)
     _prefix_filter_kernel[(prefixes * rows,)](
-        sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, n_keys, rows, batch, kv_heads, step, sentinel, BLOCK=1024,
+        sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, n_keys, rows, batch, kv_heads, step, sentinel,
+        (1 << (tag_shift or 0)) - 1, BLOCK=1024, TAGGED=tag_shift is not None,
     )
     return out_codes, out_pos, count
 
 
-def key_prefixes(codes_k: Tensor, key_padding_mask: Tensor | None, n_queries: int, chunk: int | None, sentinel: int) -> tuple[Tensor, Tensor, Tensor]:
+def key_prefixes(
+    codes_k: Tensor, key_padding_mask: Tensor | None, n_queries: int, chunk: int | None, sentinel: int, tag_shift: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The sorted keys every query may search: all real keys (``chunk`` None, not causal) or, per
     causal chunk boundary p * chunk, the real keys before it (``sorted_prefixes``).
 
     Args:
         codes_k: [S, B, Hk, M] int64 Morton codes per curve; key_padding_mask: [B, M] bool, True
         = real key, or None; n_queries: N; chunk: causal chunk length or None; sentinel: a code
-        above every real code.
+        above every real code; tag_shift: as ``sorted_prefixes``' (rows tagged above this bit).
     Returns:
         ``sorted_prefixes``' (codes [P, S, B, Hk, M], positions [P, S, B, Hk, M], counts [P, B]).
     """
     n_keys = codes_k.shape[-1]
     if chunk is None:
-        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel)
-    return sorted_prefixes(codes_k, key_padding_mask, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel)
+        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel, tag_shift)
+    return sorted_prefixes(codes_k, key_padding_mask, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel, tag_shift)
 
 
 def _insertion_points(codes_q: Tensor, scodes: Tensor, chunk: int | None, kv_heads: int) -> Tensor:

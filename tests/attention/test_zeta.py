@@ -335,6 +335,10 @@ def test_fused_morton_codes_equal_torch(curves, dims, bits):
     x[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, 40.0])[:, None]  # saturated cells
     for curve in range(curves):
         assert torch.equal(curve_codes(x, bits, curve, curves, fused=True), curve_codes(x, bits, curve, curves))
+        width = x.shape[-1] * (bits + (curves > 1))
+        tagged = curve_codes(x, bits, curve, curves, fused=True, tag_rows=(x.shape[-2], 5))  # rows 5, 6, ... above the codes
+        rows = 5 + torch.arange(x[..., 0].numel()).view(x.shape[:-1]) // x.shape[-2]
+        assert torch.equal(tagged >> width, rows) and torch.equal(tagged & ((1 << width) - 1), curve_codes(x, bits, curve, curves))
 
 
 @pytest.mark.parametrize("curves", [1, 2])
@@ -386,6 +390,14 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
     every = zeta_select.sorted_prefixes(codes, torch.ones_like(real), step, prefixes, 1 << 62)
     for name, x, y in zip(("codes", "positions", "count"), zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62), every):
         assert torch.equal(x, y), f"{name} without a mask"
+    rows = torch.arange(curves * 2 * 3).view(curves, 2, 3, 1)
+    for fused in (True, False):  # rows tagged above bit 6 (codes < 50): one flat sort, the same runs
+        monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", fused)
+        tagged = zeta_select.sorted_prefixes(codes | (rows << 6), None, step, prefixes, 1 << 62, tag_shift=6)
+        for name, x, y in zip(("codes", "positions", "count"), tagged, every):
+            assert torch.equal(x, y), f"{name} from tagged codes, fused filter {fused}"
+    with pytest.raises(ValueError, match="tagged"):
+        zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62, tag_shift=6)
 
 
 @pytest.mark.parametrize("data", ["gaussian", "grid"])
