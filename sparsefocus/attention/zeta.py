@@ -386,11 +386,11 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
         chunk = spec.chunk_size(q.shape[2]) if causal else None
         # the keys' codes and sort first: the GPU sorts while the CPU issues the queries' codes
-        width = q.shape[-1] * (bits + (spec.curves > 1))  # bits of one code
+        code_width = q.shape[-1] * (bits + (spec.curves > 1))  # bits of one code
         rows = spec.curves * k.shape[0] * k.shape[1]
-        tagged = key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS  # one flat sort (no sentinels to keep last)
+        tagged = key_padding_mask is None and code_width + (rows - 1).bit_length() <= CODE_BITS  # one flat sort (no sentinels to keep last)
         codes_k = _codes(spec, upcast(k), bits, True, tagged)  # [S, B, Hk, M]
-        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
+        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, code_width if tagged else None)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
         return zeta_select(
