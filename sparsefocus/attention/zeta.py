@@ -91,7 +91,7 @@ def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = Fal
     """
     unit = squash(x)
     levels = 1 << bits
-    extra = 0 if curves == 1 else 1
+    extra = shift_bits(curves)
     shift = curve / (curves | 1)
     top = (levels << extra) - 1
     if fused:
@@ -102,9 +102,19 @@ def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = Fal
     return morton_codes(grid, bits + extra)
 
 
+def shift_bits(curves: int) -> int:
+    """Bits per coordinate the shifted curves add above ``bits`` (their points reach [0, 2))."""
+    return 0 if curves == 1 else 1
+
+
+def code_width(bits: int, dims: int, curves: int) -> int:
+    """Bits of one Morton code: dims * (bits + ``shift_bits``), with ``bits`` from ``code_bits``."""
+    return dims * (bits + shift_bits(curves))
+
+
 def code_bits(bits: int, dims: int, curves: int) -> int:
     """Bits per coordinate actually used: ``bits``, reduced so that the code fits in 62 bits."""
-    extra = 0 if curves == 1 else 1
+    extra = shift_bits(curves)
     usable = CODE_BITS // dims - extra
     if usable < 1:
         raise ValueError(
@@ -386,11 +396,11 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
         chunk = spec.chunk_size(q.shape[2]) if causal else None
         # the keys' codes and sort first: the GPU sorts while the CPU issues the queries' codes
-        code_width = q.shape[-1] * (bits + (spec.curves > 1))  # bits of one code
+        width = code_width(bits, q.shape[-1], spec.curves)
         rows = spec.curves * k.shape[0] * k.shape[1]
-        tagged = key_padding_mask is None and code_width + (rows - 1).bit_length() <= CODE_BITS  # one flat sort (no sentinels to keep last)
+        tagged = key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS  # one flat sort (no sentinels to keep last)
         codes_k = _codes(spec, upcast(k), bits, True, tagged)  # [S, B, Hk, M]
-        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, code_width if tagged else None)
+        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
         return zeta_select(

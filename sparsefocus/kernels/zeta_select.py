@@ -420,7 +420,6 @@ def zeta_select(
     """
     curves, batch, q_heads, n_queries = codes_q.shape
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
-    real = key_padding_mask  # None: every key is real, and no pass over a mask is issued
     scodes, spos, count = prefixes
     insert = _insertion_points(codes_q, scodes, chunk, kv_heads)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
@@ -440,11 +439,12 @@ def zeta_select(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k.contiguous(), insert, spos, count, out if real is None else real.to(torch.int8).contiguous(), out,
+        q.contiguous(), k.contiguous(), insert, spos, count,
+        out if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous(), out,  # out: a dummy pointer without a mask
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
         DISTINCT=distinct, EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
-        SPLIT=split, BLOCK_B=block_b, GUESSES=SELECT_OVERRIDES.get("guesses", 8), PADDED=real is not None,
+        SPLIT=split, BLOCK_B=block_b, GUESSES=SELECT_OVERRIDES.get("guesses", 8), PADDED=key_padding_mask is not None,
         num_warps=SELECT_OVERRIDES.get("num_warps", 1 if distinct else 4),
     )
     return out
