@@ -5,8 +5,10 @@ cases as ``NAME`` or ``NAME:ARGUMENT``; a name that is not a registered case is 
 pattern string and run through ``sparse_attention(..., impl="auto")``.
 
 Built-in cases:
-    sdpa            dense F.scaled_dot_product_attention, FlashAttention backend on CUDA
-    flex[:W]        FlexAttention (compiled), sliding window of W keys per query (default 256)
+    sdpa:BACKEND    dense F.scaled_dot_product_attention under one backend: cudnn, flash,
+                    efficient or math (``sdpa`` alone on the command line means all four)
+    flex[:W]        FlexAttention (compiled on CUDA): the causal (or full) block mask, or with W
+                    a sliding window of W keys per query
     naive:PATTERN   the pattern's dense PyTorch reference (impl="reference"), N x N memory
     lean:PATTERN    the pattern's memory-lean PyTorch path (impl="lean")
     indexed[:K]     the indexed-attention kernel on K random keys per query (default 32)
@@ -25,7 +27,7 @@ Adding a case (e.g. from another module, before calling ``sparsefocus.bench.run.
             extra=lambda q, k, v: {"recall": my_recall(q, k, keys)},  # extra JSON columns
         )
 
-    register_case("mine", my_case)   # then: sparsefocus bench mine:64 sdpa --n 4096
+    register_case("mine", my_case)   # then: sparsefocus bench mine:64 --n 4096
 
 ``extra`` is called once per (case, N) outside the timed region; its dict is stored in the
 result row. Register at import time of a module that ``sparsefocus.bench.run`` imports
@@ -71,6 +73,8 @@ class Workload:
     bytes: fewest bytes the forward must move (inputs read once, output written once);
     backward_bytes defaults to the forward's times 2.5 (q, k, v, out, dout read; dq, dk, dv written).
     extra: optional ``(q, k, v) -> dict`` of additional columns (e.g. recall), computed untimed.
+    unavailable_on_error: an error other than out-of-memory means "this implementation does not
+    run this shape here" (an SDPA backend refusing it), recorded as status "unavailable".
     """
 
     forward: Forward
@@ -80,6 +84,7 @@ class Workload:
     backward_bytes: float | None = None
     extra: Callable[[Tensor, Tensor, Tensor], dict] | None = None
     notes: dict = field(default_factory=dict)
+    unavailable_on_error: bool = False
 
     def total(self, mode: str) -> tuple[float, float]:
         """(FLOPs, bytes) of "fwd" or "fwd+bwd"."""
@@ -149,40 +154,75 @@ def pattern_case(spec: str, shape: BenchShape, impl: str = "auto") -> Workload:
     return Workload(forward=forward, flops=flops, bytes=io_bytes(shape), notes={"impl": impl})
 
 
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+def sdpa_backend(name: str):
+    """The ``SDPBackend`` of a bench backend name (cudnn, flash, efficient, math)."""
+    from torch.nn.attention import SDPBackend
+
+    members = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    if name not in members:
+        raise ValueError(f"unknown SDPA backend {name!r}; valid: {', '.join(SDPA_BACKENDS)}")
+    return members[name]
+
+
 def _sdpa_case(argument: str, shape: BenchShape) -> Workload:
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    backend = SDPBackend.FLASH_ATTENTION if shape.device.type == "cuda" else SDPBackend.MATH
+    if not argument:
+        raise ValueError(f"bench case 'sdpa' needs a backend, e.g. sdpa:cudnn ({', '.join(SDPA_BACKENDS)})")
+    backend = sdpa_backend(argument.lower())
     gqa = shape.kv_heads != shape.heads
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa)
 
-    return Workload(forward=forward, flops=attention_flops(shape, shape.n), bytes=io_bytes(shape), notes={"backend": backend.name})
+    return Workload(
+        forward=forward,
+        flops=attention_flops(shape, shape.n),
+        bytes=io_bytes(shape),
+        notes={"dense_backend": argument.lower()},
+        unavailable_on_error=True,
+    )
 
 
 def _flex_case(argument: str, shape: BenchShape) -> Workload:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    window = int(argument or 256)
+    window = int(argument) if argument else None
     causal = shape.causal
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx if causal else kv_idx >= 0
 
     def sliding_window(b, h, q_idx, kv_idx):
         if causal:
             return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
         return (kv_idx - q_idx <= window // 2) & (q_idx - kv_idx < window - window // 2)
 
+    mask_mod = dense_mask if window is None else sliding_window
     device = str(shape.device)
-    block_mask = create_block_mask(sliding_window, None, None, shape.n, shape.n, device=device)
+    block_mask = create_block_mask(mask_mod, None, None, shape.n, shape.n, device=device)
+    # Compiled on CUDA, as FlexAttention is meant to run; on CPU Inductor's C++ build would take minutes.
     attend = torch.compile(flex_attention, dynamic=False) if shape.device.type == "cuda" else flex_attention
     gqa = shape.kv_heads != shape.heads
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attend(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
-    return Workload(forward=forward, flops=attention_flops(shape, window), bytes=io_bytes(shape), notes={"window": window})
+    keys = shape.n if window is None else window
+    notes = {"mask": "causal" if causal else "full"} if window is None else {"window": window}
+    # FlexAttention has no backward on CPU: there its fwd+bwd is "unavailable", not an error.
+    unavailable = shape.device.type != "cuda"
+    return Workload(forward=forward, flops=attention_flops(shape, keys), bytes=io_bytes(shape), notes=notes, unavailable_on_error=unavailable)
 
 
 def _naive_case(argument: str, shape: BenchShape) -> Workload:

@@ -1,12 +1,19 @@
-"""``sparsefocus bench``: time and memory of patterns and baselines over a sweep of N.
+"""``sparsefocus bench``: time, memory and kernel launches of attention over a sweep of N.
 
-Example (the command of benchmarks/results/)::
+Every run also times the dense baselines on the same shapes: SDPA under each backend (cuDNN,
+FlashAttention, memory-efficient, math) and compiled FlexAttention with the causal block mask.
+"dense" in the results is the fastest SDPA backend at each (N, mode) of this run; every row has
+``speedup_vs_dense`` = dense ms / its ms. ``sparsefocus bench --model ...`` times a whole training
+step of the project's Decoder instead (``sparsefocus/bench/model.py``).
 
-    sparsefocus bench TOPK:32 indexed:32 sdpa flex:256 naive:TOPK:32 --n 4096 16384 65536 \\
-        --batch 4 --heads 16 --head-dim 64 --dtype bf16 --causal --out benchmarks/results/h200.json
+Example::
 
-Writes a JSON file (command, git commit, device, one row per case x N x mode) and a log-log PNG
-of time and peak memory against N beside it.
+    sparsefocus bench TOPK:32 zeta BAND:64 --n 4096 16384 65536 --batch 4 --heads 16 \\
+        --head-dim 64 --dtype bf16 --causal --out results/kernels.json
+
+Writes the JSON (command, git commit, device, versions, one row per case x N x mode) and a PNG
+beside it. Exit status: 0 when at least one requested case ran, 1 when every one failed (no file
+is written), 2 for a bad command line.
 """
 
 from __future__ import annotations
@@ -23,30 +30,65 @@ from pathlib import Path
 import torch
 
 from sparsefocus.bench import zeta_cases  # noqa: F401  (registers the zeta case)
+from sparsefocus.bench.dense import DENSE_CASES, attach_dense_ratios, dense_table
 from sparsefocus.bench.registry import CASES, BenchShape
-from sparsefocus.bench.runner import MODES, PEAK_TBPS, PEAK_TFLOPS, measure
+from sparsefocus.bench.runner import MODES, ceilings_for, measure
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BASELINES = (*DENSE_CASES, "flex")
+PROG = "sparsefocus bench"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sparsefocus bench", description=__doc__.split("\n")[0])
-    parser.add_argument("cases", nargs="+", help=f"pattern strings or cases ({', '.join(sorted(CASES))}), e.g. TOPK:32 sdpa flex:256")
-    parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096], help="sequence lengths")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--max-ms", type=float, default=5000.0, help="skip larger N of a case once a run took longer")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+class BenchError(Exception):
+    """A problem with the command line or the machine, reported as one line on stderr."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument(
+        "cases", nargs="*", default=[],
+        help=f"pattern strings or registered cases ({', '.join(sorted(CASES))}), e.g. TOPK:32 zeta flex:256; 'sdpa' means every backend",
+    )
+    parser.add_argument("--model", action="store_true", help="time a training step of the Decoder instead; see --model --help")
+    parser.add_argument("--baselines", nargs="*", default=list(BASELINES), help="cases timed in every run for the dense ratio and the peers; give none to skip")
+    parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096], help="sequence lengths N")
+    parser.add_argument("--batch", type=int, default=4, help="batch size B")
+    parser.add_argument("--heads", type=int, default=16, help="query heads H")
+    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (GQA); None means --heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="head width D")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="q, k, v dtype")
+    parser.add_argument("--causal", action="store_true", help="causal attention (query i sees keys j <= i)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="forward alone and/or forward + backward")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
+    parser.add_argument("--repeats", type=int, default=10, help="timed runs; the median is reported")
+    parser.add_argument("--max-ms", type=float, default=5000.0, help="skip the larger N of a case once one of its runs took longer (ms)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; the PNG goes beside it")
-    parser.add_argument("--no-plot", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    return parser
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device of ``--device``; BenchError when it is malformed or absent here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise BenchError(f"--device {name!r} is not a torch device ({error})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError(f"--device {name} but CUDA is not available here (torch {torch.__version__}); use --device cpu")
+    if device.type not in ("cuda", "cpu"):
+        raise BenchError(f"--device {name}: only cuda and cpu are supported")
+    return device
+
+
+def expand_cases(cases: list[str]) -> list[str]:
+    """Case strings with ``sdpa`` spelled out per backend, duplicates dropped, order kept."""
+    expanded: list[str] = []
+    for case in cases:
+        expanded += list(DENSE_CASES) if case.strip().lower() == "sdpa" else [case]
+    return list(dict.fromkeys(expanded))
 
 
 def git_commit() -> str:
@@ -62,33 +104,43 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
 
 
-def sweep(args: argparse.Namespace) -> list[dict]:
+def run_metadata(argv: list[str], device: torch.device) -> dict:
+    """Command, commit, device and library versions of a run (the head of every result JSON)."""
+    return {
+        "command": f"{PROG} " + " ".join(argv),
+        "git_commit": git_commit(),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+    }
+
+
+def sweep(args: argparse.Namespace, cases: list[str], device: torch.device, ceilings: dict | None) -> list[dict]:
     """Measure every case at every N; a case that ran longer than --max-ms skips the larger N."""
-    device = torch.device(args.device)
     rows: list[dict] = []
-    for case in args.cases:
+    for case in cases:
         too_slow = False
         for n in sorted(args.n):
             if too_slow:
                 rows += [{"case": case, "n": n, "mode": mode, "status": "skipped"} for mode in args.modes]
                 continue
             shape = BenchShape(args.batch, args.heads, args.kv_heads or args.heads, n, args.head_dim, DTYPES[args.dtype], args.causal, device)
-            new = measure(case, shape, tuple(args.modes), args.warmup, args.repeats)
+            new = measure(case, shape, tuple(args.modes), args.warmup, args.repeats, ceilings)
             for row in new:
-                print(format_row(row), flush=True)
+                print(format_row(row), file=sys.stdout if row["status"] == "ok" else sys.stderr, flush=True)
             too_slow = any(row.get("ms", 0) > args.max_ms for row in new)
             rows += new
     return rows
 
 
 def format_row(row: dict) -> str:
+    head = f"{row['case']:<24} N={row['n']:<7} {row['mode']:<8}"
     if row["status"] != "ok":
-        return f"{row['case']:<22} N={row['n']:<7} {row['mode']:<8} {row['status']}"
-    peak = "n/a" if row["peak_mb"] is None else f"{row['peak_mb']:.0f} MB"
-    return (
-        f"{row['case']:<22} N={row['n']:<7} {row['mode']:<8} {row['ms']:10.3f} ms  {peak:>10}  "
-        f"{row['tflops']:7.1f} TFLOP/s ({100 * row['frac_peak_flops']:.1f}% peak, {100 * row['frac_peak_bandwidth']:.1f}% bw)"
-    )
+        return f"{head} {row['status']}" + (f": {row['error']}" if row.get("error") else "")
+    peak = "" if row["peak_mb"] is None else f"{row['peak_mb']:9.0f} MB"
+    launches = "" if row["launches"] is None else f"{row['launches']:5d} kernels"
+    frac = f" ({100 * row['frac_peak_flops']:.1f}% of peak)" if "frac_peak_flops" in row else ""
+    return f"{head} {row['ms']:10.3f} ms {peak} {launches} {row['tflops']:7.1f} TFLOP/s{frac}"
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -98,19 +150,37 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     os.replace(handle.name, path)
 
 
+def any_ok(rows: list[dict], cases: list[str]) -> bool:
+    """True when some row of ``cases`` (of every row, when ``cases`` is empty) measured ok."""
+    wanted = set(cases)
+    return any(row["status"] == "ok" and (not wanted or row["case"] in wanted) for row in rows)
+
+
 def main(argv: list[str]) -> int:
     """Entry point of ``sparsefocus bench``; returns the exit status."""
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    rows = sweep(args)
-    payload = {
-        "command": "sparsefocus bench " + " ".join(argv),
-        "git_commit": git_commit(),
-        "device": device_name(device),
-        "torch": torch.__version__,
-        "triton": _triton_version(),
+    if "--model" in argv:
+        from sparsefocus.bench.model import main as model_main
+
+        return model_main([arg for arg in argv if arg != "--model"])
+    args = build_parser().parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+        requested = expand_cases(args.cases)
+        cases = expand_cases(list(args.baselines) + requested)
+        if not cases:
+            raise BenchError("nothing to time: give cases or --baselines")
+    except BenchError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    ceilings = ceilings_for(device_name(device)) if device.type == "cuda" else None
+    rows = attach_dense_ratios(sweep(args, cases, device, ceilings))
+    if not any_ok(rows, requested):
+        print(f"{PROG}: error: every requested case failed; no files written", file=sys.stderr)
+        return 1
+    payload = run_metadata(argv, device) | {
         "shape": {k: getattr(args, k) for k in ("batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "warmup", "repeats")},
-        "ceilings": {"tflops": PEAK_TFLOPS, "tbps": PEAK_TBPS},
+        "ceilings": ceilings,
+        "dense": dense_table(rows),
         "kernel_tiles": _kernel_tiles(),
         "results": rows,
     }
@@ -124,7 +194,7 @@ def main(argv: list[str]) -> int:
 
 
 def _kernel_tiles() -> dict:
-    """Tile overrides in force in the kernels (set by benchmarks/gpu_session.py's tile pick)."""
+    """Tile overrides in force in the kernels (set by tuning scripts before a run)."""
     tiles = {}
     for name in ("indexed", "topk_select"):
         module = sys.modules.get(f"sparsefocus.kernels.{name}")

@@ -10,11 +10,22 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from sparsefocus.bench.profiling import kernel_launches
 from sparsefocus.bench.registry import BenchShape, Workload, parse_case
 
 MODES = ("fwd", "fwd+bwd")
-PEAK_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (random data)
-PEAK_TBPS = 4.2  # device-to-device copy, bytes read + written, measured on the H200
+# Ceilings measured on one device, keyed by a substring of its name: bf16 dense matmul on random
+# data (TFLOP/s) and a device-to-device copy, bytes read + written (TB/s). Fractions of peak are
+# reported only on the device they were measured on.
+CEILINGS = {"H200": {"tflops": 790.0, "tbps": 4.2}}
+
+
+def ceilings_for(device_name: str) -> dict | None:
+    """The measured ceilings of a device (``{"tflops", "tbps", "measured_on"}``), or None."""
+    for key, values in CEILINGS.items():
+        if key in device_name:
+            return values | {"measured_on": key}
+    return None
 
 
 def make_inputs(shape: BenchShape, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
@@ -31,10 +42,11 @@ def make_inputs(shape: BenchShape, seed: int = 0) -> tuple[Tensor, Tensor, Tenso
 def step_fn(workload: Workload, inputs: tuple[Tensor, ...], mode: str) -> Callable[[], None]:
     """A closure running one forward (no autograd) or one forward + backward."""
     if mode == "fwd":
+        detached = tuple(x.detach() for x in inputs)  # no autograd state at all (FlexAttention on CPU refuses it)
 
         def forward() -> None:
             with torch.no_grad():
-                workload.forward(*inputs)
+                workload.forward(*detached)
 
         return forward
     grad_out: list[Tensor] = []
@@ -83,24 +95,39 @@ def is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
+def error_message(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]
+
+
+def failure(error: BaseException, unavailable: bool = False) -> dict:
+    """The status columns of a failed measurement: oom, unavailable or error, with the message."""
+    status = "oom" if is_oom(error) else "unavailable" if unavailable else "error"
+    return {"status": status, "error": error_message(error)}
+
+
 def release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def measure(case: str, shape: BenchShape, modes: tuple[str, ...], warmup: int, repeats: int) -> list[dict]:
-    """One result row per mode for ``case`` at ``shape``: ms, peak MB, FLOPs, bytes, fractions.
+def measure(
+    case: str, shape: BenchShape, modes: tuple[str, ...], warmup: int, repeats: int, ceilings: dict | None = None
+) -> list[dict]:
+    """One result row per mode for ``case`` at ``shape``: ms, peak MB, launches, FLOPs, bytes.
 
-    An out-of-memory error gives status "oom"; any other error "error: <message>"."""
+    ``ceilings`` ({"tflops", "tbps"}) adds the fractions of peak. Status "oom" for out of memory,
+    "unavailable" where an SDPA backend refuses the shape, else "error"; the message is in "error"."""
     base = {"case": case, "n": shape.n}
     try:
         workload = parse_case(case, shape)
         inputs = make_inputs(shape)
     except Exception as error:  # noqa: BLE001 - recorded in the results, the sweep goes on
         release_memory(shape.device)
-        return [base | {"mode": mode, "status": "oom" if is_oom(error) else f"error: {error}"} for mode in modes]
-    rows = [base | {"mode": mode} | _measure_mode(workload, inputs, shape, mode, warmup, repeats) for mode in modes]
+        return [base | {"mode": mode} | failure(error) for mode in modes]
+    rows = [base | {"mode": mode} | _measure_mode(workload, inputs, shape, mode, warmup, repeats, ceilings) for mode in modes]
     if workload.extra is not None and all(row["status"] == "ok" for row in rows):
         with torch.no_grad():
             extra = workload.extra(*inputs)
@@ -110,24 +137,21 @@ def measure(case: str, shape: BenchShape, modes: tuple[str, ...], warmup: int, r
     return rows
 
 
-def _measure_mode(workload: Workload, inputs, shape: BenchShape, mode: str, warmup: int, repeats: int) -> dict:
+def _measure_mode(
+    workload: Workload, inputs, shape: BenchShape, mode: str, warmup: int, repeats: int, ceilings: dict | None
+) -> dict:
     flops, bytes_ = workload.total(mode)
     fn = step_fn(workload, inputs, mode)
     try:
         ms = median_ms(fn, shape.device, warmup, repeats)
         peak = peak_memory_mb(fn, shape.device)
+        launches = kernel_launches(fn, shape.device)
     except Exception as error:  # noqa: BLE001 - recorded in the results, the sweep goes on
         release_memory(shape.device)
-        return {"status": "oom" if is_oom(error) else f"error: {type(error).__name__}: {error}"[:300]}
-    seconds = ms / 1e3
-    return {
-        "status": "ok",
-        "ms": ms,
-        "peak_mb": peak,
-        "flops": flops,
-        "bytes": bytes_,
-        "tflops": flops / seconds / 1e12,
-        "frac_peak_flops": flops / seconds / 1e12 / PEAK_TFLOPS,
-        "frac_peak_bandwidth": bytes_ / seconds / 1e12 / PEAK_TBPS,
-        **workload.notes,
-    }
+        return failure(error, workload.unavailable_on_error) | workload.notes
+    tflops = flops / (ms / 1e3) / 1e12
+    row = {"status": "ok", "ms": ms, "peak_mb": peak, "launches": launches, "flops": flops, "bytes": bytes_, "tflops": tflops}
+    if ceilings is not None:
+        row["frac_peak_flops"] = tflops / ceilings["tflops"]
+        row["frac_peak_bandwidth"] = bytes_ / (ms / 1e3) / 1e12 / ceilings["tbps"]
+    return row | workload.notes

@@ -1,5 +1,6 @@
-"""CPU smoke test of ``sparsefocus bench``: every case x N x mode gives a row, JSON and PNG are
-written, custom cases and their extra columns work, errors are recorded. No timing assertions."""
+"""CPU run of ``sparsefocus bench``: every case x N x mode gives a row, the dense baselines and
+their ratios are in the JSON, custom cases and their extra columns work, errors are recorded.
+No timing assertions."""
 
 import json
 
@@ -10,19 +11,38 @@ from sparsefocus.bench import registry
 from sparsefocus.bench.registry import BenchShape, Workload, attention_flops, mean_keys, register_case
 from sparsefocus.bench.run import main
 
+SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "8", "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--device", "cpu"]
 
-def test_bench_cli_writes_json_and_png(tmp_path):
+
+def test_bench_cli_writes_json_with_dense_baselines_and_png(tmp_path):
     out = tmp_path / "bench.json"
-    argv = ["TOPK:4", "sdpa", "indexed:4", "naive:TOPK:4", "BAND:4", "--n", "16", "32", "--batch", "1", "--heads", "2",
-            "--kv-heads", "1", "--head-dim", "8", "--dtype", "fp32", "--causal", "--warmup", "0", "--repeats", "1",
-            "--device", "cpu", "--out", str(out)]
+    argv = ["TOPK:4", "indexed:4", "BAND:4", "--n", "16", "32", "--kv-heads", "1", "--causal", "--out", str(out), *SMALL]
     assert main(argv) == 0
     payload = json.loads(out.read_text())
     assert payload["command"].startswith("sparsefocus bench TOPK:4")
-    assert {"git_commit", "device", "shape", "ceilings"} <= set(payload)
+    assert {"git_commit", "device", "torch", "triton", "shape", "dense", "results"} <= set(payload)
+    assert payload["ceilings"] is None  # CPU: no fractions of another device's peak
     rows = payload["results"]
-    assert len(rows) == 5 * 2 * 2
-    assert all(row["status"] == "ok" and row["ms"] > 0 and row["flops"] > 0 for row in rows)
+    cases = ["sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "flex", "TOPK:4", "indexed:4", "BAND:4"]
+    assert list(dict.fromkeys(r["case"] for r in rows)) == cases
+    assert len(rows) == len(cases) * 2 * 2
+    status = {(r["case"], r["mode"]): r["status"] for r in rows}
+    assert status[("sdpa:cudnn", "fwd")] == "unavailable"  # no cuDNN attention on CPU
+    assert status[("sdpa:math", "fwd+bwd")] == "ok"
+    assert status[("flex", "fwd+bwd")] == "unavailable"  # FlexAttention has no CPU backward
+    for row in rows:
+        if row["status"] == "unavailable":
+            assert row["error"]
+    mine = [r for r in rows if r["case"] in ("TOPK:4", "indexed:4", "BAND:4")]
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["flops"] > 0 for r in mine)
+    assert all(r["launches"] is None and "frac_peak_flops" not in r for r in mine)
+    dense = {(d["n"], d["mode"]): d for d in payload["dense"]}
+    assert set(dense) == {(n, m) for n in (16, 32) for m in ("fwd", "fwd+bwd")}
+    for row in mine:
+        best = dense[(row["n"], row["mode"])]
+        assert best["backend"] in ("flash", "math")
+        assert row["dense_backend_used"] == best["backend"]
+        assert row["speedup_vs_dense"] == pytest.approx(best["ms"] / row["ms"])
     assert (tmp_path / "bench.png").stat().st_size > 0
 
 
@@ -30,6 +50,8 @@ def test_registered_case_extra_columns_and_errors_are_recorded(tmp_path):
     def scaled_sdpa(argument: str, shape: BenchShape) -> Workload:
         if argument == "fail":
             raise torch.OutOfMemoryError("out of memory (simulated)")
+        if argument == "broken":
+            raise RuntimeError("broken case\nsecond line")
         return Workload(
             forward=lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v) * 1.0,
             flops=attention_flops(shape, shape.n),
@@ -39,16 +61,26 @@ def test_registered_case_extra_columns_and_errors_are_recorded(tmp_path):
     register_case("scaled_test_case", scaled_sdpa)
     try:
         out = tmp_path / "b.json"
-        argv = ["scaled_test_case", "scaled_test_case:fail", "--n", "8", "--batch", "1", "--heads", "1", "--head-dim", "4",
-                "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--device", "cpu", "--out", str(out), "--no-plot"]
+        argv = ["scaled_test_case", "scaled_test_case:fail", "scaled_test_case:broken", "--baselines", "--n", "8",
+                "--out", str(out), "--no-plot", *SMALL]
         assert main(argv) == 0
         rows = json.loads(out.read_text())["results"]
-        assert [r["status"] for r in rows] == ["ok", "ok", "oom", "oom"]
+        assert [r["status"] for r in rows] == ["ok", "ok", "oom", "oom", "error", "error"]
         assert rows[0]["recall"] == 1.0
+        assert rows[4]["error"] == "RuntimeError: broken case"
+        assert rows[0]["dense_ms"] is None and rows[0]["speedup_vs_dense"] is None  # no dense baseline ran
         with pytest.raises(ValueError, match="twice"):
             register_case("scaled_test_case", scaled_sdpa)
     finally:
         registry.CASES.pop("scaled_test_case")
+
+
+def test_sdpa_alone_means_every_backend(tmp_path):
+    out = tmp_path / "s.json"
+    assert main(["sdpa", "--baselines", "--n", "8", "--modes", "fwd", "--out", str(out), "--no-plot", *SMALL]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["case"] for r in rows] == ["sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math"]
+    assert [r["dense_backend"] for r in rows] == ["cudnn", "flash", "efficient", "math"]
 
 
 def test_mean_keys_counts_causal_rows():
@@ -59,9 +91,8 @@ def test_mean_keys_counts_causal_rows():
 
 def test_zeta_case_reports_candidate_recall(tmp_path):
     out = tmp_path / "zeta.json"
-    argv = ["zeta:k=4,window=6,chunks=2,local=2", "zeta:k=4,window=64,chunks=1,local=0", "--n", "24", "--batch", "1",
-            "--heads", "2", "--head-dim", "8", "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--device", "cpu",
-            "--out", str(out), "--no-plot", "--modes", "fwd"]
+    argv = ["zeta:k=4,window=6,chunks=2,local=2", "zeta:k=4,window=64,chunks=1,local=0", "--baselines", "--n", "24",
+            "--out", str(out), "--no-plot", "--modes", "fwd", *SMALL]
     assert main(argv) == 0
     narrow, wide = json.loads(out.read_text())["results"]
     assert narrow["status"] == wide["status"] == "ok"
