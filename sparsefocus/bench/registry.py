@@ -212,7 +212,13 @@ def _flex_case(argument: str, shape: BenchShape) -> Workload:
     device = str(shape.device)
     block_mask = create_block_mask(mask_mod, None, None, shape.n, shape.n, device=device)
     # Compiled on CUDA, as FlexAttention is meant to run; on CPU Inductor's C++ build would take minutes.
-    attend = torch.compile(flex_attention, dynamic=False) if shape.device.type == "cuda" else flex_attention
+    # A fresh compile cache per case: a sweep over N and masks would otherwise reach Dynamo's
+    # recompile limit, after which flex_attention silently runs unfused.
+    if shape.device.type == "cuda":
+        torch._dynamo.reset()
+        attend = torch.compile(flex_attention, dynamic=False)
+    else:
+        attend = flex_attention
     gqa = shape.kv_heads != shape.heads
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
