@@ -65,9 +65,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-ms", type=float, default=5000.0, help="kernel table: skip a case's larger N once a run took longer")
     parser.add_argument("--model-steps", type=int, default=10, help="model table: timed steps (median)")
     parser.add_argument("--model-warmup", type=int, default=3, help="model table: untimed steps (the first compiles)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (B=1, H=2, D=16, N=64 and 128, a 1-block d=32 model, 1 step) to check the script end to end; runs on CPU too (eager only there)")
     args = parser.parse_args(argv)
     if args.out is None:
         parser.error("--out is required when $OUT is not set")
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.kernel_shape = {"batch": 4, "heads": 16, "head_dim": 64}
+    args.model_options = ["--batch", "1", "--steps", str(args.model_steps), "--warmup", str(args.model_warmup)]
+    if args.smoke:
+        args.kernel_lengths, args.model_lengths, args.warmup, args.repeats = [64, 128], [64, 128], 1, 1
+        args.kernel_shape = {"batch": 1, "heads": 2, "head_dim": 16}
+        args.model_options = ["--batch", "1", "--blocks", "1", "--dim", "32", "--heads", "2", "--mlp", "64", "--steps", "1", "--warmup", "1"]
+        if args.device.type == "cpu":
+            args.model_options += ["--compile", "both", "--device", "cpu"]  # "both" on CPU: compiled entries are "off"
     return args
 
 
@@ -101,17 +111,20 @@ class Progress:
 
 
 def relative_rms(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.float() - ref.float()).pow(2).mean().sqrt() / ref.float().pow(2).mean().sqrt().clamp_min(1e-30))
+    x, ref = x.detach().float(), ref.detach().float()
+    return float((x - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30))
 
 
-def check_pattern(pattern: str, n: int = 515) -> dict:
-    """The Triton path in bf16 and the reference in bf16 against the fp32 reference (out, dq, dk,
-    dv relative RMS error); ``ok`` when the kernel's error is at most twice the reference's + 1e-3
-    (input-dependent selections may keep a different key where two scores tie in bf16)."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
+def check_pattern(pattern: str, device: torch.device, n: int = 515) -> dict:
+    """The Triton path and the reference at low precision (bf16; fp16 in Triton's CPU interpreter)
+    against the fp32 reference (out, dq, dk, dv relative RMS error); ``ok`` when the kernel's error
+    is at most twice the reference's + 1e-3 (an input-dependent selection may keep another key
+    where two scores tie at low precision)."""
+    low = torch.bfloat16 if device.type == "cuda" else torch.float16
+    gen = torch.Generator(device=device).manual_seed(0)
     dk = 3 if pattern.startswith("zeta") else 64
-    base = [torch.randn(1, 2, n, d, generator=gen, device="cuda").to(torch.bfloat16) for d in (dk, dk, 64)]
-    grad = torch.randn(1, 2, n, 64, generator=gen, device="cuda")
+    base = [torch.randn(1, 2, n, d, generator=gen, device=device).to(low) for d in (dk, dk, 64)]
+    grad = torch.randn(1, 2, n, 64, generator=gen, device=device)
 
     def run(impl: str, dtype: torch.dtype) -> list[torch.Tensor]:
         q, k, v = (x.to(dtype).requires_grad_() for x in base)
@@ -119,32 +132,32 @@ def check_pattern(pattern: str, n: int = 515) -> dict:
         return [out, *torch.autograd.grad(out, (q, k, v), grad.to(out.dtype))]
 
     truth = run("reference", torch.float32)
-    kernel, torch_bf16 = run("triton", torch.bfloat16), run("reference", torch.bfloat16)
+    kernel, torch_low = run("triton", low), run("reference", low)
     names = ("out", "dq", "dk", "dv")
     errors = {name: relative_rms(a, t) for name, a, t in zip(names, kernel, truth)}
-    baseline = {name: relative_rms(a, t) for name, a, t in zip(names, torch_bf16, truth)}
+    baseline = {name: relative_rms(a, t) for name, a, t in zip(names, torch_low, truth)}
     ok = all(errors[name] <= 2 * baseline[name] + 1e-3 for name in names)
-    return {"pattern": pattern, "n": n, "kernel_error": errors, "torch_bf16_error": baseline, "ok": ok}
+    return {"pattern": pattern, "n": n, "dtype": str(low), "kernel_error": errors, "torch_error": baseline, "ok": ok}
 
 
-def run_checks(progress: Progress) -> None:
+def run_checks(args: argparse.Namespace, progress: Progress) -> None:
     for pattern in CHECK_PATTERNS:
         key = f"check|{pattern}"
         if progress.done(key):
             continue
         try:
-            row = check_pattern(pattern)
+            row = check_pattern(pattern, args.device, 100 if args.smoke else 515)
         except Exception as error:  # noqa: BLE001 - recorded; the timing still runs
             row = {"pattern": pattern, "ok": False, "error": error_message(error, 500)}
         print(f"check {pattern:<30} {'ok' if row['ok'] else 'FAILED'} {row.get('kernel_error', row.get('error'))}", flush=True)
         progress.add(key, [row])
-        release_memory(torch.device("cuda"))
+        release_memory(args.device)
 
 
 def kernel_units(args: argparse.Namespace, progress: Progress, deadline: float) -> bool:
     """Measure the kernel table; False when the budget ran out first."""
-    device = torch.device("cuda")
-    ceilings = ceilings_for(torch.cuda.get_device_name(device))
+    device = args.device
+    ceilings = ceilings_for(progress.state["meta"]["device"]) if device.type == "cuda" else None
     slow: set[str] = set()
     for n in sorted(args.kernel_lengths):
         for case in KERNEL_CASES:
@@ -157,7 +170,8 @@ def kernel_units(args: argparse.Namespace, progress: Progress, deadline: float) 
             if case in slow:
                 rows = [{"case": case, "n": n, "mode": mode, "status": "skipped"} for mode in MODES]
             else:
-                shape = BenchShape(4, 16, 16, n, 64, torch.bfloat16, True, device)
+                size = args.kernel_shape
+                shape = BenchShape(size["batch"], size["heads"], size["heads"], n, size["head_dim"], torch.bfloat16, True, device)
                 rows = measure(case, shape, MODES, args.warmup, args.repeats, ceilings)
             if any(r.get("ms", 0) > args.max_ms for r in rows):
                 slow.add(case)
@@ -169,10 +183,8 @@ def kernel_units(args: argparse.Namespace, progress: Progress, deadline: float) 
 
 def model_units(args: argparse.Namespace, progress: Progress, deadline: float) -> bool:
     """Measure the model table; False when the budget ran out first."""
-    device = torch.device("cuda")
-    options = model_bench.build_parser().parse_args(
-        ["--batch", "1", "--steps", str(args.model_steps), "--warmup", str(args.model_warmup)]
-    )
+    device = args.device
+    options = model_bench.build_parser().parse_args(args.model_options)
     for n in sorted(args.model_lengths):
         for pattern in MODEL_PATTERNS:
             backends = options.full_backends if model_bench.is_full(pattern) else [None]
@@ -197,16 +209,19 @@ def write_tables(args: argparse.Namespace, progress: Progress) -> None:
     meta = progress.state["meta"]
     kernel_rows = attach_dense_ratios(progress.rows("kernel"))
     if kernel_rows:
-        shape = {"batch": 4, "heads": 16, "kv_heads": 16, "head_dim": 64, "dtype": "bf16", "causal": True, "warmup": args.warmup, "repeats": args.repeats}
-        payload = meta | {"shape": shape, "ceilings": ceilings_for(meta["device"]), "dense": dense_table(kernel_rows), "results": kernel_rows,
+        size = args.kernel_shape
+        shape = size | {"kv_heads": size["heads"], "dtype": "bf16", "causal": True, "warmup": args.warmup, "repeats": args.repeats}
+        ceilings = ceilings_for(meta["device"]) if args.device.type == "cuda" else None
+        payload = meta | {"shape": shape, "ceilings": ceilings, "dense": dense_table(kernel_rows), "results": kernel_rows,
                           "checks": progress.rows("check"), "invocations": progress.state["invocations"]}
         write_json_atomic(args.out / "kernels.json", payload)
         plot_results(payload, args.out / "kernels.png")
         print_kernel_summary(kernel_rows)
     model_rows = model_bench.attach_full_ratios(progress.rows("model"))
     if model_rows:
-        config = {"blocks": 4, "dim": 512, "heads": 8, "mlp": 2048, "vocab": 256, "dropout": 0.0, "batch": 1, "dtype": "bf16",
-                  "warmup": args.model_warmup, "steps": args.model_steps, "lr": 1e-4, "optimizer": "AdamW", "activation": "gelu"}
+        options = model_bench.build_parser().parse_args(args.model_options)
+        config = {k: getattr(options, k) for k in ("blocks", "dim", "heads", "mlp", "vocab", "dropout", "batch", "dtype", "warmup", "steps", "lr")}
+        config |= {"optimizer": "AdamW", "activation": "gelu"}
         baseline = model_bench.full_baseline(model_rows)
         payload = meta | {"config": config, "full_baseline": [{"n": n, "mode": m} | baseline[(n, m)] for n, m in sorted(baseline)],
                           "results": model_rows, "invocations": progress.state["invocations"]}
@@ -218,7 +233,7 @@ def write_tables(args: argparse.Namespace, progress: Progress) -> None:
 def print_kernel_summary(rows: list[dict]) -> None:
     print("\nkernel table, fwd+bwd ms (x = dense ms / case ms; dense = fastest SDPA backend at that N)")
     lengths = sorted({r["n"] for r in rows})
-    print(f"{'case':<30}" + "".join(f"{n // 1024:>14}K" for n in lengths))
+    print(f"{'case':<30}" + "".join(f"{n // 1024}K".rjust(15) if n >= 1024 else str(n).rjust(15) for n in lengths))
     for case in dict.fromkeys(r["case"] for r in rows):
         cells = []
         for n in lengths:
@@ -233,26 +248,29 @@ def print_model_summary(rows: list[dict]) -> None:
     print("\nmodel table, ms/step (x = FULL ms / pattern ms at the same N and mode; FULL = fastest SDPA backend)")
     for row in model_bench.headline_rows(rows):
         if row["status"] == "ok":
-            print(f"{row['pattern']:<12} {row['mode']:<9} N={row['n']:<6} {row['ms']:9.2f} ms  {row['vs_full']:.2f}x  peak {row['peak_mb']:.0f} MB  attention {100 * (row['attention_share'] or 0):.0f}%")
+            peak = "" if row["peak_mb"] is None else f"  peak {row['peak_mb']:.0f} MB"
+            share = "" if row["attention_share"] is None else f"  attention {100 * row['attention_share']:.0f}%"
+            print(f"{row['pattern']:<12} {row['mode']:<9} N={row['n']:<6} {row['ms']:9.2f} ms  {row['vs_full']:.2f}x{peak}{share}")
     for row in rows:
-        if row["status"] != "ok":
-            print(f"{row['pattern']:<12} {row['mode']:<9} N={row['n']:<6} {row['status']}: {row.get('error', '')[:120]}")
+        if row["status"] not in ("ok", "off"):
+            label = model_bench.ModelCase(row["pattern"], row["n"], row["mode"], row["sdpa_backend"]).label()
+            print(f"{label:<24} {row['mode']:<9} N={row['n']:<6} {row['status']}: {row.get('error', '')[:100]}")
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_bench: error: needs a CUDA device", file=sys.stderr)
+    if args.device.type != "cuda" and not args.smoke:
+        print("gpu_bench: error: needs a CUDA device (--smoke runs on CPU)", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = run_metadata([], torch.device("cuda")) | {"command": "python benchmarks/gpu_bench.py " + " ".join(argv)}
+    meta = run_metadata([], args.device) | {"command": "python benchmarks/gpu_bench.py " + " ".join(argv)}
     try:
         progress = Progress(args.out / PROGRESS, meta, args.resume)
     except SystemExit as error:
         print(error, file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.budget_s
-    run_checks(progress)
+    run_checks(args, progress)
     finished = True
     if "kernel" in args.tables:
         finished = kernel_units(args, progress, deadline)

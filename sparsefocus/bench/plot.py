@@ -29,9 +29,18 @@ def _series(rows: list[dict], label_key: str, mode: str, value: str = "ms") -> d
     return {label: sorted(points) for label, points in series.items()}
 
 
-def _log_axes(ax, ylabel: str, title: str) -> None:
+def length_label(n: int) -> str:
+    """4096 -> "4K", 65536 -> "64K", 100 -> "100"."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _log_axes(ax, ylabel: str, title: str, lengths: list[int]) -> None:
+    from matplotlib.ticker import NullLocator
+
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(lengths, [length_label(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
     ax.set_xlabel("sequence length N (tokens)")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
@@ -63,15 +72,16 @@ def plot_results(payload: dict, path: Path) -> None:
     palette = plt.get_cmap("tab20").colors
     colours = {case: palette[i % len(palette)] for i, case in enumerate(cases)}
     best = fastest_dense(rows)
+    lengths = sorted({r["n"] for r in rows})
     for ax, mode in zip(axes[0], modes):
         _plot_lines(ax, _series(rows, "case", mode), colours)
         dense = sorted((n, v["ms"]) for (n, m), v in best.items() if m == mode)
         if dense:
             ax.plot([n for n, _ in dense], [ms for _, ms in dense], "k-", linewidth=3, alpha=0.35, label="dense = fastest SDPA backend")
-        _log_axes(ax, "time per call (ms, median)", MODE_TITLES[mode])
+        _log_axes(ax, "time per call (ms, median)", MODE_TITLES[mode], lengths)
     if memory:
         _plot_lines(axes[0][-1], memory, colours)
-        _log_axes(axes[0][-1], "peak memory (MB, inputs included)", "peak memory, " + MODE_TITLES["fwd+bwd" if "fwd+bwd" in modes else "fwd"])
+        _log_axes(axes[0][-1], "peak memory (MB, inputs included)", "peak memory, " + MODE_TITLES["fwd+bwd" if "fwd+bwd" in modes else "fwd"], lengths)
     handles, labels = {}, []
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
@@ -92,7 +102,7 @@ def plot_results(payload: dict, path: Path) -> None:
 def plot_model_results(payload: dict, path: Path) -> None:
     """PNG of a model bench: ms per training step against N per pattern (one panel per mode,
     eager and compiled) and FULL's step time over each pattern's (> 1: the pattern pays)."""
-    from sparsefocus.bench.model import headline_rows
+    from sparsefocus.bench.model import headline_rows, is_full
 
     plt = _pyplot()
     rows = headline_rows(payload["results"])
@@ -103,20 +113,22 @@ def plot_model_results(payload: dict, path: Path) -> None:
     patterns = list(dict.fromkeys(r["pattern"] for r in rows))
     palette = plt.get_cmap("tab10").colors
     colours = {p: palette[i % len(palette)] for i, p in enumerate(patterns)}
+    lengths = sorted({r["n"] for r in rows})
     for ax, mode in zip(axes[0], modes):
         _plot_lines(ax, _series(rows, "pattern", mode), colours)
-        _log_axes(ax, "training step (ms, median)", f"{mode}: ms per step")
+        _log_axes(ax, "training step (ms, median)", f"{mode}: ms per training step", lengths)
     ratio_ax = axes[0][-1]
     for mode, style in (("eager", "-"), ("compiled", "--")):
         for label, points in _series(rows, "pattern", mode, "vs_full").items():
-            ratio_ax.plot([n for n, _ in points], [y for _, y in points], style, marker="o", markersize=3, color=colours[label], label=f"{label} ({mode})")
-    ratio_ax.axhline(1.0, color="k", linewidth=1)
-    _log_axes(ratio_ax, "FULL step time / pattern step time", "> 1: the pattern is faster than FULL")
+            if not is_full(label):
+                ratio_ax.plot([n for n, _ in points], [y for _, y in points], style, marker="o", markersize=3, color=colours[label], label=f"{label}, {mode}")
+    ratio_ax.axhline(1.0, color="k", linewidth=1, label="FULL")
+    _log_axes(ratio_ax, "FULL step time / pattern step time", "speed-up over FULL (> 1: the pattern pays)", lengths)
     ratio_ax.legend(fontsize=7, loc="best")
     axes[0][0].legend(fontsize=8, loc="upper left")
     config = payload["config"]
     fig.suptitle(
-        f"Decoder training step: {config['blocks']} blocks, d={config['dim']}, {config['heads']} heads, MLP {config['mlp']}, "
+        f"Decoder training step: {config['blocks']} block{'s' if config['blocks'] != 1 else ''}, d={config['dim']}, {config['heads']} heads, MLP {config['mlp']}, "
         f"batch {config['batch']}, {config['dtype']} autocast, AdamW\n"
         f"{payload['device']}, torch {payload['torch']}, commit {payload['git_commit'][:10]}; FULL = fastest SDPA backend per point",
         fontsize=10,
