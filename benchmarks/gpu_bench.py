@@ -41,7 +41,13 @@ from sparsefocus.bench import model as model_bench
 from sparsefocus.bench.dense import attach_dense_ratios, dense_table
 from sparsefocus.bench.registry import BenchShape
 from sparsefocus.bench.run import run_metadata, write_json_atomic
-from sparsefocus.bench.runner import MODES, ceilings_for, error_message, measure, release_memory
+from sparsefocus.bench.runner import (
+    MODES,
+    ceilings_for,
+    error_message,
+    measure,
+    release_memory,
+)
 
 KERNEL_CASES = ("sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "flex", "flex:64",
                 "TOPK:32", "zeta", "BAND:64", "block_topk:block=64,top=15")

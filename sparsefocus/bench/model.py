@@ -29,9 +29,20 @@ import torch
 import torch.nn.functional as F
 
 from sparsefocus.attention import parse_pattern
-from sparsefocus.bench.profiling import ATTENTION_RANGE, attention_share, count_kernels, profile_events
+from sparsefocus.bench.profiling import (
+    ATTENTION_RANGE,
+    attention_share,
+    count_kernels,
+    profile_events,
+)
 from sparsefocus.bench.registry import SDPA_BACKENDS, sdpa_backend
-from sparsefocus.bench.run import PROG, BenchError, resolve_device, run_metadata, write_json_atomic
+from sparsefocus.bench.run import (
+    PROG,
+    BenchError,
+    resolve_device,
+    run_metadata,
+    write_json_atomic,
+)
 from sparsefocus.bench.runner import error_message, is_oom, median_ms, release_memory
 from sparsefocus.models.config import ModelConfig
 from sparsefocus.models.decoder import Decoder
@@ -44,7 +55,9 @@ MAX_N = 65536
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"{PROG} --model", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog=f"{PROG} --model",
+        description="Time one training step of the project's Decoder per pattern and N, eager and compiled, against FULL.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     parser.add_argument("--patterns", nargs="+", default=list(DEFAULT_PATTERNS), help="pattern strings, one model each (FULL is the baseline)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help=f"sequence lengths N (at most {MAX_N})")
@@ -182,7 +195,7 @@ def measure_model_case(args: argparse.Namespace, case: ModelCase, device: torch.
         "peak_mb": peak,
         "attention_share": attention_share(events, device),
         "attention_share_method": share_method(case.mode, device),
-        "launches": count_kernels(events) if device.type == "cuda" else None,
+        "launches": (count_kernels(events) or None) if device.type == "cuda" else None,  # 0: the profiler saw none
         "first_step_s": first_s,
     }
 
@@ -235,9 +248,7 @@ def headline_rows(rows: list[dict]) -> list[dict]:
     best = full_baseline(rows)
     keep = []
     for row in rows:
-        if not is_full(row["pattern"]):
-            keep.append(row)
-        elif row["status"] == "ok" and best[(row["n"], row["mode"])]["backend"] == row["sdpa_backend"]:
+        if not is_full(row["pattern"]) or row["status"] == "ok" and best[(row["n"], row["mode"])]["backend"] == row["sdpa_backend"]:
             keep.append(row)
     return keep
 

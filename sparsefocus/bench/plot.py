@@ -69,7 +69,8 @@ def plot_results(payload: dict, path: Path) -> None:
     panels = len(modes) + bool(memory)
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.6), squeeze=False)
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    palette = plt.get_cmap("tab20").colors
+    tab20 = plt.get_cmap("tab20").colors
+    palette = tab20[0::2] + tab20[1::2]  # the ten strong colours first, then their light twins
     colours = {case: palette[i % len(palette)] for i, case in enumerate(cases)}
     best = fastest_dense(rows)
     lengths = sorted({r["n"] for r in rows})

@@ -17,7 +17,7 @@ On CPU there are no kernels: launches are None, and the share is taken over self
 from __future__ import annotations
 
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
@@ -55,7 +55,8 @@ def kernel_launches(fn: Callable[[], None], device: torch.device) -> int | None:
     """CUDA kernels one run of ``fn`` launches; None on CPU (there is nothing to count)."""
     if device.type != "cuda":
         return None
-    return count_kernels(profile_events(fn, device))
+    # Zero kernels means the profiler saw none (CUPTI unavailable), not a step that launched none.
+    return count_kernels(profile_events(fn, device)) or None
 
 
 def _subtree(roots: list[FunctionEvent]) -> list[FunctionEvent]:

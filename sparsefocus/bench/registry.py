@@ -36,8 +36,8 @@ result row. Register at import time of a module that ``sparsefocus.bench.run`` i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor

@@ -15,7 +15,13 @@ from torch import Tensor
 
 from sparsefocus.attention import parse_pattern, sparse_attention
 from sparsefocus.attention.zeta import Zeta, candidate_recall
-from sparsefocus.bench.registry import BenchShape, Workload, attention_flops, io_bytes, register_case
+from sparsefocus.bench.registry import (
+    BenchShape,
+    Workload,
+    attention_flops,
+    io_bytes,
+    register_case,
+)
 
 
 def zeta_pattern(argument: str) -> Zeta:

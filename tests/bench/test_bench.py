@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from sparsefocus.bench import registry
-from sparsefocus.bench.registry import BenchShape, Workload, attention_flops, mean_keys, register_case
+from sparsefocus.bench.registry import (
+    BenchShape,
+    Workload,
+    attention_flops,
+    mean_keys,
+    register_case,
+)
 from sparsefocus.bench.run import main
 
 SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "8", "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--device", "cpu"]

@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from sparsefocus.bench.model import marked_attention
-from sparsefocus.bench.profiling import BACKWARD_PREFIX, attention_events, attention_share, profile_events
+from sparsefocus.bench.profiling import (
+    BACKWARD_PREFIX,
+    attention_events,
+    attention_share,
+    profile_events,
+)
 from sparsefocus.bench.run import main
 
 TINY = ["--model", "--blocks", "1", "--dim", "32", "--heads", "2", "--mlp", "64", "--vocab", "32", "--lengths", "64",
