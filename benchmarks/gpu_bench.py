@@ -16,7 +16,8 @@ and gradients, at a small odd size), then:
 
 Every finished unit (table, case, N) is appended to OUT/gpu_bench_progress.json at once; with
 --resume a unit already there is skipped, so a run cut short (by --budget-s, a crash or the machine)
-continues where it stopped. Lengths run in ascending order and, at each N, every case, so the dense
+continues where it stopped. On a machine whose OUT starts empty, --resume-from PROGRESS_FILE
+continues from a progress file brought along from the last invocation. Lengths run in ascending order and, at each N, every case, so the dense
 baselines of a point are normally timed in the same invocation as the cases; each row names its
 invocation. At the end (or when the budget is spent) it writes OUT/kernels.{json,png} and
 OUT/model.{json,png} in the format of ``sparsefocus bench`` and prints a short table.
@@ -62,6 +63,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if "OUT" in os.environ else None, help="folder for every file this script writes (default: $OUT)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out, skipping the units already there")
+    parser.add_argument("--resume-from", type=Path, default=None, help="continue the run saved in this progress file (e.g. one brought back from an earlier machine), writing to --out")
     parser.add_argument("--tables", nargs="+", choices=("kernel", "model"), default=["kernel", "model"], help="which tables to measure")
     parser.add_argument("--budget-s", type=float, default=480.0, help="start no new unit after this many seconds")
     parser.add_argument("--kernel-lengths", type=int, nargs="+", default=list(KERNEL_LENGTHS), help="N of the kernel table")
@@ -90,13 +92,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 class Progress:
     """The units measured so far, saved (atomically) after each one."""
 
-    def __init__(self, path: Path, meta: dict, resume: bool) -> None:
+    def __init__(self, path: Path, meta: dict, resume: bool, resume_from: Path | None = None) -> None:
         self.path = path
         if path.exists() and not resume:
             raise SystemExit(f"gpu_bench: error: {path} exists; pass --resume to continue it or choose another --out")
-        state = json.loads(path.read_text()) if path.exists() else {"meta": meta, "invocations": [], "units": {}}
+        source = resume_from if resume_from is not None else path
+        if resume_from is not None and not resume_from.exists():
+            raise SystemExit(f"gpu_bench: error: --resume-from {resume_from} does not exist")
+        state = json.loads(source.read_text()) if source.exists() else {"meta": meta, "invocations": [], "units": {}}
         if state["meta"]["git_commit"] != meta["git_commit"]:
-            raise SystemExit(f"gpu_bench: error: {path} was made at commit {state['meta']['git_commit']}, this is {meta['git_commit']}; use another --out")
+            raise SystemExit(f"gpu_bench: error: {source} was made at commit {state['meta']['git_commit']}, this is {meta['git_commit']}; use another --out")
         self.state = state
         self.invocation = len(state["invocations"])
         state["invocations"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)})
@@ -271,7 +276,7 @@ def main(argv: list[str]) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = run_metadata([], args.device) | {"command": "python benchmarks/gpu_bench.py " + " ".join(argv)}
     try:
-        progress = Progress(args.out / PROGRESS, meta, args.resume)
+        progress = Progress(args.out / PROGRESS, meta, args.resume, args.resume_from)
     except SystemExit as error:
         print(error, file=sys.stderr)
         return 2
