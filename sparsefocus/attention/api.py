@@ -9,6 +9,7 @@ from sparsefocus.attention.common import DEFAULT_ROW_CHUNK, expand_kv
 from sparsefocus.attention.decode import check_alignment, decode_attention, padded_queries
 from sparsefocus.attention.lse import attention_lse, check_lse_support, triton_with_lse
 from sparsefocus.attention.patterns import Pattern, parse_pattern
+from sparsefocus.attention.varlen import check_cu_seqlens, packed_attention
 
 IMPLS = ("auto", "reference", "lean", "triton", "flex")
 
@@ -70,6 +71,7 @@ def sparse_attention(
     impl: str = "auto",
     params: dict[str, Tensor] | None = None,
     return_lse: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> "Tensor | tuple[Tensor, Tensor]":
     """Sparse attention in the layout of ``F.scaled_dot_product_attention``.
 
@@ -90,12 +92,18 @@ def sparse_attention(
             as made by ``pattern.make_parameters``. Default: the pattern's fixed defaults.
         return_lse: also return the log-sum-exp of each row's scaled kept scores (softmax
             mechanisms only; see ``merge_partials`` in attention/lse.py). Default: False.
+        cu_seqlens: [D + 1] int cumulative document lengths of a packed batch q, k, v
+            [1, H, T, *]: each document is attended alone (attention/varlen.py). Reference and
+            lean paths; N == M, no key_padding_mask. Default: None.
     Returns:
         [B, Hq, N, Dv] in q's dtype; rows with no allowed key are zero. With ``return_lse``,
         (out, lse) with lse [B, Hq, N] fp32, natural log, -inf on rows with no key.
     """
     spec = parse_pattern(pattern)
     check_inputs(q, k, v, key_padding_mask)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q, k, key_padding_mask)
+        return _packed(spec, q, k, v, cu_seqlens, causal=causal, scale=scale, impl=impl, params=params, return_lse=return_lse)
     decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
     if return_lse:
         check_lse_support(spec)
@@ -113,6 +121,17 @@ def sparse_attention(
     if not return_lse:
         return out.to(q.dtype)
     return out.to(q.dtype), _lse(spec, chosen, q, k, decoding, causal, **kwargs)
+
+
+def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, impl: str, **kwargs):
+    """Each document of a packed batch through ``sparse_attention`` alone."""
+    cuts = check_cu_seqlens(cu_seqlens, q, k, None)  # sparse_attention checked the padding
+    chosen = "lean" if impl == "auto" else impl
+    if chosen not in ("reference", "lean"):
+        raise ValueError(f"cu_seqlens runs on the reference and lean paths only, got impl={impl!r}")
+    for a, b in zip(cuts, cuts[1:]):
+        check_alignment(spec, b - a, b - a, kwargs["causal"])
+    return packed_attention(lambda qd, kd, vd: sparse_attention(qd, kd, vd, spec, impl=chosen, **kwargs), q, k, v, cuts)
 
 
 def _lse(spec: Pattern, impl: str, q: Tensor, k: Tensor, decoding: bool, causal: bool, **kwargs) -> Tensor:
