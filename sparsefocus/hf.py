@@ -23,7 +23,8 @@ fixed defaults are used. Needs transformers >= 4.53 (``AttentionMaskInterface``)
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -47,7 +48,7 @@ def _transformers():
     return transformers
 
 
-def build_pattern(pattern: "str | Pattern", **options: Any) -> Pattern:
+def build_pattern(pattern: str | Pattern, **options: Any) -> Pattern:
     """The pattern spec with ``options`` as its parameters: ``build_pattern("TOPK", k=8)`` is
     ``TOPK:8``; with a spec or a string that has parameters, options replace those fields."""
     if not options:
@@ -72,7 +73,7 @@ def check_hf_pattern(spec: Pattern) -> None:
         )
 
 
-def register(name: str, pattern: "str | Pattern", *, impl: str = "auto", **options: Any) -> Pattern:
+def register(name: str, pattern: str | Pattern, *, impl: str = "auto", **options: Any) -> Pattern:
     """Register ``pattern`` under ``name`` for ``attn_implementation=name``.
 
     Args:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
 from sparsefocus.attention.common import DEFAULT_ROW_CHUNK, expand_kv
-from sparsefocus.attention.decode import check_alignment, decode_attention, padded_queries
+from sparsefocus.attention.decode import (
+    check_alignment,
+    decode_attention,
+    padded_queries,
+)
 from sparsefocus.attention.lse import attention_lse, check_lse_support, triton_with_lse
 from sparsefocus.attention.patterns import Pattern, parse_pattern
 from sparsefocus.attention.varlen import check_cu_seqlens, packed_attention
@@ -63,7 +69,7 @@ def sparse_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pattern: "str | Pattern",
+    pattern: str | Pattern,
     *,
     causal: bool = False,
     scale: float | None = None,
@@ -72,7 +78,7 @@ def sparse_attention(
     params: dict[str, Tensor] | None = None,
     return_lse: bool = False,
     cu_seqlens: Tensor | None = None,
-) -> "Tensor | tuple[Tensor, Tensor]":
+) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse attention in the layout of ``F.scaled_dot_product_attention``.
 
     Args:
@@ -113,7 +119,7 @@ def sparse_attention(
         return _triton_with_lse(spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
     if chosen != "triton":
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    kwargs = dict(scale=scale, key_padding_mask=key_padding_mask, params=params)
+    kwargs = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}
     if decoding:
         out = decode_attention(spec, chosen, q, k, v, **kwargs)
     else:
@@ -129,7 +135,7 @@ def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     chosen = "lean" if impl == "auto" else impl
     if chosen not in ("reference", "lean"):
         raise ValueError(f"cu_seqlens runs on the reference and lean paths only, got impl={impl!r}")
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         check_alignment(spec, b - a, b - a, kwargs["causal"])
     return packed_attention(lambda qd, kd, vd: sparse_attention(qd, kd, vd, spec, impl=chosen, **kwargs), q, k, v, cuts)
 
@@ -155,7 +161,7 @@ def _triton_with_lse(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, decoding: b
 
 
 def selection_mask(
-    pattern: "str | Pattern",
+    pattern: str | Pattern,
     q: Tensor,
     k: Tensor,
     *,

@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from sparsefocus.attention.common import DEFAULT_ROW_CHUNK, apply_key_padding, dense_masked_attention
+from sparsefocus.attention.common import (
+    DEFAULT_ROW_CHUNK,
+    apply_key_padding,
+    dense_masked_attention,
+)
 from sparsefocus.attention.full import Full
 from sparsefocus.attention.patterns import Pattern
 

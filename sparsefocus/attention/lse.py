@@ -20,7 +20,12 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from sparsefocus.attention.common import DEFAULT_ROW_CHUNK, apply_key_padding, expand_kv, upcast
+from sparsefocus.attention.common import (
+    DEFAULT_ROW_CHUNK,
+    apply_key_padding,
+    expand_kv,
+    upcast,
+)
 from sparsefocus.attention.patterns import IndexedPattern, Pattern
 
 
@@ -79,7 +84,7 @@ def attention_lse(
     """
     n_rows = q.shape[2]
     step = n_rows if chunk is None else chunk
-    kwargs = dict(causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
+    kwargs = {"causal": causal, "scale": scale, "key_padding_mask": key_padding_mask, "params": params}
     parts = []
     for start in range(first_row, n_rows, max(step, 1)):
         rows = slice(start, min(start + step, n_rows))
@@ -126,7 +131,7 @@ def triton_with_lse(
     out = spec._global_rows_dense(q, k, v, out, causal, scale, key_padding_mask)
     g = min(spec.num_global_tokens, q.shape[2])
     if g:
-        kwargs = dict(causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
+        kwargs = {"causal": causal, "scale": scale, "key_padding_mask": key_padding_mask, "params": params}
         lse = torch.cat([rows_lse(spec, q, k_full, slice(0, g), **kwargs), lse[:, :, g:].float()], dim=2)
     return out, lse.float()
 

@@ -10,7 +10,8 @@ host (one device-to-host copy per call on CUDA).
 
 from __future__ import annotations
 
-from typing import Callable
+import itertools
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,7 +33,7 @@ def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, k: Tensor, key_padding_mask:
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of cumulative document lengths")
     cuts = [int(c) for c in cu_seqlens.tolist()]
-    rising = all(b > a for a, b in zip(cuts, cuts[1:]))
+    rising = all(b > a for a, b in itertools.pairwise(cuts))
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != q.shape[2] or not rising:
         raise ValueError(
             f"cu_seqlens must rise strictly from 0 to the packed length {q.shape[2]}, got {cuts}"
@@ -41,18 +42,18 @@ def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, k: Tensor, key_padding_mask:
 
 
 def packed_attention(
-    attend: Callable[[Tensor, Tensor, Tensor], "Tensor | tuple[Tensor, Tensor]"],
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor | tuple[Tensor, Tensor]],
     q: Tensor,
     k: Tensor,
     v: Tensor,
     cuts: list[int],
-) -> "Tensor | tuple[Tensor, Tensor]":
+) -> Tensor | tuple[Tensor, Tensor]:
     """Run ``attend(q_doc, k_doc, v_doc)`` on each document and concatenate along the sequence.
 
     q: [1, Hq, T, D]; k: [1, Hk, T, D]; v: [1, Hk, T, Dv]. ``attend`` returns out [1, Hq, L, Dv]
     or (out, lse [1, Hq, L]); so does this, over T.
     """
-    parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in zip(cuts, cuts[1:])]
+    parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
     if isinstance(parts[0], tuple):
         return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
     return torch.cat(parts, dim=2)

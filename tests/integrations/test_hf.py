@@ -9,17 +9,18 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import sparsefocus.hf as sfhf  # noqa: E402
-from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import sparsefocus.hf as sfhf
 
 VOCAB = 61
 
 
 def _config(**overrides):
-    settings = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )
+    settings = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+    }
     settings.update(overrides)
     return LlamaConfig(**settings)
 
@@ -103,7 +104,7 @@ def test_cached_generation_equals_recomputing_the_whole_sequence(pattern):
     _, model = _models(f"sf-test-gen-{pattern}", pattern)
     model.eval()
     ids, mask = _batch(length=7)
-    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    settings = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         cached = model.generate(ids, use_cache=True, **settings)
         recomputed = model.generate(ids, use_cache=False, **settings)
@@ -114,7 +115,7 @@ def test_cached_generation_equals_recomputing_the_whole_sequence(pattern):
 def test_generation_with_full_equals_sdpa_generation():
     ref, ours = _models("sf-test-gen-sdpa", "FULL")
     ids, mask = _batch(length=7)
-    settings = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    settings = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
 

@@ -6,11 +6,11 @@ import pytest
 
 pytest.importorskip("tensorboard")
 
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sparsefocus.train.config import load_config  # noqa: E402
-from sparsefocus.train.experiment import run_experiment  # noqa: E402
-from sparsefocus.train.tensorboard import scalar_tag  # noqa: E402
+from sparsefocus.train.config import load_config
+from sparsefocus.train.experiment import run_experiment
+from sparsefocus.train.tensorboard import scalar_tag
 
 TINY = [
     "task={name: parity, length: 12, num_train: 60, num_valid: 30}",

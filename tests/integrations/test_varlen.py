@@ -1,6 +1,8 @@
 """Packed batches (``cu_seqlens``): every document gives what it gives alone, on the reference and
 lean paths of TOPK, BAND, BLOC and ZETA (ZETA's key sort and causal mean stay per document)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -42,7 +44,7 @@ def test_each_document_equals_the_document_alone(pattern, impl, causal):
     packed = sf.sparse_attention(*leaves, pattern, causal=causal, impl=impl, cu_seqlens=cu_seqlens)
     packed.backward(torch.cos(torch.arange(packed.numel(), dtype=packed.dtype)).reshape(packed.shape))
     cuts = cu_seqlens.tolist()
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in itertools.pairwise(cuts):
         alone = [x[:, :, a:b].clone().requires_grad_() for x in (q, k, v)]
         out = sf.sparse_attention(*alone, pattern, causal=causal, impl=impl)
         out.backward(torch.cos(torch.arange(packed.numel(), dtype=packed.dtype)).reshape(packed.shape)[:, :, a:b])
