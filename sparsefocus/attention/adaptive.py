@@ -141,6 +141,7 @@ class Sparsemax(_AdaptivePattern):
     """``sparsemax``: weights = sparsemax(scale * q.k) over the allowed keys; exact zeros below a
     data-dependent threshold, so each query keeps a variable number of keys."""
 
+    normaliser: ClassVar[str] = "sparsemax"
     name: ClassVar[str] = "sparsemax"
     examples: ClassVar[tuple[str, ...]] = ("sparsemax",)
 
@@ -155,6 +156,7 @@ class Entmax(_AdaptivePattern):
     alpha -> 1 approaches softmax, alpha = 2 is sparsemax. Default alpha 1.5."""
 
     alpha: float = 1.5
+    normaliser: ClassVar[str] = "alpha-entmax"
     name: ClassVar[str] = "entmax"
     positional: ClassVar[tuple[str, ...]] = ("alpha",)
     examples: ClassVar[tuple[str, ...]] = ("entmax:alpha=1.5", "entmax:1.25")
@@ -176,6 +178,7 @@ class Gate(_AdaptivePattern):
 
     weight: float = 1.0
     bias: float = 0.0
+    normaliser: ClassVar[str] = "a sigmoid-gated softmax"
     name: ClassVar[str] = "gate"
     aliases: ClassVar[tuple[str, ...]] = ("sigmoid_gate",)
     examples: ClassVar[tuple[str, ...]] = ("gate", "gate:weight=2.0,bias=-1.0")

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import expand_kv
+from sparsefocus.attention.common import DEFAULT_ROW_CHUNK, expand_kv
+from sparsefocus.attention.decode import (
+    check_alignment,
+    decode_attention,
+    padded_queries,
+)
+from sparsefocus.attention.lse import attention_lse, check_lse_support, triton_with_lse
 from sparsefocus.attention.patterns import Pattern, parse_pattern
+from sparsefocus.attention.varlen import check_cu_seqlens, packed_attention
 
 IMPLS = ("auto", "reference", "lean", "triton", "flex")
 
@@ -44,12 +53,13 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | Non
         )
 
 
-def resolve_impl(pattern: Pattern, impl: str, q: Tensor) -> str:
-    """Pick the implementation: "auto" -> Triton on CUDA where the pattern has one, else lean."""
+def resolve_impl(pattern: Pattern, impl: str, q: Tensor, decoding: bool = False) -> str:
+    """Pick the implementation: "auto" -> Triton on CUDA where the pattern has one, else lean;
+    "auto" while decoding (causal, N < M) -> lean, which computes only the N query rows."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
     if impl == "auto":
-        return "triton" if q.is_cuda and "triton" in pattern.impls else "lean"
+        return "triton" if q.is_cuda and "triton" in pattern.impls and not decoding else "lean"
     if impl not in pattern.impls:
         raise ValueError(f"pattern {pattern.name} has no {impl!r} implementation; it has: {', '.join(pattern.impls)}")
     return impl
@@ -59,44 +69,99 @@ def sparse_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    pattern: "str | Pattern",
+    pattern: str | Pattern,
     *,
     causal: bool = False,
     scale: float | None = None,
     key_padding_mask: Tensor | None = None,
     impl: str = "auto",
     params: dict[str, Tensor] | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Sparse attention in the layout of ``F.scaled_dot_product_attention``.
 
     Args:
-        q: [B, Hq, N, D] queries. k: [B, Hk, M, D] keys, v: [B, Hk, M, Dv] values; Hq % Hk == 0 (GQA).
+        q: [B, Hq, N, D] queries. k: [B, Hk, M, D] keys, v: [B, Hk, M, Dv]; Hq % Hk == 0 (GQA).
         pattern: a spec or string such as ``"TOPK:5"``, ``"BAND:5(1)"``, ``"zeta:k=32,dk=3"``.
-        causal: query i only sees keys j <= i (needs N == M). Default: False.
+        causal: query i only sees keys j <= i. With N < M the queries are the *last* N positions
+            (bottom-right, as FlashAttention: query i sees j <= i + M - N), which is decoding with
+            a KV cache; the result equals the last N rows of the causal call over all M positions.
+            Default: False.
         scale: score scale. Default: 1/sqrt(D).
         key_padding_mask: [B, M] bool, True = a real key; padded keys are never attended. Default: None.
-        impl: "auto" (Triton kernel on CUDA where one exists, else "lean"), "reference" (dense
-            fp32 definition), "lean" (no N x M tensor where the mechanism allows), "triton"
-            (on CPU runs in Triton's interpreter), "flex" (FlexAttention, fixed patterns). Default: "auto".
+        impl: "auto" (Triton kernel on CUDA where one exists, else "lean"; "lean" while
+            decoding), "reference" (dense fp32 definition), "lean" (no N x M tensor where the
+            mechanism allows), "triton" (on CPU runs in Triton's interpreter), "flex"
+            (FlexAttention, fixed patterns). Default: "auto".
         params: trainable mechanism parameters (ZETA's ``gamma``, a gate's ``gate_weight``...),
             as made by ``pattern.make_parameters``. Default: the pattern's fixed defaults.
+        return_lse: also return the log-sum-exp of each row's scaled kept scores (softmax
+            mechanisms only; see ``merge_partials`` in attention/lse.py). Default: False.
+        cu_seqlens: [D + 1] int cumulative document lengths of a packed batch q, k, v
+            [1, H, T, *]: each document is attended alone (attention/varlen.py). Reference and
+            lean paths; N == M, no key_padding_mask. Default: None.
     Returns:
-        [B, Hq, N, Dv] in q's dtype. Rows with no allowed key are zero.
+        [B, Hq, N, Dv] in q's dtype; rows with no allowed key are zero. With ``return_lse``,
+        (out, lse) with lse [B, Hq, N] fp32, natural log, -inf on rows with no key.
     """
     spec = parse_pattern(pattern)
     check_inputs(q, k, v, key_padding_mask)
-    spec.check_sizes(q.shape[2], k.shape[2], causal)
-    chosen = resolve_impl(spec, impl, q)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, q, k, key_padding_mask)
+        return _packed(spec, q, k, v, cu_seqlens, causal=causal, scale=scale, impl=impl, params=params, return_lse=return_lse)
+    decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
+    if return_lse:
+        check_lse_support(spec)
+    chosen = resolve_impl(spec, impl, q, decoding)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if return_lse and chosen == "triton":
+        return _triton_with_lse(spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
     if chosen != "triton":
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    run = getattr(spec, chosen)
-    out = run(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
-    return out.to(q.dtype)
+    kwargs = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}
+    if decoding:
+        out = decode_attention(spec, chosen, q, k, v, **kwargs)
+    else:
+        out = getattr(spec, chosen)(q, k, v, causal=causal, **kwargs)
+    if not return_lse:
+        return out.to(q.dtype)
+    return out.to(q.dtype), _lse(spec, chosen, q, k, decoding, causal, **kwargs)
+
+
+def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, impl: str, **kwargs):
+    """Each document of a packed batch through ``sparse_attention`` alone."""
+    cuts = check_cu_seqlens(cu_seqlens, q, k, None)  # sparse_attention checked the padding
+    chosen = "lean" if impl == "auto" else impl
+    if chosen not in ("reference", "lean"):
+        raise ValueError(f"cu_seqlens runs on the reference and lean paths only, got impl={impl!r}")
+    for a, b in itertools.pairwise(cuts):
+        check_alignment(spec, b - a, b - a, kwargs["causal"])
+    return packed_attention(lambda qd, kd, vd: sparse_attention(qd, kd, vd, spec, impl=chosen, **kwargs), q, k, v, cuts)
+
+
+def _lse(spec: Pattern, impl: str, q: Tensor, k: Tensor, decoding: bool, causal: bool, **kwargs) -> Tensor:
+    """The rows' lse [B, Hq, N] from the pattern's row_mask (k GQA-expanded); decoding reads
+    the last N rows of the padded square."""
+    chunk = None if impl == "reference" else DEFAULT_ROW_CHUNK
+    if decoding:
+        full_q = padded_queries(q, k.shape[2])
+        return attention_lse(spec, full_q, k, causal=True, first_row=k.shape[2] - q.shape[2], chunk=chunk, **kwargs)
+    return attention_lse(spec, q, k, causal=causal, chunk=chunk, **kwargs)
+
+
+def _triton_with_lse(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, decoding: bool, **kwargs) -> tuple[Tensor, Tensor]:
+    if not decoding:
+        out, lse = triton_with_lse(spec, q, k, v, **kwargs)
+        return out.to(q.dtype), lse
+    kwargs["causal"] = True
+    offset = k.shape[2] - q.shape[2]
+    out, lse = triton_with_lse(spec, padded_queries(q, k.shape[2]), k, v, **kwargs)
+    return out[:, :, offset:].to(q.dtype), lse[:, :, offset:]
 
 
 def selection_mask(
-    pattern: "str | Pattern",
+    pattern: str | Pattern,
     q: Tensor,
     k: Tensor,
     *,
@@ -111,7 +176,10 @@ def selection_mask(
     """
     spec = parse_pattern(pattern)
     check_inputs(q, k, k, key_padding_mask)
-    spec.check_sizes(q.shape[2], k.shape[2], causal)
+    decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
     k = expand_kv(k, q.shape[1])
     with torch.no_grad():
+        if decoding:
+            full = spec.full_mask(padded_queries(q, k.shape[2]), k, True, key_padding_mask, params)
+            return full[:, :, k.shape[2] - q.shape[2] :]
         return spec.full_mask(q, k, causal, key_padding_mask, params)

@@ -96,6 +96,7 @@ class LSH(IndexedPattern):
     input_dependent: ClassVar[bool] = True
     family: ClassVar[str] = "heavy hitters"
     needs_square: ClassVar[bool] = False
+    decoding: ClassVar[str] = "replay"  # row_mask builds every row; replay uses the sorted key lists
     cost: ClassVar[tuple[str, str]] = (
         "O(R N D B) hash + O(R N log N) sort + O(N R C D) attend",
         "O(N R C) key lists",

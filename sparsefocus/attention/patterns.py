@@ -64,6 +64,11 @@ class Pattern:
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean")
     needs_square: ClassVar[bool] = True
     examples: ClassVar[tuple[str, ...]] = ()
+    # How a row's weights are normalised; only "softmax" has a log-sum-exp (return_lse).
+    normaliser: ClassVar[str] = "softmax"
+    # Causal with N < M (attention/decode.py): "rows" computes only the last N rows through
+    # row_mask, "replay" runs the square call and keeps them, "none" refuses.
+    decoding: ClassVar[str] = "rows"
 
     def __post_init__(self) -> None:
         self.validate()

@@ -243,6 +243,7 @@ class Zeta(Pattern):
     field_aliases: ClassVar[dict[str, str]] = {"d_k": "dk", "w": "window"}
     input_dependent: ClassVar[bool] = True
     score: ClassVar[str] = "cauchy"
+    normaliser: ClassVar[str] = "Cauchy weights with a mean token"
     family: ClassVar[str] = "heavy hitters"
     cost: ClassVar[tuple[str, str]] = ("O(N log N + N (curves*window + local) D_K + N k Dv)", "O(N k)")
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")

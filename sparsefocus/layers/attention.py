@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from sparsefocus.attention import parse_pattern, sparse_attention
@@ -63,14 +64,32 @@ class SparseAttention(nn.Module):
         v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        past_kv: tuple[Tensor, Tensor] | None = None,
+        use_cache: bool = False,
+    ) -> "Tensor | tuple[Tensor, tuple[Tensor, Tensor]]":
+        """x [B, N, dim] -> [B, N, dim]; with ``use_cache``, also the updated cache (k, v).
+
+        past_kv: keys [B, Hk, P, Dqk] and values [B, Hk, P, Dh] of the P earlier positions
+        (causal layers only); x holds the next N positions, which attend bottom-right over all
+        P + N keys, so stepping token by token gives the rows of the whole-sequence call.
+        key_padding_mask is then [B, P + N].
+        """
         q, k, v = self.project(x)
+        if past_kv is not None:
+            if not self.causal:
+                raise ValueError("past_kv needs a causal SparseAttention: a cache only makes sense for decoding")
+            k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # [B, Hk, P+N, *]
         params = dict(self.mechanism) or None
         out = sparse_attention(
             q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
         )  # [B, H, N, Dh]
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [B, N, H*Dh]
-        return self.dropout(self.out_proj(out))
+        out = self.dropout(self.out_proj(out))
+        return (out, (k, v)) if use_cache else out
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern.label()}, heads={self.heads}, kv_heads={self.kv_heads}, causal={self.causal}, impl={self.impl}"

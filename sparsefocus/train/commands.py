@@ -13,6 +13,8 @@ EPILOG = """examples:
   sparsefocus train experiments/nnch_parity.yaml
   sparsefocus train experiments/listops.yaml train.epochs=20 'mechanisms=[FULL,TOPK:5]' seeds=[1,2,3]
   sparsefocus train experiments/nnch_even_pairs.yaml model.blocks=2 train.jobs=2 --dry-run
+  sparsefocus train experiments/listops.yaml train.num_gpus=1 --ray          (a local Ray)
+  sparsefocus train experiments/listops.yaml --ray=auto                      (a running cluster)
 Values are read as YAML; quote arguments with brackets or parentheses for your shell."""
 
 
@@ -27,7 +29,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.blocks=4")
     parser.add_argument("--dry-run", action="store_true", help="check the config, print it and the runs, train nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md and the curves at the end")
-    return parser.parse_intermixed_args(argv)
+    parser.add_argument(
+        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        help="train the runs as Ray tasks (train.num_cpus/num_gpus each), on a local Ray or the cluster at ADDRESS",
+    )
+    args = parser.parse_intermixed_args(argv)
+    if args.ray and "=" in args.ray and "://" not in args.ray:  # an override that followed a bare --ray
+        args.overrides.append(args.ray)
+        args.ray = ""
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +51,12 @@ def main(argv: list[str] | None = None) -> int:
             for spec in specs:
                 print(f"  {spec.run_dir}")
             return 0
-        root = run_experiment(config)
+        if args.ray is not None:
+            from sparsefocus.train.ray_runner import run_experiment_ray
+
+            root = run_experiment_ray(config, args.ray)
+        else:
+            root = run_experiment(config)
     except (ValueError, CheckpointError, FileNotFoundError) as error:
         print(f"error: {error}")
         return 2

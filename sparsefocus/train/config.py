@@ -85,6 +85,10 @@ class TrainConfig:
         threads: torch threads per run; 0 = torch's default (or cores / jobs). Default: 0.
         jobs: runs trained at once in separate processes. Default: 1.
         checkpoint_every: epochs between checkpoints (the last epoch is always saved). Default: 1.
+        tensorboard: also write each epoch's scalars as TensorBoard events in the run folder
+            (needs the ``tensorboard`` package). Default: False.
+        num_cpus, num_gpus: resources one run asks for when runs are Ray tasks
+            (``sparsefocus train CONFIG --ray``). Default: 1 CPU, 0 GPUs.
     """
 
     epochs: int = 10
@@ -95,10 +99,16 @@ class TrainConfig:
     threads: int = 0
     jobs: int = 1
     checkpoint_every: int = 1
+    tensorboard: bool = False
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
 
     def validate(self) -> None:
         for key in ("epochs", "batch_size", "eval_batch_size", "jobs", "checkpoint_every"):
             _positive(f"train.{key}", getattr(self, key))
+        for key in ("num_cpus", "num_gpus"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"train.{key} must be >= 0, got {getattr(self, key)}")
         if self.threads < 0:
             raise ValueError(f"train.threads must be >= 0, got {self.threads}")
         _choice("train.train_loss", self.train_loss, TRAIN_LOSSES)

@@ -24,9 +24,12 @@ from sparsefocus.tasks.base import TaskData
 from sparsefocus.tasks.lm import perplexity
 from sparsefocus.train.checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, OptimConfig, make_task_config
+from sparsefocus.train.tensorboard import ScalarLog
 
 # Keys that may change between an interrupted run and its resumption without changing its result.
-RESUME_FREE_KEYS = ("name", "out_dir", "train.jobs", "train.threads", "train.device")
+RESUME_FREE_KEYS = (
+    "name", "out_dir", "train.jobs", "train.threads", "train.device", "train.tensorboard", "train.num_cpus", "train.num_gpus",
+)
 
 
 @dataclass
@@ -267,18 +270,23 @@ def train_run(spec: RunSpec, on_epoch: Callable[[], None] | None = None) -> list
     )
     generator = torch.Generator().manual_seed(spec.seed)
     start, metrics = _start_or_resume(spec, model, optimizer, scheduler, generator)
-    for epoch in range(start + 1, config.train.epochs + 1):
-        began = time.perf_counter()
-        lr = optimizer.param_groups[0]["lr"]
-        running = train_epoch(model, optimizer, scheduler, data, config, generator)
-        metrics.append(epoch_metrics(epoch, model, data, config, running, lr, time.perf_counter() - began))
-        _write_metrics(spec.run_dir, metrics)
-        last = epoch == config.train.epochs
-        if last or epoch % config.train.checkpoint_every == 0:
-            state = _state(epoch, last, model, optimizer, scheduler, generator, metrics)
-            save_checkpoint(spec.run_dir / "checkpoint.pt", state)
-        if on_epoch is not None:
-            on_epoch()
+    scalars = ScalarLog(spec.run_dir, config.train.tensorboard, first_epoch=start + 1)
+    try:
+        for epoch in range(start + 1, config.train.epochs + 1):
+            began = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            running = train_epoch(model, optimizer, scheduler, data, config, generator)
+            metrics.append(epoch_metrics(epoch, model, data, config, running, lr, time.perf_counter() - began))
+            _write_metrics(spec.run_dir, metrics)
+            scalars.write(metrics[-1])
+            last = epoch == config.train.epochs
+            if last or epoch % config.train.checkpoint_every == 0:
+                state = _state(epoch, last, model, optimizer, scheduler, generator, metrics)
+                save_checkpoint(spec.run_dir / "checkpoint.pt", state)
+            if on_epoch is not None:
+                on_epoch()
+    finally:
+        scalars.close()
     return metrics
 
 

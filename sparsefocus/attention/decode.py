@@ -1,0 +1,145 @@
+"""Bottom-right causal alignment: N queries that are the *last* N of M positions (decoding).
+
+With ``causal=True`` and N < M, query i (0-based among the N) sits at position i + (M - N) and
+sees the keys j <= i + (M - N), as FlashAttention aligns it. Such a call is defined as the last N
+rows of the square causal call over M positions whose first M - N queries are never looked at::
+
+    keys    0 1 2 3 4 5          N = 2 queries, M = 6 keys
+    query 0 x x x x x .          (position 4)
+    query 1 x x x x x x          (position 5)
+
+Every registered mechanism computes a row from its own query, the keys and positions only (no
+statistic over other queries under causality), so the rows do not depend on the padding queries.
+``replay`` runs the mechanism on that padded square and keeps the last N rows (exact for every
+path, O(M) rows of work); ``rows`` evaluates only the N rows through ``row_mask`` (softmax
+mechanisms on the lean path: O(N M) time, O(chunk M) memory); FULL's lean path is SDPA with a
+bottom-right mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from sparsefocus.attention.common import (
+    DEFAULT_ROW_CHUNK,
+    apply_key_padding,
+    dense_masked_attention,
+)
+from sparsefocus.attention.full import Full
+from sparsefocus.attention.patterns import Pattern
+
+DECODING_MODES = ("rows", "replay", "none")
+
+
+def is_decoding(n_queries: int, n_keys: int, causal: bool) -> bool:
+    """True for a causal call with fewer queries than keys (queries are the last positions)."""
+    return causal and n_queries < n_keys
+
+
+def check_alignment(spec: Pattern, n_queries: int, n_keys: int, causal: bool) -> bool:
+    """Validate the sizes; return True when the call is bottom-right aligned (decoding).
+
+    Raises:
+        ValueError: causal with more queries than keys, or a pattern that cannot decode.
+    """
+    if causal and n_queries > n_keys:
+        raise ValueError(
+            f"causal attention needs at most as many queries as keys (the queries are the last "
+            f"positions), got {n_queries} queries and {n_keys} keys"
+        )
+    if not is_decoding(n_queries, n_keys, causal):
+        spec.check_sizes(n_queries, n_keys, causal)
+        return False
+    if decoding_mode(spec) == "none":
+        raise ValueError(
+            f"pattern {spec.label()} does not support causal attention with fewer queries ({n_queries}) "
+            f"than keys ({n_keys}); run it on the whole sequence"
+        )
+    spec.check_sizes(n_keys, n_keys, True)
+    return True
+
+
+def decoding_mode(spec: Pattern) -> str:
+    """How ``spec`` decodes: its ``decoding`` class variable, or ``replay`` when it redefines the
+    reference (a weighting other than softmax over ``row_mask``)."""
+    mode = getattr(spec, "decoding", "rows")
+    if mode not in DECODING_MODES:
+        raise ValueError(f"pattern {spec.name}: decoding must be one of {', '.join(DECODING_MODES)}, got {mode!r}")
+    if mode == "rows" and type(spec).reference is not Pattern.reference:
+        return "replay"
+    return mode
+
+
+def padded_queries(q: Tensor, n_keys: int) -> Tensor:
+    """q [B, H, N, D] -> [B, H, M, D] with M - N zero rows in front: the queries at positions
+    M - N .. M - 1 of a square causal call."""
+    pad = q.new_zeros(q.shape[0], q.shape[1], n_keys - q.shape[2], q.shape[3])
+    return torch.cat([pad, q], dim=2)
+
+
+def query_rows(n_queries: int, n_keys: int, chunk: int | None) -> list[slice]:
+    """Row slices (positions in the padded square) covering the last ``n_queries`` rows."""
+    start = n_keys - n_queries
+    step = n_queries if chunk is None else chunk
+    return [slice(s, min(s + step, n_keys)) for s in range(start, n_keys, step)]
+
+
+def bottom_right_mask(n_queries: int, n_keys: int, device: torch.device) -> Tensor:
+    """[N, M] bool: query i keeps key j iff j <= i + (M - N)."""
+    query_pos = torch.arange(n_keys - n_queries, n_keys, device=device)
+    return torch.arange(n_keys, device=device)[None, :] <= query_pos[:, None]
+
+
+def decode_attention(
+    spec: Pattern,
+    impl: str,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    key_padding_mask: Tensor | None,
+    params: dict[str, Tensor] | None,
+) -> Tensor:
+    """Bottom-right causal attention of q [B, H, N, D] over k, v [B, H(k), M, *], N < M.
+
+    ``impl`` is the resolved implementation. Returns [B, H, N, Dv].
+    """
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    mode = decoding_mode(spec)
+    if impl == "lean" and mode == "rows":
+        if isinstance(spec, Full) and key_padding_mask is None:
+            mask = bottom_right_mask(n_queries, n_keys, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
+    run = getattr(spec, impl)
+    out = run(padded_queries(q, n_keys), k, v, causal=True, scale=scale, key_padding_mask=key_padding_mask, params=params)
+    return out[:, :, n_keys - n_queries :]
+
+
+def rows_attention(
+    spec: Pattern,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    key_padding_mask: Tensor | None,
+    params: dict[str, Tensor] | None,
+    chunk: int = DEFAULT_ROW_CHUNK,
+) -> Tensor:
+    """Softmax over ``row_mask`` for the last N rows only, in row chunks recomputed in the
+    backward (memory O(chunk M)). q: [B, H, N, D]; k, v: [B, H, M, *] (GQA expanded)."""
+    full_q = padded_queries(q, k.shape[2])
+
+    def one_chunk(rows: slice) -> Tensor:
+        mask = apply_key_padding(spec.row_mask(full_q, k, rows, True, key_padding_mask, params), key_padding_mask)
+        return dense_masked_attention(full_q[:, :, rows], k, v, mask, scale)
+
+    outs = []
+    for rows in query_rows(q.shape[2], k.shape[2], chunk):
+        outs.append(checkpoint(one_chunk, rows, use_reentrant=False) if torch.is_grad_enabled() else one_chunk(rows))
+    return torch.cat(outs, dim=2)

@@ -1,0 +1,59 @@
+"""Packed batches: several documents concatenated along the sequence, cut by ``cu_seqlens``.
+
+``cu_seqlens`` [D + 1] holds the cumulative document lengths (0, len_0, len_0 + len_1, ..., T), as
+FlashAttention's varlen functions take them. Every document is attended alone: no query sees
+a key of another document, and no statistic of a mechanism (TOPK's choice, BAND's window edges,
+ZETA's key sort and causal mean) reads another document, because each document runs through the
+pattern's path by itself. The reference and lean paths only; the cut points are read on the
+host (one device-to-host copy per call on CUDA).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, k: Tensor, key_padding_mask: Tensor | None) -> list[int]:
+    """Validate a packed call and return the cut points as Python ints.
+
+    Raises:
+        ValueError: batch other than 1, q and k of different lengths, padding, or cut points
+            that do not rise from 0 to T.
+    """
+    if q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs a packed batch of size 1 ([1, H, T, D]), got batch {q.shape[0]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"cu_seqlens needs as many queries as keys, got {q.shape[2]} and {k.shape[2]}")
+    if key_padding_mask is not None:
+        raise ValueError("cu_seqlens and key_padding_mask are exclusive: a packed batch has no padding")
+    if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of cumulative document lengths")
+    cuts = [int(c) for c in cu_seqlens.tolist()]
+    rising = all(b > a for a, b in itertools.pairwise(cuts))
+    if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != q.shape[2] or not rising:
+        raise ValueError(
+            f"cu_seqlens must rise strictly from 0 to the packed length {q.shape[2]}, got {cuts}"
+        )
+    return cuts
+
+
+def packed_attention(
+    attend: Callable[[Tensor, Tensor, Tensor], Tensor | tuple[Tensor, Tensor]],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cuts: list[int],
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Run ``attend(q_doc, k_doc, v_doc)`` on each document and concatenate along the sequence.
+
+    q: [1, Hq, T, D]; k: [1, Hk, T, D]; v: [1, Hk, T, Dv]. ``attend`` returns out [1, Hq, L, Dv]
+    or (out, lse [1, Hq, L]); so does this, over T.
+    """
+    parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
+    if isinstance(parts[0], tuple):
+        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
+    return torch.cat(parts, dim=2)

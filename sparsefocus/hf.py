@@ -1,0 +1,211 @@
+"""Hugging Face transformers integration: any registered pattern as an ``attn_implementation``.
+
+    import sparsefocus.hf
+    sparsefocus.hf.register("sf-topk", "TOPK", k=8)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sf-topk")
+
+``register`` installs two functions under the name: the attention function
+(``transformers.AttentionInterface``) and the mask function (``transformers.AttentionMaskInterface``).
+The mask function is needed: transformers builds no mask at all for an implementation it has no
+mask function for, which would silently drop the padding. Ours returns only the key padding mask,
+[B, 1, 1, M] bool (True = attend), or None without padding; causality comes from the attention
+module (``is_causal``), and the pattern decides which keys each query keeps. With a KV cache the
+queries are the last positions of the keys (``causal=True`` with N < M in ``sparse_attention``).
+
+Refused with a clear error: nonzero attention dropout, packed sequences (``cu_seq_lens_q/k`` or
+position-id packing), sliding-window or other custom masks, caches whose keys extend past the
+queries (``StaticCache``), and patterns with their own q/k width (ZETA's ``dk``: HF attention modules
+project q and k to the head width; use ``sparsefocus.SparseAttention`` or the library's models).
+Trainable mechanism parameters (a gate's weights) are not created in HF models: the pattern's
+fixed defaults are used. Needs transformers >= 4.53 (``AttentionMaskInterface``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sparsefocus.attention import parse_pattern, sparse_attention
+from sparsefocus.attention.patterns import Pattern
+
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
+REGISTERED: dict[str, Pattern] = {}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as error:
+        raise ImportError("sparsefocus.hf needs transformers: pip install 'sparsefocus[hf]'") from error
+    if not hasattr(transformers, "AttentionMaskInterface"):
+        raise ImportError(
+            f"sparsefocus.hf needs transformers >= 4.53 (AttentionMaskInterface), found {transformers.__version__}"
+        )
+    return transformers
+
+
+def build_pattern(pattern: str | Pattern, **options: Any) -> Pattern:
+    """The pattern spec with ``options`` as its parameters: ``build_pattern("TOPK", k=8)`` is
+    ``TOPK:8``; with a spec or a string that has parameters, options replace those fields."""
+    if not options:
+        return parse_pattern(pattern)
+    if isinstance(pattern, Pattern) or ":" in pattern:
+        spec = parse_pattern(pattern)
+        names = {field.name for field in dataclasses.fields(spec)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise ValueError(f"pattern {spec.name} has no parameter {unknown[0]!r}; valid parameters: {', '.join(sorted(names))}")
+        return dataclasses.replace(spec, **options)
+    return parse_pattern(f"{pattern}:" + ",".join(f"{key}={value}" for key, value in options.items()))
+
+
+def check_hf_pattern(spec: Pattern) -> None:
+    """Refuse patterns that need a q/k width other than the head width (ZETA's ``dk``)."""
+    if type(spec).qk_dim is not Pattern.qk_dim:
+        raise ValueError(
+            f"pattern {spec.label()} scores low-dimensional q/k (width {spec.qk_dim(64)} for 64-wide heads), which needs "
+            "its own q/k projection that HF attention modules do not have; use sparsefocus.SparseAttention "
+            "(or the library's decoder) for it"
+        )
+
+
+def register(name: str, pattern: str | Pattern, *, impl: str = "auto", **options: Any) -> Pattern:
+    """Register ``pattern`` under ``name`` for ``attn_implementation=name``.
+
+    Args:
+        name: the implementation name (must not be one of transformers' own).
+        pattern: a pattern spec or string (``"TOPK:8"``, ``"BAND:64(4)"``, or a bare name with options).
+        impl: passed to ``sparse_attention``. Default: "auto".
+        options: pattern parameters, e.g. ``register("sf-band", "BAND", k=64, g=4)``.
+    Returns:
+        the pattern spec.
+    """
+    transformers = _transformers()
+    spec = build_pattern(pattern, **options)
+    check_hf_pattern(spec)
+    builtin = {"sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3"}
+    if name in builtin:
+        raise ValueError(f"attention implementation name {name!r} is one of transformers' own; choose another")
+    transformers.AttentionInterface.register(name, make_attention_function(spec, impl))
+    transformers.AttentionMaskInterface.register(name, make_mask_function(name))
+    REGISTERED[name] = spec
+    return spec
+
+
+def make_attention_function(spec: Pattern, impl: str = "auto") -> Callable[..., tuple[Tensor, None]]:
+    """The function transformers calls in every attention layer:
+    ``fn(module, query [B, H, S, D], key [B, Hkv, M, D], value, attention_mask, dropout, scaling,
+    is_causal, **kwargs) -> (out [B, S, H, Dv], None)``."""
+
+    def attention(
+        module: torch.nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        is_causal: bool | None = None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, None]:
+        if dropout:
+            raise ValueError(
+                f"sparsefocus attention ({spec.label()}) has no attention dropout; got dropout={dropout} "
+                "(set the config's attention_dropout to 0)"
+            )
+        packed = [name for name in PACKED_KWARGS if kwargs.get(name) is not None]
+        if packed:
+            raise ValueError(
+                f"sparsefocus attention ({spec.label()}) does not take packed sequences ({', '.join(packed)}); "
+                "pad the batch instead"
+            )
+        causal = _is_causal(module, is_causal)
+        out = sparse_attention(
+            query, key, value, spec, causal=causal, scale=scaling,
+            key_padding_mask=key_padding_from_mask(attention_mask, key.shape[2]), impl=impl,
+        )  # [B, H, S, Dv]
+        return out.transpose(1, 2).contiguous(), None
+
+    attention.__name__ = f"sparsefocus_{spec.name}_attention"
+    return attention
+
+
+def _is_causal(module: torch.nn.Module, is_causal: bool | None) -> bool:
+    """The layer's causality: the call's ``is_causal``, else the module's, and never causal when
+    the model's config says it is bidirectional."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    config = getattr(module, "config", None)
+    return causal and bool(getattr(config, "is_causal", True))
+
+
+def key_padding_from_mask(attention_mask: Tensor | None, n_keys: int) -> Tensor | None:
+    """[B, M] bool key padding mask (True = real) from a transformers mask: ours ([B, 1, 1, M]
+    bool) or any 4-D bool / additive float mask [B, 1, S, M], where a key is real when some query
+    may attend to it."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -n_keys:].bool()
+    if attention_mask.dim() != 4:
+        raise ValueError(f"sparsefocus attention expects a 2-D or 4-D attention mask, got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask[:, 0, :, :n_keys]  # [B, S, M]
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask.any(dim=1)
+
+
+def make_mask_function(name: str) -> Callable[..., Tensor | None]:
+    """The mask function transformers calls once per forward (``AttentionMaskInterface``)."""
+
+    def sparsefocus_mask(
+        batch_size: int,
+        kv_length: int,
+        kv_offset: int = 0,
+        mask_function: Callable | None = None,
+        attention_mask: Tensor | None = None,
+        **kwargs: Any,
+    ) -> Tensor | None:
+        _check_mask_function(name, mask_function)
+        _check_queries_are_last(name, kv_length, kv_offset, kwargs)
+        if attention_mask is None:
+            return None
+        padding = attention_mask.bool()
+        missing = kv_offset + kv_length - padding.shape[-1]
+        if missing > 0:
+            padding = torch.nn.functional.pad(padding, (0, missing))
+        return padding[:, None, None, kv_offset : kv_offset + kv_length]  # [B, 1, 1, M]
+
+    return sparsefocus_mask
+
+
+def _check_mask_function(name: str, mask_function: Callable | None) -> None:
+    """Accept the plain causal or bidirectional mask only: anything else (packing, sliding
+    windows, or/and overlays) would be a selection the pattern does not know about."""
+    from transformers import masking_utils
+
+    plain = (None, masking_utils.causal_mask_function, getattr(masking_utils, "bidirectional_mask_function", None))
+    if mask_function not in plain:
+        raise ValueError(
+            f"attention implementation {name!r} takes plain causal or bidirectional masks with padding only; "
+            f"the model asked for {getattr(mask_function, '__name__', mask_function)!r} (packed sequences, a sliding "
+            "window or a custom overlay): pad instead of packing, or set sliding_window=None"
+        )
+
+
+def _check_queries_are_last(name: str, kv_length: int, kv_offset: int, kwargs: dict) -> None:
+    """The queries must be the last positions of the keys (a DynamicCache, or no cache)."""
+    q_length, q_offset = kwargs.get("q_length"), kwargs.get("q_offset", 0)
+    if q_length is None and kwargs.get("cache_position") is not None:  # transformers < 5.x passes positions
+        positions = kwargs["cache_position"]
+        q_length, q_offset = positions.shape[0], int(positions[0])
+    if q_length is None:
+        return
+    if isinstance(q_offset, Tensor) or q_offset + q_length != kv_offset + kv_length:
+        raise ValueError(
+            f"attention implementation {name!r} needs the queries to be the last {q_length} of the {kv_length} keys "
+            "(a DynamicCache or no cache); a cache whose keys extend past the queries (StaticCache) is not supported"
+        )

@@ -1,0 +1,101 @@
+"""Bottom-right causal alignment: the last N queries against all M keys equal the last N rows of
+the square causal call, for every registered pattern's examples, on the reference and lean paths."""
+
+import pytest
+import torch
+
+import sparsefocus as sf
+from sparsefocus.attention import PATTERNS
+
+EXAMPLES = [example for cls in PATTERNS.values() for example in cls.examples]
+LENGTHS = (23, 36, 64)
+
+
+def _length(pattern):
+    """The first of LENGTHS the pattern accepts as a causal square (grid patterns need H x W)."""
+    spec = sf.parse_pattern(pattern)
+    grid = getattr(spec, "height", 0) * getattr(spec, "width", 0)
+    for m in (grid, *LENGTHS) if grid else LENGTHS:
+        try:
+            spec.check_sizes(m, m, causal=True)
+            return m
+        except ValueError:
+            continue
+    pytest.skip(f"{pattern} accepts none of the lengths {LENGTHS}")
+
+
+def _inputs(m, heads=4, kv_heads=2, dim=8, seed=0, qk_dim=None):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, m, qk_dim or dim, generator=gen)
+    k = torch.randn(2, kv_heads, m, qk_dim or dim, generator=gen)
+    v = torch.randn(2, kv_heads, m, dim + 3, generator=gen)
+    return q, k, v
+
+
+def _params(pattern):
+    spec = sf.parse_pattern(pattern)
+    made = spec.make_parameters(4)
+    return {name: p.detach() for name, p in made.items()} or None
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("impl", ["reference", "lean"])
+@pytest.mark.parametrize("n", [1, 5])
+def test_last_queries_equal_last_rows_of_the_square_call(pattern, impl, n):
+    m = _length(pattern)
+    q, k, v = _inputs(m, qk_dim=sf.parse_pattern(pattern).qk_dim(8))
+    params = _params(pattern)
+    square = sf.sparse_attention(q, k, v, pattern, causal=True, impl="reference", params=params)
+    last = sf.sparse_attention(q[:, :, -n:], k, v, pattern, causal=True, impl=impl, params=params)
+    assert last.shape == (2, 4, n, 11)
+    torch.testing.assert_close(last, square[:, :, -n:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pattern", ["FULL", "BAND:5(1)", "TOPK:5", "BLOC:9(3)", "zeta:k=4,window=6,chunks=3,local=3"])
+def test_decoding_gradients_match_the_square_call(pattern):
+    m, n = 23, 4
+    q, k, v = _inputs(m)
+    weight = torch.cos(torch.arange(2 * 4 * n * 11, dtype=torch.float32)).reshape(2, 4, n, 11)
+
+    def grads(last_only):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if last_only:
+            out = sf.sparse_attention(leaves[0][:, :, -n:], leaves[1], leaves[2], pattern, causal=True, impl="lean")
+        else:
+            out = sf.sparse_attention(*leaves, pattern, causal=True, impl="reference")[:, :, -n:]
+        (out * weight).sum().backward()
+        return [x.grad for x in leaves]
+
+    for name, got, want in zip(("dq", "dk", "dv"), grads(True), grads(False)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=f"{pattern} {name}")
+
+
+def test_decoding_respects_key_padding():
+    q, k, v = _inputs(23)
+    padding = torch.ones(2, 23, dtype=torch.bool)
+    padding[1, :6] = False
+    for pattern in ("FULL", "TOPK:5", "BAND:4"):
+        square = sf.sparse_attention(q, k, v, pattern, causal=True, key_padding_mask=padding, impl="reference")
+        last = sf.sparse_attention(q[:, :, -3:], k, v, pattern, causal=True, key_padding_mask=padding, impl="lean")
+        torch.testing.assert_close(last, square[:, :, -3:], atol=2e-5, rtol=1e-4)
+
+
+def test_bottom_right_mask_of_full_attention():
+    q, k, _ = _inputs(6)
+    mask = sf.selection_mask("FULL", q[:, :, -2:], k, causal=True)[0, 0]
+    assert mask.tolist() == [[True] * 5 + [False], [True] * 6]
+
+
+def test_more_queries_than_keys_is_refused():
+    q, k, v = _inputs(6)
+    with pytest.raises(ValueError, match="at most as many queries as keys"):
+        sf.sparse_attention(q, k[:, :, :4], v[:, :, :4], "FULL", causal=True)
+
+
+def test_a_pattern_that_cannot_decode_is_refused_by_name(monkeypatch):
+    from sparsefocus.attention.fixed import Band
+
+    monkeypatch.setattr(Band, "decoding", "none")
+    q, k, v = _inputs(8)
+    with pytest.raises(ValueError, match="pattern BAND:3 does not support causal attention with fewer queries"):
+        sf.sparse_attention(q[:, :, -2:], k, v, "BAND:3", causal=True)

@@ -1,0 +1,174 @@
+"""sparsefocus.hf: patterns as transformers attention implementations, on a tiny random Llama
+(no download). FULL equals transformers' sdpa; sparse models train; cached generation equals
+recomputing the whole sequence; unsupported settings are refused by name."""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import sparsefocus.hf as sfhf
+
+VOCAB = 61
+
+
+def _config(**overrides):
+    settings = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+    }
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def _models(name, pattern, config=None, **options):
+    """(sdpa model, our model with the same weights)."""
+    sfhf.register(name, pattern, **options)
+    config = config or _config()
+    torch.manual_seed(0)
+    # from_config writes the implementation into the config it is given: one copy each
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name)
+    assert (ref.config._attn_implementation, ours.config._attn_implementation) == ("sdpa", name)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def _batch(length=13, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, length), generator=gen)
+    mask = torch.ones(2, length, dtype=torch.long)
+    mask[1, :4] = 0  # left padding in the second row
+    return ids, mask
+
+
+def test_full_equals_sdpa_outputs_and_gradients():
+    ref, ours = _models("sf-test-full", "FULL")
+    ids, mask = _batch()
+    real = mask.bool()
+    outs = []
+    for model in (ref, ours):
+        logits = model(ids, attention_mask=mask).logits
+        loss = (logits[real] * torch.cos(torch.arange(logits[real].numel()).reshape(logits[real].shape))).sum()
+        loss.backward()
+        outs.append((logits[real].detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-5, rtol=1e-5)
+    for name, grad in outs[0][1].items():
+        torch.testing.assert_close(outs[1][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_sparse_pattern_differs_from_full_and_stays_causal():
+    ref, ours = _models("sf-test-band", "BAND", k=3)
+    ids, _ = _batch()
+    logits = ours(ids).logits
+    assert (logits - ref(ids).logits)[:, 3:].abs().max() > 1e-3  # BAND:3 is not FULL beyond 3 tokens
+    torch.testing.assert_close(logits[:, :3], ref(ids).logits[:, :3], atol=1e-5, rtol=1e-5)
+    changed = ids.clone()
+    changed[:, 8] = (changed[:, 8] + 1) % VOCAB
+    after = ours(changed).logits
+    assert torch.equal(after[:, :8], logits[:, :8])
+    assert not torch.equal(after[:, 8:], logits[:, 8:])
+
+
+def test_padded_keys_are_never_read():
+    _, ours = _models("sf-test-topk-pad", "TOPK:3")
+    ids, mask = _batch()
+    changed = ids.clone()
+    changed[1, :4] = (changed[1, :4] + 7) % VOCAB  # only padded tokens change
+    before, after = (ours(x, attention_mask=mask).logits[1, 4:] for x in (ids, changed))
+    torch.testing.assert_close(after, before, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("pattern", ["TOPK:3", "BAND:4(1)"])
+def test_sparse_models_train(pattern):
+    _, model = _models(f"sf-test-train-{pattern}", pattern)
+    ids, mask = _batch(length=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(8):
+        loss = model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        optimizer.zero_grad()
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("pattern", ["FULL", "BAND:3", "TOPK:3", "BLOC:4(1)"])
+def test_cached_generation_equals_recomputing_the_whole_sequence(pattern):
+    _, model = _models(f"sf-test-gen-{pattern}", pattern)
+    model.eval()
+    ids, mask = _batch(length=7)
+    settings = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        cached = model.generate(ids, use_cache=True, **settings)
+        recomputed = model.generate(ids, use_cache=False, **settings)
+    assert cached.shape == (2, 15)
+    assert torch.equal(cached, recomputed)
+
+
+def test_generation_with_full_equals_sdpa_generation():
+    ref, ours = _models("sf-test-gen-sdpa", "FULL")
+    ids, mask = _batch(length=7)
+    settings = {"attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
+
+
+def test_register_builds_patterns_from_options():
+    assert sfhf.register("sf-test-options", "BAND", k=5, g=1).label() == "BAND:5(1)"
+    assert sfhf.build_pattern("TOPK:4", k=6).label() == "TOPK:6"
+    with pytest.raises(ValueError, match="no parameter 'width'"):
+        sfhf.build_pattern("TOPK:4", width=6)
+    with pytest.raises(ValueError, match="one of transformers' own"):
+        sfhf.register("sdpa", "FULL")
+
+
+def test_zeta_is_refused_with_what_it_needs():
+    with pytest.raises(ValueError, match="needs its own q/k projection"):
+        sfhf.register("sf-test-zeta", "zeta:k=4")
+
+
+def test_attention_dropout_is_refused():
+    _, model = _models("sf-test-dropout", "FULL", config=_config(attention_dropout=0.1))
+    ids, _ = _batch()
+    model.train()
+    with pytest.raises(ValueError, match="has no attention dropout"):
+        model(ids)
+
+
+def test_packed_sequences_are_refused():
+    _, model = _models("sf-test-packed", "TOPK:3")
+    ids, _ = _batch()
+    positions = torch.cat([torch.arange(6), torch.arange(7)])[None].expand(2, -1)
+    with pytest.raises(ValueError, match="packed sequences"):
+        model(ids, position_ids=positions, use_cache=False)
+    attention = sfhf.make_attention_function(sfhf.build_pattern("FULL"))
+    q = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 2, 5]))
+
+
+def test_static_cache_is_refused():
+    _, model = _models("sf-test-static", "FULL")
+    ids, mask = _batch(length=5)
+    with pytest.raises(ValueError, match="StaticCache"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)
+
+
+def test_sliding_window_models_are_refused():
+    from transformers import MistralConfig
+
+    config = MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+    )
+    sfhf.register("sf-test-sliding", "FULL")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sf-test-sliding")
+    with pytest.raises(ValueError, match="sliding"):
+        model(_batch()[0])

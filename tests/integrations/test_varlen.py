@@ -1,0 +1,81 @@
+"""Packed batches (``cu_seqlens``): every document gives what it gives alone, on the reference and
+lean paths of TOPK, BAND, BLOC and ZETA (ZETA's key sort and causal mean stay per document)."""
+
+import itertools
+
+import pytest
+import torch
+
+import sparsefocus as sf
+
+LENGTHS = (7, 1, 12, 5)
+PATTERNS = ["TOPK:3", "BAND:5(1)", "BLOC:4(1)", "zeta:k=3,window=4,chunks=2,local=2", "FULL"]
+
+
+def _packed(dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(LENGTHS)
+    q = torch.randn(1, 4, total, dim, generator=gen)
+    k = torch.randn(1, 2, total, dim, generator=gen)
+    v = torch.randn(1, 2, total, dim + 3, generator=gen)
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, cu_seqlens
+
+
+def _fits(pattern, n, causal):
+    try:
+        sf.parse_pattern(pattern).check_sizes(n, n, causal)
+        return True
+    except ValueError:
+        return False
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("impl", ["reference", "lean"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_each_document_equals_the_document_alone(pattern, impl, causal):
+    dim = sf.parse_pattern(pattern).qk_dim(8)
+    q, k, v, cu_seqlens = _packed(dim=dim)
+    if not all(_fits(pattern, n, causal) for n in LENGTHS):
+        lengths = [n for n in LENGTHS if _fits(pattern, n, causal)]
+        q, k, v = (x[:, :, : sum(lengths)] for x in (q, k, v))
+        cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    packed = sf.sparse_attention(*leaves, pattern, causal=causal, impl=impl, cu_seqlens=cu_seqlens)
+    packed.backward(torch.cos(torch.arange(packed.numel(), dtype=packed.dtype)).reshape(packed.shape))
+    cuts = cu_seqlens.tolist()
+    for a, b in itertools.pairwise(cuts):
+        alone = [x[:, :, a:b].clone().requires_grad_() for x in (q, k, v)]
+        out = sf.sparse_attention(*alone, pattern, causal=causal, impl=impl)
+        out.backward(torch.cos(torch.arange(packed.numel(), dtype=packed.dtype)).reshape(packed.shape)[:, :, a:b])
+        torch.testing.assert_close(packed[:, :, a:b], out, atol=1e-6, rtol=1e-6)
+        for name, leaf, part in zip(("dq", "dk", "dv"), leaves, alone):
+            torch.testing.assert_close(leaf.grad[:, :, a:b], part.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_no_query_attends_across_a_boundary():
+    q, k, v, cu_seqlens = _packed()
+    out = sf.sparse_attention(q, k, v, "FULL", impl="lean", cu_seqlens=cu_seqlens)
+    changed = v.clone()
+    changed[:, :, 8:] += 1.0  # every document after the first two
+    moved = sf.sparse_attention(q, k, changed, "FULL", impl="lean", cu_seqlens=cu_seqlens)
+    assert torch.equal(out[:, :, :8], moved[:, :, :8])
+
+
+def test_packed_lse_equals_each_document_alone():
+    q, k, v, cu_seqlens = _packed()
+    _, lse = sf.sparse_attention(q, k, v, "BAND:5(1)", causal=True, impl="lean", cu_seqlens=cu_seqlens, return_lse=True)
+    _, alone = sf.sparse_attention(q[:, :, 8:20], k[:, :, 8:20], v[:, :, 8:20], "BAND:5(1)", causal=True, return_lse=True)
+    torch.testing.assert_close(lse[:, :, 8:20], alone)
+
+
+def test_bad_packed_calls_are_refused():
+    q, k, v, cu_seqlens = _packed()
+    with pytest.raises(ValueError, match="rise strictly from 0"):
+        sf.sparse_attention(q, k, v, "FULL", cu_seqlens=torch.tensor([0, 5, 5, 25]))
+    with pytest.raises(ValueError, match="batch of size 1"):
+        sf.sparse_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), "FULL", cu_seqlens=cu_seqlens)
+    with pytest.raises(ValueError, match="exclusive"):
+        sf.sparse_attention(q, k, v, "FULL", cu_seqlens=cu_seqlens, key_padding_mask=torch.ones(1, 25, dtype=torch.bool))
+    with pytest.raises(ValueError, match="reference and lean paths only"):
+        sf.sparse_attention(q, k, v, "BAND:3", cu_seqlens=cu_seqlens, impl="triton")
