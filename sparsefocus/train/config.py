@@ -103,6 +103,8 @@ class TrainConfig:
         autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".
         topk_select: how the batched fast path picks TOPK keys: "torch" (scores + topk) or
             "triton" (the fused selection kernel, CUDA). Default: "torch".
+        shuffle: reshuffle the training examples every epoch; false feeds them in the task's order
+            every epoch (corpus order for ``lm_window``, as the Semantic Focus PTB runs). Default: true.
     """
 
     epochs: int = 10
@@ -120,6 +122,7 @@ class TrainConfig:
     matmul_precision: str = "highest"
     autocast: str = "none"
     topk_select: str = "torch"
+    shuffle: bool = True
 
     def validate(self) -> None:
         for key in ("epochs", "batch_size", "eval_batch_size", "jobs", "checkpoint_every"):
