@@ -134,9 +134,12 @@ def train_epoch(
     config: ExperimentConfig,
     generator: torch.Generator,
 ) -> tuple[float, float]:
-    """One shuffled pass over the training set; returns the running (mean batch) loss and accuracy."""
+    """One pass over the training set (shuffled unless ``train.shuffle`` is false); returns the
+    running (mean batch) loss and accuracy."""
     model.train()
-    order = torch.randperm(data.train_inputs.shape[0], generator=generator).to(data.train_inputs.device)
+    count = data.train_inputs.shape[0]
+    order = torch.randperm(count, generator=generator) if config.train.shuffle else torch.arange(count)
+    order = order.to(data.train_inputs.device)
     loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, order.shape[0], config.train.batch_size):
         batch = order[start : start + config.train.batch_size]
