@@ -1,4 +1,5 @@
-"""``sparsefocus train CONFIG [key=value ...]``: check the config, train every unfinished run, report."""
+"""``sparsefocus train CONFIG [key=value ...] [--budget SECONDS]``: check the config, train every
+unfinished run (or as much as fits in the budget), report when everything is finished."""
 
 from __future__ import annotations
 
@@ -6,13 +7,15 @@ import argparse
 
 from sparsefocus.train.checkpoint import CheckpointError
 from sparsefocus.train.config import load_config, to_yaml
-from sparsefocus.train.experiment import check_experiment, plan, run_experiment
+from sparsefocus.train.driver import Budget
+from sparsefocus.train.experiment import check_experiment, plan, progress_line, run_experiment
 from sparsefocus.train.report import write_report
 
 EPILOG = """examples:
   sparsefocus train experiments/nnch_parity.yaml
   sparsefocus train experiments/listops.yaml train.epochs=20 'mechanisms=[FULL,TOPK:5]' seeds=[1,2,3]
   sparsefocus train experiments/nnch_even_pairs.yaml model.blocks=2 train.jobs=2 --dry-run
+  sparsefocus train experiments/listops.yaml train.device=cuda train.batched=true train.batched_mode=fast --budget 540
 Values are read as YAML; quote arguments with brackets or parentheses for your shell."""
 
 
@@ -27,6 +30,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.blocks=4")
     parser.add_argument("--dry-run", action="store_true", help="check the config, print it and the runs, train nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md and the curves at the end")
+    parser.add_argument(
+        "--budget", type=float, default=None, metavar="SECONDS",
+        help="stop at the first epoch boundary where the next epoch would not fit in SECONDS; run again to continue",
+    )
     return parser.parse_intermixed_args(argv)
 
 
@@ -41,12 +48,15 @@ def main(argv: list[str] | None = None) -> int:
             for spec in specs:
                 print(f"  {spec.run_dir}")
             return 0
-        root = run_experiment(config)
+        budget = Budget(args.budget) if args.budget is not None else None
+        root = run_experiment(config, budget=budget)
+        summary, complete = progress_line(config)
     except (ValueError, CheckpointError, FileNotFoundError) as error:
         print(f"error: {error}")
         return 2
     print(f"runs: {root}")
-    if not args.no_report:
+    print(summary)
+    if not args.no_report and complete:
         report, pictures = write_report(root)
         print(f"report: {report}")
         for picture in pictures:
