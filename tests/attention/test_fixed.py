@@ -161,7 +161,7 @@ def test_lean_random_at_16k_never_builds_an_n_by_n_tensor():
 @pytest.mark.parametrize(
     "spec, parameter",
     [
-        ("strided:0", "stride"),
+        ("strided:-1", "stride"),
         ("fixed:block=0", "block"),
         ("fixed:4,c=5", "c"),
         ("fixed:4,c=0", "c"),
