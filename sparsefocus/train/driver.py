@@ -52,12 +52,14 @@ class Budget:
     """A wall-clock allowance checked at epoch boundaries (picklable: an absolute deadline).
 
     ``seconds``: the allowance; ``deadline``: ``time.time()`` when it ends; ``last_epoch``: the
-    longest epoch seen so far in this process, the estimate for the next one.
+    longest epoch seen so far in this process, the estimate for the next one; ``epochs``: epochs
+    trained under it. The first epoch is always allowed, so that every call makes progress.
     """
 
     seconds: float
     deadline: float = 0.0
     last_epoch: float = 0.0
+    epochs: int = 0
 
     def __post_init__(self) -> None:
         if self.seconds <= 0:
@@ -67,10 +69,12 @@ class Budget:
 
     def allows(self, estimate: float | None = None) -> bool:
         """Whether an epoch expected to take ``estimate`` (default: the longest so far) still fits."""
+        if self.epochs == 0:
+            return True
         return time.time() + (self.last_epoch if estimate is None else estimate) <= self.deadline
 
     def record(self, seconds: float) -> None:
-        self.last_epoch = max(self.last_epoch, seconds)
+        self.last_epoch, self.epochs = max(self.last_epoch, seconds), self.epochs + 1
 
 
 def _shape_key(data: TaskData) -> tuple:
