@@ -103,6 +103,9 @@ class TrainConfig:
         autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".
         topk_select: how the batched fast path picks TOPK keys: "torch" (scores + topk) or
             "triton" (the fused selection kernel, CUDA). Default: "torch".
+        task_cache: the batched path keeps each seed's built task data under
+            ``<out_dir>/<name>/.task-cache`` (keyed by the task config and its generator's source)
+            and builds missing seeds in parallel processes. Default: False.
         shuffle: reshuffle the training examples every epoch; false feeds them in the task's order
             every epoch (corpus order for ``lm_window``, as the Semantic Focus PTB runs). Default: true.
     """
@@ -122,6 +125,7 @@ class TrainConfig:
     matmul_precision: str = "highest"
     autocast: str = "none"
     topk_select: str = "torch"
+    task_cache: bool = False
     shuffle: bool = True
 
     def validate(self) -> None:

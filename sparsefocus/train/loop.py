@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # train.batched is free because its exact mode equals this loop (train.batched_mode is recorded).
 RESUME_FREE_KEYS = (
     "name", "out_dir", "train.jobs", "train.threads", "train.device", "train.batched", "train.batched_max_runs", "train.compile",
+    "train.task_cache",
 )
 
 
