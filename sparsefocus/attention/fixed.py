@@ -24,7 +24,13 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import apply_key_padding, dense_masked_attention, expand_kv, mask_from_indices, row_slice
+from sparsefocus.attention.common import (
+    apply_key_padding,
+    dense_masked_attention,
+    expand_kv,
+    mask_from_indices,
+    row_slice,
+)
 from sparsefocus.attention.patterns import IndexedPattern, register, require
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
