@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
+import json
 import math
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -34,7 +40,7 @@ from sparsefocus.train.batched import (
     run_state,
 )
 from sparsefocus.train.checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
-from sparsefocus.train.config import ExperimentConfig, TrainConfig
+from sparsefocus.train.config import ExperimentConfig, TrainConfig, make_task_config
 from sparsefocus.train.loop import (
     RunSpec,
     _write_metrics,
@@ -75,6 +81,48 @@ class Budget:
 
     def record(self, seconds: float) -> None:
         self.last_epoch, self.epochs = max(self.last_epoch, seconds), self.epochs + 1
+
+
+TASK_TENSORS = ("train_inputs", "train_targets", "valid_inputs", "valid_targets", "test_inputs", "test_targets")
+TASK_SCALARS = ("name", "kind", "vocab_size", "num_classes", "pad_id")
+
+
+def task_cache_path(config: ExperimentConfig, seed: int) -> Path:
+    """Where the task cache keeps ``seed``'s data: keyed by the task config and the source of the
+    module that generates it, so an edited generator never serves stale data."""
+    task = make_task_config(config.task)
+    source = Path(inspect.getsourcefile(type(task))).read_bytes()
+    key = hashlib.sha256(json.dumps(config.task, sort_keys=True, default=str).encode() + source).hexdigest()[:16]
+    return Path(config.out_dir) / config.name / ".task-cache" / key / f"seed-{seed}.pt"
+
+
+def _build_into_cache(config: ExperimentConfig, seed: int) -> None:
+    """Build ``seed``'s task on the CPU and save its tensors and sizes atomically."""
+    data = build_data(config, seed, torch.device("cpu"))
+    record = {name: getattr(data, name) for name in TASK_TENSORS + TASK_SCALARS}
+    path = task_cache_path(config, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, record)
+
+
+def _load_cached(config: ExperimentConfig, seed: int, device: torch.device) -> TaskData:
+    record = torch.load(task_cache_path(config, seed), map_location=device, weights_only=True)
+    return TaskData(**record)
+
+
+def build_datas(config: ExperimentConfig, seeds: list[int], device: torch.device) -> list[TaskData]:
+    """Every seed's task data on ``device``; with ``train.task_cache`` missing seeds are built in
+    parallel processes (one per core at most) into the cache, then all are read from it."""
+    if not config.train.task_cache:
+        return [build_data(config, seed, device) for seed in seeds]
+    missing = [seed for seed in seeds if not task_cache_path(config, seed).exists()]
+    if len(missing) == 1:
+        _build_into_cache(config, missing[0])
+    elif missing:
+        workers = min(len(missing), os.cpu_count() or 1)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_build_into_cache, [config] * len(missing), missing))
+    return [_load_cached(config, seed, device) for seed in seeds]
 
 
 def _shape_key(data: TaskData) -> tuple:
@@ -160,7 +208,10 @@ class GroupTrainer:
         Returns the running per-run (loss sum, correct count) on the device."""
         self.model.train()
         n, batch = self.train_inputs.shape[1], self.train_cfg.batch_size
-        orders = torch.stack([torch.randperm(n, generator=g) for g in self.generators]).to(self.device)  # [R, n]
+        if self.train_cfg.shuffle:
+            orders = torch.stack([torch.randperm(n, generator=g) for g in self.generators]).to(self.device)  # [R, n]
+        else:
+            orders = torch.arange(n, device=self.device).expand(self.runs, -1)
         loss_sum = torch.zeros(self.runs, dtype=torch.float64, device=self.device)
         correct = torch.zeros(self.runs, dtype=torch.long, device=self.device)
         params = [p for p in self.model.parameters()]
@@ -321,7 +372,7 @@ def train_group(
     config: ExperimentConfig = specs[0].config
     device = resolve_device(config.train.device)
     with matmul_precision(config.train.matmul_precision):
-        datas = [build_data(config, spec.seed, device) for spec in specs]
+        datas = build_datas(config, [spec.seed for spec in specs], device)
         parts: dict[tuple, list[int]] = {}
         for index, data in enumerate(datas):
             parts.setdefault(_shape_key(data), []).append(index)

@@ -87,3 +87,21 @@ def test_one_loop_continues_a_folder_the_other_started(uninterrupted, tmp_path, 
 def test_budget_must_be_positive():
     with pytest.raises(ValueError, match="--budget must be > 0"):
         Budget(0)
+
+
+def test_task_cache_serves_the_built_data(tmp_path):
+    import torch
+
+    from sparsefocus.train.config import load_config
+    from sparsefocus.train.driver import build_datas, task_cache_path
+    from sparsefocus.train.loop import build_data
+
+    config = load_config(None, [f"out_dir={tmp_path}", *TINY, "train.batched=true", "train.task_cache=true"])
+    first = build_datas(config, [5], torch.device("cpu"))
+    assert task_cache_path(config, 5).exists()
+    again = build_datas(config, [4, 5], torch.device("cpu"))[1]  # 4 is built, 5 is read
+    fresh = build_data(config, 5, torch.device("cpu"))
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
+        assert torch.equal(getattr(again, name), getattr(fresh, name))
+        assert torch.equal(getattr(first[0], name), getattr(fresh, name))
+    assert (again.vocab_size, again.num_classes, again.pad_id) == (fresh.vocab_size, fresh.num_classes, fresh.pad_id)
