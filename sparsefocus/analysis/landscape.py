@@ -9,8 +9,9 @@ a, b in linspace(-radius, radius, steps), and estimate the local Lipschitz const
 
 The window [-r, r]^2 is the closed, centred one by default (``window="centred"``: every grid point
 with |a| <= r). ``window="paper"`` takes ``lgrads.py``'s index slice
-[int((-r - a_0) / step), int((r - a_0) / step)): half-open, so it ends one grid point before +r and,
-through the truncation, usually starts one point below -r: the window shifted by one step.
+[int((-r - a_0) / step), int((r - a_0) / step)): half-open, so it ends one grid point before +r,
+and where the truncation rounds -r down it starts one point below -r: the window shifted by one
+step (the paper's 200-point grid at r = 0.01 keeps a = -0.015, -0.005 instead of -0.005, 0.005).
 """
 
 from __future__ import annotations
