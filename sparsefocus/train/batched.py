@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,12 @@ from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
-from sparsefocus.models.blocks import PAPER_FILL, Embedding, PaperAttention, sinusoidal_positions
+from sparsefocus.models.blocks import (
+    PAPER_FILL,
+    Embedding,
+    PaperAttention,
+    sinusoidal_positions,
+)
 
 MODES = ("exact", "fast")
 
@@ -219,7 +224,6 @@ class RunAttention(nn.Module):
             setattr(self, name, RunLinear([getattr(m, name) for m in modules], exact))
         p = first.attention_dropout if self.paper else first.dropout.p
         self.dropout = RunDropout(p, self.runs, rng, always=self.paper)
-        self._fixed_masks: dict[tuple, Tensor] = {}
 
     project = SparseAttention.project
 
@@ -255,18 +259,12 @@ class RunAttention(nn.Module):
         k, v = expand_kv(k, self.heads), expand_kv(v, self.heads)
         fixed = None
         if not self.pattern.input_dependent and not isinstance(self.pattern, Full):
-            fixed = self.fixed_mask(q, k)
+            # [1, 1, N, M]: the same for every row; rebuilt per call (cheap, and no state under torch.compile)
+            fixed = selection_mask(self.pattern, q[:1, :1], k[:1, :1], causal=self.causal)
         return fused_paper_attention(
             q, k, v, self.pattern, fixed_mask=fixed, key_padding_mask=key_padding_mask, causal=self.causal,
             dropout_p=self.dropout.p, topk_select=self.topk_select,
         )
-
-    def fixed_mask(self, q: Tensor, k: Tensor) -> Tensor:
-        """[1, 1, N, M] selection of an input-agnostic pattern, built once per size and device."""
-        key = (q.shape[2], k.shape[2], q.device)
-        if key not in self._fixed_masks:
-            self._fixed_masks[key] = selection_mask(self.pattern, q[:1, :1], k[:1, :1], causal=self.causal)
-        return self._fixed_masks[key]
 
 
 def _select(q: Tensor, k: Tensor, pattern: TopK | BottomK, topk_select: str) -> Tensor:

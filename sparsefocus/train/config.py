@@ -104,7 +104,7 @@ class TrainConfig:
         topk_select: how the batched fast path picks TOPK keys: "torch" (scores + topk) or
             "triton" (the fused selection kernel, CUDA). Default: "torch".
         task_cache: the batched path keeps each seed's built task data under
-            ``<out_dir>/<name>/.task-cache`` (keyed by the task config and its generator's source)
+            ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
             and builds missing seeds in parallel processes. Default: False.
         shuffle: reshuffle the training examples every epoch; false feeds them in the task's order
             every epoch (corpus order for ``lm_window``, as the Semantic Focus PTB runs). Default: true.
