@@ -159,7 +159,7 @@ def _epoch_seed(seeds: list[int], epoch: int) -> int:
 
 def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
     """The torch.compile mode of the fast step, or None for eager."""
-    if train.batched_mode != "fast" or train.compile == "off":
+    if train.batched_mode != "fast" or train.compile == "eager":
         return None
     if train.compile == "auto":
         return "default" if device.type == "cuda" else None

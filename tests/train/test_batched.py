@@ -221,3 +221,20 @@ def test_batched_refuses_next_token_tasks(tmp_path):
     task = "task={name: mqar, vocab_size: 32, seq_len: 16, num_kv_pairs: 2, num_train: 16, num_valid: 8}"
     with pytest.raises(ValueError, match="classification tasks only"):
         run_experiment(config(tmp_path, task, "model.paper_mode=false", "train.batched=true"), quiet=True)
+
+
+@pytest.mark.parametrize("layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"])
+@pytest.mark.parametrize("mechanism", ["BAND:3(1)", "BLOC:4(1)", "TOPK:3"])
+def test_fast_fold_computes_each_models_logits(mechanism, layout):
+    if layout and not hasattr(ModelConfig(), "global_tokens"):
+        pytest.skip("this model has no global-token layouts")
+    cfg = config(Path("unused"), "model.dropout=0.0", f"mechanisms=[{mechanism}]", *layout)
+    data = build_data(cfg, 1, torch.device("cpu"))
+    models = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        models.append(build_model(cfg.model, mechanism, data).eval())
+    inputs = data.valid_inputs[:5]
+    expected = torch.cat([model(inputs) for model in models])
+    got = fold_models(models, mode="fast").eval()(inputs.repeat(len(models), 1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
