@@ -176,7 +176,8 @@ def run_experiment(config: ExperimentConfig, *, quiet: bool = False, budget: Bud
                 if budget is not None and not budget.allows():
                     break
                 bar.set_postfix_str(f"{spec.label} seed {spec.seed}")
-                train_run(spec, on_epoch=lambda: bar.update(1), budget=budget)
+                limits = {} if budget is None else {"budget": budget}  # without a budget: train_run's plain call
+                train_run(spec, on_epoch=lambda: bar.update(1), **limits)
         else:
             _run_pool(todo, jobs, threads, bar, budget)
     return root
