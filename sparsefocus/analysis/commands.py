@@ -27,16 +27,32 @@ from sparsefocus.analysis.bounds import (
     paper_bound_report,
 )
 from sparsefocus.analysis.hooks import AttentionCall, capture_attention
-from sparsefocus.analysis.landscape import Landscape, lipschitz_profile, loss_grid, plot_landscapes, plot_lipschitz
+from sparsefocus.analysis.landscape import (
+    LIPSCHITZ_WINDOWS,
+    Landscape,
+    lipschitz_profile,
+    loss_grid,
+    plot_landscapes,
+    plot_lipschitz,
+)
 from sparsefocus.analysis.recall import RecallStatistics
-from sparsefocus.analysis.runs import LoadedRun, find_runs, group_runs, load_run
+from sparsefocus.analysis.runs import LoadedRun, find_runs, group_runs, load_run, read_record
 from sparsefocus.analysis.statistics import ScoreStatistics
 from sparsefocus.train.checkpoint import write_text_atomic
 
 
+PAPER_ANALYSIS_SEED = 140439608  # the seed of the paper's statistics and landscape checkpoints
+
+
 @dataclass
 class AnalyzeOptions:
-    """How much data to feed and what to compute. Defaults follow the paper: 10 batches of 100."""
+    """How much data to feed and what to compute. Defaults follow the paper: 10 batches of 100.
+
+    seed: the run analysed per mechanism (unless ``all_seeds``): None = the smallest seed of the
+        group (the default), or a seed, e.g. ``PAPER_ANALYSIS_SEED`` (the paper's 140439608).
+    lipschitz_window: "centred" (closed [-r, r], the default) or "paper" (``lgrads.py``'s
+        half-open window shifted by one grid step); see ``sparsefocus.analysis.landscape``.
+    """
 
     batches: int = 10
     batch_size: int = 100
@@ -46,6 +62,8 @@ class AnalyzeOptions:
     radius: float = 1.0
     landscape_samples: int = 500
     direction_seed: int = 11111
+    seed: int | None = None
+    lipschitz_window: str = "centred"
 
 
 def pattern_k(call: AttentionCall) -> int | None:
@@ -87,11 +105,26 @@ def landscape_of(run: LoadedRun, options: AnalyzeOptions) -> Landscape:
     )
 
 
+def chosen_runs(paths: list[Path], options: AnalyzeOptions) -> list[Path]:
+    """The run folders of one group to analyse: all (``all_seeds``), the one of ``options.seed``,
+    or the smallest seed's (``paths`` are sorted by seed). ValueError naming the seeds there are."""
+    if options.all_seeds:
+        return paths
+    if options.seed is None:
+        return paths[:1]
+    seeds = [int(read_record(path)["seed"]) for path in paths]
+    if options.seed not in seeds:
+        label = read_record(paths[0]).get("label", paths[0].name)
+        raise ValueError(f"seed {options.seed} has no run of {label}; its seeds: {', '.join(map(str, seeds))}")
+    return [paths[seeds.index(options.seed)]]
+
+
 def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str, Any], Landscape | None]:
-    """Statistics of one mechanism (first seed, or all seeds pooled) and its landscape (first seed)."""
+    """Statistics of one mechanism (one seed, or all seeds pooled) and its landscape (the first run analysed)."""
     stats, recall = ScoreStatistics(), RecallStatistics()
     used, seeds, landscape, first = 0, [], None, None
-    for path in paths if options.all_seeds else paths[:1]:
+    chosen = chosen_runs(paths, options)
+    for path in chosen:
         run = load_run(path)
         first = first or run
         used += collect(run, options, stats, recall)
@@ -102,7 +135,7 @@ def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str,
         "label": first.label,
         "task": first.data.name,
         "seeds": seeds,
-        "run_dirs": [str(p) for p in (paths if options.all_seeds else paths[:1])],
+        "run_dirs": [str(p) for p in chosen],
         "samples_per_seed": used // max(len(seeds), 1),
         "statistics": stats.summary(),
         "recall": recall.summary() if recall.values else None,
@@ -261,11 +294,13 @@ def markdown_report(report: dict[str, Any]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def landscape_figures(setting: str, landscapes: dict[str, Landscape], out_dir: Path) -> tuple[list[str], dict]:
+def landscape_figures(
+    setting: str, landscapes: dict[str, Landscape], out_dir: Path, window: str = "centred"
+) -> tuple[list[str], dict]:
     """Contour and Lipschitz PNGs of one setting; returns the file names and the JSON data."""
     suffix = "" if setting == "default" else "-" + "".join(c if c.isalnum() else "_" for c in setting)
     contour, lipschitz = f"landscape{suffix}.png", f"lipschitz{suffix}.png"
-    profiles = {label: lipschitz_profile(land) for label, land in landscapes.items()}
+    profiles = {label: lipschitz_profile(land, window=window) for label, land in landscapes.items()}
     plot_landscapes(landscapes, str(out_dir / contour))
     plot_lipschitz(profiles, str(out_dir / lipschitz))
     data = {
@@ -292,7 +327,7 @@ def analyze(run_dir: str | Path, options: AnalyzeOptions, out_dir: str | Path | 
         section["bounds"] = bound_checks(section["mechanisms"])
         if setting in landscapes:
             ordered = {label: landscapes[setting][label] for label in section["mechanisms"] if label in landscapes[setting]}
-            section["figures"], section["landscape"] = landscape_figures(setting, ordered, out_dir)
+            section["figures"], section["landscape"] = landscape_figures(setting, ordered, out_dir, options.lipschitz_window)
     report = {"run_dir": str(run_dir), "options": vars(options), "settings": settings}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out_dir / "analysis.json", json.dumps(report, indent=1, default=float))
@@ -309,7 +344,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/analysis)")
     parser.add_argument("--batches", type=int, default=10, help="training batches per model (default 10)")
     parser.add_argument("--batch-size", type=int, default=100, help="examples per batch (default 100)")
-    parser.add_argument("--all-seeds", action="store_true", help="pool every seed (default: the first seed)")
+    parser.add_argument("--all-seeds", action="store_true", help="pool every seed (default: one seed, see --seed)")
+    parser.add_argument(
+        "--seed", default="smallest",
+        help=f"the seed analysed per mechanism: 'smallest' (default), 'paper' ({PAPER_ANALYSIS_SEED}) or a number",
+    )
+    parser.add_argument(
+        "--lipschitz-window", choices=LIPSCHITZ_WINDOWS, default="centred",
+        help="'centred' (closed [-r, r], default) or 'paper' (lgrads.py's half-open window, shifted by one step)",
+    )
     parser.add_argument("--landscape", action="store_true", help="also compute loss landscapes and Lipschitz estimates")
     parser.add_argument("--grid", type=int, default=11, help="landscape points per axis (default 11; paper 200)")
     parser.add_argument("--radius", type=float, default=1.0, help="landscape half-width (default 1.0)")
@@ -321,7 +364,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("batches", "batch_size", "grid", "landscape_samples"):
         if getattr(args, name) < 1 or (name == "grid" and args.grid < 2):
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
+    args.seed = parse_seed(args.seed, parser)
     return args
+
+
+def parse_seed(text: str, parser: argparse.ArgumentParser) -> int | None:
+    """``--seed``: 'smallest' -> None, 'paper' -> the paper's seed, else an integer."""
+    if text == "smallest":
+        return None
+    if text == "paper":
+        return PAPER_ANALYSIS_SEED
+    try:
+        return int(text)
+    except ValueError:
+        parser.error(f"--seed must be 'smallest', 'paper' or an integer, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     options = AnalyzeOptions(
         batches=args.batches, batch_size=args.batch_size, all_seeds=args.all_seeds, landscape=args.landscape,
-        grid=args.grid, radius=args.radius, landscape_samples=args.landscape_samples,
+        grid=args.grid, radius=args.radius, landscape_samples=args.landscape_samples, seed=args.seed,
+        lipschitz_window=args.lipschitz_window,
     )
     try:
         analyze(args.run_dir, options, args.out)

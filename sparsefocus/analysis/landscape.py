@@ -6,6 +6,12 @@ directions, rescale each parameter tensor's slice of a direction to that tensor'
 a, b in linspace(-radius, radius, steps), and estimate the local Lipschitz constant as
 |L(neighbour) - L(point)| / grid step over neighbouring grid points on both axes, restricted to
 [-r, r]^2, reported as percentiles 50/75/95/99 against r.
+
+The window [-r, r]^2 is the closed, centred one by default (``window="centred"``: every grid point
+with |a| <= r). ``window="paper"`` takes ``lgrads.py``'s index slice
+[int((-r - a_0) / step), int((r - a_0) / step)): half-open, so it ends one grid point before +r,
+and where the truncation rounds -r down it starts one point below -r: the window shifted by one
+step (the paper's 200-point grid at r = 0.01 keeps a = -0.015, -0.005 instead of -0.005, 0.005).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from torch import nn
 from sparsefocus.analysis.files import save_figure
 
 LIPSCHITZ_PERCENTILES = (50, 75, 95, 99)
+LIPSCHITZ_WINDOWS = ("centred", "paper")
 
 
 @dataclass
@@ -107,9 +114,20 @@ def loss_grid(
     return Landscape(alphas, loss)
 
 
-def neighbour_slopes(landscape: Landscape, radius: float) -> np.ndarray:
+def window_indices(alphas: np.ndarray, radius: float, window: str = "centred") -> np.ndarray:
+    """Grid indices of the window [-radius, radius] on one axis (see the module docstring)."""
+    if window not in LIPSCHITZ_WINDOWS:
+        raise ValueError(f"Lipschitz window must be one of {', '.join(LIPSCHITZ_WINDOWS)}, got {window!r}")
+    step = float(alphas[1] - alphas[0])
+    if window == "paper":
+        lower, upper = int((-radius - alphas[0]) / step), int((radius - alphas[0]) / step)
+        return np.arange(len(alphas))[lower:upper]
+    return np.nonzero(np.abs(alphas) <= radius + 1e-9 * step)[0]
+
+
+def neighbour_slopes(landscape: Landscape, radius: float, window: str = "centred") -> np.ndarray:
     """|L difference| / step between neighbouring grid points inside [-radius, radius]^2, both axes."""
-    inside = np.abs(landscape.alphas) <= radius + 1e-9 * landscape.step
+    inside = window_indices(landscape.alphas, radius, window)
     grid = landscape.loss[np.ix_(inside, inside)]
     along_a = np.abs(np.diff(grid, axis=0)).reshape(-1)
     along_b = np.abs(np.diff(grid, axis=1)).reshape(-1)
@@ -117,17 +135,20 @@ def neighbour_slopes(landscape: Landscape, radius: float) -> np.ndarray:
 
 
 def lipschitz_profile(
-    landscape: Landscape, percentiles: tuple[int, ...] = LIPSCHITZ_PERCENTILES
+    landscape: Landscape, percentiles: tuple[int, ...] = LIPSCHITZ_PERCENTILES, window: str = "centred"
 ) -> dict[str, list[float]]:
     """Lipschitz estimates against the distance r from the optimum.
 
-    r runs over the grid's positive coordinates (radii with at least one pair of neighbours).
+    r runs over the grid's positive coordinates that give the window (``"centred"`` or
+    ``"paper"``, see the module docstring) at least one pair of neighbours.
     Returns ``{"r": [...], "p50": [...], ...}``.
     """
-    radii = [float(a) for a in landscape.alphas if a >= landscape.step / 2]
-    profile: dict[str, list[float]] = {"r": radii, **{f"p{q}": [] for q in percentiles}}
-    for radius in radii:
-        slopes = neighbour_slopes(landscape, radius)
+    profile: dict[str, list[float]] = {"r": [], **{f"p{q}": [] for q in percentiles}}
+    for radius in (float(a) for a in landscape.alphas if a >= landscape.step / 2):
+        slopes = neighbour_slopes(landscape, radius, window)
+        if slopes.size == 0:
+            continue
+        profile["r"].append(radius)
         for q in percentiles:
             profile[f"p{q}"].append(float(np.percentile(slopes, q)))
     return profile

@@ -7,10 +7,16 @@ checked against each other by the tests.
 
 Here: BAND, BLOC, global tokens, the Sparse Transformer's strided and fixed patterns, a dilated
 window, seeded random keys, BigBird (window + global + random) and Longformer (window + global).
+
+Global tokens sit at the start of the sequence by default (``globals_at="start"``: positions
+0..g-1, and windows and blocks run over every position). ``globals_at="end"`` is the Semantic
+Focus code's layout: the g global tokens are the LAST g positions and BAND's windows and BLOC's
+blocks run over the N - g regular positions only (``band:k=5,g=1,globals_at=end``; non-causal).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable, ClassVar
@@ -18,7 +24,13 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import mask_from_indices
+from sparsefocus.attention.common import (
+    apply_key_padding,
+    dense_masked_attention,
+    expand_kv,
+    mask_from_indices,
+    row_slice,
+)
 from sparsefocus.attention.patterns import IndexedPattern, register, require
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -52,10 +64,21 @@ def with_causal_and_padding(mask_mod: MaskMod, causal: bool, key_padding_mask: T
     return combined
 
 
-def with_global_tokens(mask_mod: MaskMod, num_global: int) -> MaskMod:
-    """OR in g global tokens: rows and columns 0..g-1 are all kept."""
+GLOBAL_PLACES = ("start", "end")
+
+
+def with_global_tokens(mask_mod: MaskMod, num_global: int, globals_at: str = "start", n_tokens: int = 0) -> MaskMod:
+    """OR in g global tokens: their rows and columns are all kept. They are positions 0..g-1
+    (``globals_at="start"``) or the last g of ``n_tokens`` positions (``"end"``)."""
     if num_global == 0:
         return mask_mod
+    if globals_at == "end":
+        first = n_tokens - num_global
+
+        def appended(b, h, q_idx, kv_idx):
+            return mask_mod(b, h, q_idx, kv_idx) | (q_idx >= first) | (kv_idx >= first)
+
+        return appended
 
     def combined(b, h, q_idx, kv_idx):
         return mask_mod(b, h, q_idx, kv_idx) | (q_idx < num_global) | (kv_idx < num_global)
@@ -63,14 +86,23 @@ def with_global_tokens(mask_mod: MaskMod, num_global: int) -> MaskMod:
     return combined
 
 
-def append_global_columns(index: Tensor, num_global: int) -> Tensor:
-    """Add key columns 0..g-1 to every row of [1, 1, N, K] lists, dropping repeats -> [1, 1, N, K+g]."""
+def append_global_columns(index: Tensor, num_global: int, globals_at: str = "start", n_keys: int = 0) -> Tensor:
+    """Add the g global key columns (0..g-1, or the last g of ``n_keys`` when ``globals_at="end"``)
+    to every row of [1, 1, N, K] lists, dropping repeats -> [1, 1, N, K+g]."""
     if num_global == 0:
         return index
     n_queries = index.shape[-2]
-    globals_ = torch.arange(num_global, device=index.device).expand(1, 1, n_queries, num_global)
-    local = torch.where(index < num_global, torch.full_like(index, -1), index)
+    first = n_keys - num_global if globals_at == "end" else 0
+    globals_ = torch.arange(first, first + num_global, device=index.device).expand(1, 1, n_queries, num_global)
+    repeats = index >= first if globals_at == "end" else index < num_global
+    local = torch.where(repeats, torch.full_like(index, -1), index)
     return torch.cat([local, globals_.to(index.dtype)], dim=-1)
+
+
+def _with_unused_rows(index: Tensor, count: int) -> Tensor:
+    """[1, 1, N, K] key lists -> [1, 1, N + count, K], the new last rows all -1 (unused)."""
+    unused = torch.full((*index.shape[:-2], count, index.shape[-1]), -1, dtype=index.dtype, device=index.device)
+    return torch.cat([index, unused], dim=-2)
 
 
 @dataclass(frozen=True)
@@ -95,13 +127,53 @@ class FixedPattern(IndexedPattern):
         """``mask_mod`` whose captured tensors (if any) live on ``device``. Default: ``mask_mod``."""
         return self.mask_mod(n_queries, n_keys, causal)
 
+    @property
+    def globals_last(self) -> bool:
+        """True when the global tokens are the last g positions (the Semantic Focus code's layout)."""
+        return getattr(self, "globals_at", "start") == "end"
+
+    def regular_count(self, n: int) -> int:
+        """Positions that windows and blocks run over: all n, or n - g when the globals come last."""
+        return n - min(self.num_global_tokens, n) if self.globals_last else n
+
+    def check_globals_at(self) -> None:
+        """``validate`` helper for the patterns with a ``globals_at`` field."""
+        place = getattr(self, "globals_at", "start")
+        require(place in GLOBAL_PLACES, f"{self.name}: globals_at must be one of {', '.join(GLOBAL_PLACES)}, got {place!r}")
+
+    def check_sizes(self, n_queries: int, n_keys: int, causal: bool) -> None:
+        super().check_sizes(n_queries, n_keys, causal)
+        if self.globals_last and self.num_global_tokens and causal:
+            raise ValueError(
+                f"pattern {self}: global tokens at the end attend to every position, so globals_at=end cannot be causal"
+            )
+
     def key_indices(self, q, k, causal, key_padding_mask, params):
-        index = self.position_indices(q.shape[-2], k.shape[-2], causal, q.device)
-        index = append_global_columns(index, min(self.num_global_tokens, k.shape[-2]))
+        n_queries, n_keys = q.shape[-2], k.shape[-2]
+        num_global = min(self.num_global_tokens, n_keys)
+        if self.globals_last and num_global:
+            regular = self.position_indices(n_queries - num_global, n_keys - num_global, causal, q.device)
+            index = _with_unused_rows(regular, num_global)  # the global rows are computed densely
+            return append_global_columns(index, num_global, "end", n_keys)
+        index = self.position_indices(n_queries, n_keys, causal, q.device)
+        index = append_global_columns(index, num_global)
         if causal:
-            query_pos = torch.arange(q.shape[-2], device=q.device)[:, None]
+            query_pos = torch.arange(n_queries, device=q.device)[:, None]
             index = torch.where(index > query_pos, torch.full_like(index, -1), index)
         return index
+
+    def _global_rows_dense(self, q, k, v, out, causal, scale, key_padding_mask):
+        """With the globals last, their g query rows (the last g) attend to every key."""
+        if not self.globals_last:
+            return super()._global_rows_dense(q, k, v, out, causal, scale, key_padding_mask)
+        n_queries = q.shape[-2]
+        num_global = min(self.num_global_tokens, n_queries)
+        if num_global == 0:
+            return out
+        rows = row_slice(n_queries, n_queries - num_global)
+        mask = apply_key_padding(torch.ones(1, 1, num_global, k.shape[-2], dtype=torch.bool, device=q.device), key_padding_mask)
+        head = dense_masked_attention(q[:, :, rows], expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]), mask, scale)
+        return torch.cat([out[:, :, : rows.start], head.to(out.dtype)], dim=2)
 
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
         rule = self.device_mask_mod(q.shape[-2], k.shape[-2], causal, q.device)
@@ -128,10 +200,13 @@ class FixedPattern(IndexedPattern):
 class Band(FixedPattern):
     """``BAND:k(g)``: exactly k keys per query, floor((k-1)/2) to the left and the rest to the right,
     the window shifted at the edges so every row keeps k keys; causal: the k most recent keys
-    including itself. g global tokens (the first g positions) are added."""
+    including itself. g global tokens are added: the first g positions (``globals_at="start"``,
+    windows over every position), or the last g with the windows over the N - g regular positions
+    (``globals_at="end"``, the Semantic Focus code)."""
 
     k: int
     g: int = 0
+    globals_at: str = "start"
     examples: ClassVar[tuple[str, ...]] = ("BAND:5(1)", "band:k=4", "BAND:1")
     name: ClassVar[str] = "band"
     aliases: ClassVar[tuple[str, ...]] = ("windowed", "sliding_window")
@@ -141,21 +216,23 @@ class Band(FixedPattern):
     def validate(self) -> None:
         require(self.k >= 1, f"band: k must be >= 1, got {self.k}")
         require(self.g >= 0, f"band: g must be >= 0, got {self.g}")
+        self.check_globals_at()
 
     def _left(self) -> int:
         return (self.k - 1) // 2
 
     def mask_mod(self, n_queries, n_keys, causal):
-        width, left = min(self.k, n_keys), self._left()
+        regular = self.regular_count(n_keys)
+        width, left = min(self.k, regular), self._left()
 
         def band(b, h, q_idx, kv_idx):
-            start = torch.clamp(q_idx - left, 0, n_keys - width)
+            start = torch.clamp(q_idx - left, 0, regular - width)
             return (kv_idx >= start) & (kv_idx < start + width)
 
         def recent(b, h, q_idx, kv_idx):
             return (q_idx - kv_idx < self.k) & (kv_idx <= q_idx)
 
-        return with_global_tokens(recent if causal else band, self.g)
+        return with_global_tokens(recent if causal else band, self.g, self.globals_at, n_keys)
 
     def position_indices(self, n_queries, n_keys, causal, device):
         query_pos = torch.arange(n_queries, device=device)[:, None]
@@ -188,10 +265,13 @@ class Band(FixedPattern):
 @dataclass(frozen=True)
 class Bloc(FixedPattern):
     """``BLOC:k(g)``: non-overlapping diagonal blocks of size k (the last may be shorter); a query
-    keeps the keys of its own block (causal: those up to itself) plus g global tokens."""
+    keeps the keys of its own block (causal: those up to itself) plus g global tokens: the first g
+    positions (``globals_at="start"``, blocks over every position) or the last g with the blocks
+    over the N - g regular positions (``globals_at="end"``, the Semantic Focus code)."""
 
     k: int
     g: int = 0
+    globals_at: str = "start"
     examples: ClassVar[tuple[str, ...]] = ("BLOC:9(3)", "bloc:k=4")
     name: ClassVar[str] = "bloc"
     aliases: ClassVar[tuple[str, ...]] = ("blklocal", "block_local")
@@ -201,12 +281,15 @@ class Bloc(FixedPattern):
     def validate(self) -> None:
         require(self.k >= 1, f"bloc: k must be >= 1, got {self.k}")
         require(self.g >= 0, f"bloc: g must be >= 0, got {self.g}")
+        self.check_globals_at()
 
     def mask_mod(self, n_queries, n_keys, causal):
-        def block(b, h, q_idx, kv_idx):
-            return (q_idx // self.k) == (kv_idx // self.k)
+        regular = self.regular_count(n_keys)
 
-        return with_global_tokens(block, self.g)
+        def block(b, h, q_idx, kv_idx):
+            return ((q_idx // self.k) == (kv_idx // self.k)) & (kv_idx < regular)
+
+        return with_global_tokens(block, self.g, self.globals_at, n_keys)
 
     def position_indices(self, n_queries, n_keys, causal, device):
         query_pos = torch.arange(n_queries, device=device)[:, None]
@@ -220,10 +303,12 @@ class Bloc(FixedPattern):
 @register
 @dataclass(frozen=True)
 class GlobalTokens(FixedPattern):
-    """``global:g=G``: the first g positions attend to every position and every position attends
-    to them; nothing else is kept. Combine with a local pattern through BAND/BLOC's g."""
+    """``global:g=G``: the first g positions (the last g with ``globals_at="end"``) attend to every
+    position and every position attends to them; nothing else is kept. Combine with a local
+    pattern through BAND/BLOC's g."""
 
     g: int
+    globals_at: str = "start"
     examples: ClassVar[tuple[str, ...]] = ("global:g=2",)
     name: ClassVar[str] = "global"
     positional: ClassVar[tuple[str, ...]] = ("g",)
@@ -231,12 +316,13 @@ class GlobalTokens(FixedPattern):
 
     def validate(self) -> None:
         require(self.g >= 1, f"global: g must be >= 1, got {self.g}")
+        self.check_globals_at()
 
     def mask_mod(self, n_queries, n_keys, causal):
         def nothing(b, h, q_idx, kv_idx):
             return q_idx < 0
 
-        return with_global_tokens(nothing, self.g)
+        return with_global_tokens(nothing, self.g, self.globals_at, n_keys)
 
     def position_indices(self, n_queries, n_keys, causal, device):
         return torch.full((1, 1, n_queries, 1), -1, dtype=torch.long, device=device)
@@ -253,10 +339,11 @@ class Strided(FixedPattern):
     """``strided:stride=s`` (Child et al. 2019, "strided"): query i keeps key j if |i - j| < s or
     (i - j) mod s == 0, i.e. a local window of 2s-1 keys plus every s-th key in i's residue class.
     Causal: the lower-triangular version (the s most recent keys plus every s-th earlier one).
-    With s ~ sqrt(N) every row keeps O(sqrt(N)) keys."""
+    With s ~ sqrt(N) every row keeps O(sqrt(N)) keys, so the default ``stride=0`` (bare
+    ``strided``) means s = ceil(sqrt(M)) for M keys, Child et al.'s choice."""
 
-    stride: int
-    examples: ClassVar[tuple[str, ...]] = ("strided:4", "strided:stride=7")
+    stride: int = 0
+    examples: ClassVar[tuple[str, ...]] = ("strided:4", "strided:stride=7", "strided")
     name: ClassVar[str] = "strided"
     aliases: ClassVar[tuple[str, ...]] = ("sparse_strided",)
     positional: ClassVar[tuple[str, ...]] = ("stride",)
@@ -264,10 +351,14 @@ class Strided(FixedPattern):
     cost: ClassVar[tuple[str, str]] = ("O(N (s + N/s) D)", "O(N (s + N/s))")
 
     def validate(self) -> None:
-        require(self.stride >= 1, f"strided: stride must be >= 1, got {self.stride}")
+        require(self.stride >= 0, f"strided: stride must be >= 1 (or 0 = ceil(sqrt(N))), got {self.stride}")
+
+    def stride_for(self, n_keys: int) -> int:
+        """The stride used with ``n_keys`` keys: ``stride``, or ceil(sqrt(n_keys)) when it is 0."""
+        return self.stride or max(1, math.isqrt(max(n_keys - 1, 0)) + 1)
 
     def mask_mod(self, n_queries, n_keys, causal):
-        stride = self.stride
+        stride = self.stride_for(n_keys)
 
         def strided(b, h, q_idx, kv_idx):
             diff = q_idx - kv_idx
@@ -276,17 +367,18 @@ class Strided(FixedPattern):
         return strided
 
     def position_indices(self, n_queries, n_keys, causal, device):
+        stride = self.stride_for(n_keys)
         query_pos = torch.arange(n_queries, device=device)[:, None]
-        steps = torch.arange(-(-n_keys // self.stride), device=device)[None, :]
+        steps = torch.arange(-(-n_keys // stride), device=device)[None, :]
         if causal:
-            local = query_pos - torch.arange(self.stride, device=device)[None, :]
-            far = query_pos - self.stride * (steps + 1)
+            local = query_pos - torch.arange(stride, device=device)[None, :]
+            far = query_pos - stride * (steps + 1)
             index = torch.cat([local, far], dim=-1)  # [N, s + ceil(M/s)]
             return _invalid_to_unused(index, index >= 0)[None, None]
-        local = query_pos + torch.arange(-(self.stride - 1), self.stride, device=device)[None, :]
+        local = query_pos + torch.arange(-(stride - 1), stride, device=device)[None, :]
         local = _invalid_to_unused(local, (local >= 0) & (local < n_keys))
         # Same residue class as i; the only member with |i - j| < s is i itself, already in local.
-        far = query_pos % self.stride + self.stride * steps
+        far = query_pos % stride + stride * steps
         far = _invalid_to_unused(far, (far < n_keys) & (far != query_pos))
         return torch.cat([local, far], dim=-1)[None, None]  # [1, 1, N, 2s-1 + ceil(M/s)]
 
@@ -460,10 +552,11 @@ class RandomKeys(FixedPattern):
 class Longformer(FixedPattern):
     """``longformer:window=w,g=G`` (Beltagy et al. 2020): a sliding window of w keys (BAND:w, so
     causal keeps the w most recent) plus g global tokens, the first g positions (Longformer lets
-    the task pick them, e.g. [CLS]; put them first)."""
+    the task pick them, e.g. [CLS]; put them first) or the last g with ``globals_at="end"``."""
 
     window: int
     g: int = 1
+    globals_at: str = "start"
     examples: ClassVar[tuple[str, ...]] = ("longformer:window=4,g=1", "longformer:7,2")
     name: ClassVar[str] = "longformer"
     positional: ClassVar[tuple[str, ...]] = ("window", "g")
@@ -473,9 +566,10 @@ class Longformer(FixedPattern):
     def validate(self) -> None:
         require(self.window >= 1, f"longformer: window must be >= 1, got {self.window}")
         require(self.g >= 0, f"longformer: g must be >= 0, got {self.g}")
+        self.check_globals_at()
 
     def mask_mod(self, n_queries, n_keys, causal):
-        return Band(self.window, self.g).mask_mod(n_queries, n_keys, causal)
+        return Band(self.window, self.g, self.globals_at).mask_mod(n_queries, n_keys, causal)
 
     def position_indices(self, n_queries, n_keys, causal, device):
         return Band(self.window).position_indices(n_queries, n_keys, causal, device)
@@ -489,13 +583,15 @@ class BigBird(FixedPattern):
     without replacement from the allowed keys outside the window and the global tokens, so a row
     keeps r more keys than window + globals (w+g+r when the window is clear of the globals) when
     it has that many. Random keys are seeded and shared by every
-    batch element and head, as in RANDOM; causal draws only among j <= i."""
+    batch element and head, as in RANDOM; causal draws only among j <= i.
+    Defaults (bare ``bigbird``): window=3, g=2, r=3, BigBird-ITC's block counts (3 sliding, 2
+    global, 3 random blocks) at a block size of one token."""
 
-    window: int
+    window: int = 3
     g: int = 2
     r: int = 3
     seed: int = 0
-    examples: ClassVar[tuple[str, ...]] = ("bigbird:window=3,g=2,r=2", "bigbird:5,0,3,seed=1")
+    examples: ClassVar[tuple[str, ...]] = ("bigbird:window=3,g=2,r=2", "bigbird:5,0,3,seed=1", "bigbird")
     name: ClassVar[str] = "bigbird"
     positional: ClassVar[tuple[str, ...]] = ("window", "g", "r")
     field_aliases: ClassVar[dict[str, str]] = {"w": "window"}

@@ -104,22 +104,26 @@ def sinusoidal_positions(length: int, dim: int, device: torch.device) -> Tensor:
 
 
 class Embedding(nn.Module):
-    """Token embedding with ``num_prefix`` learned prefix tokens (global tokens, then CLS) and positions.
+    """Token embedding with ``num_prefix`` learned prefix tokens (global tokens, then CLS),
+    ``num_suffix`` learned suffix tokens (global tokens appended, as the Semantic Focus code) and
+    positions over the whole row.
 
-    Shapes: idx [B, L] long -> [B, num_prefix + L, dim]. The paper's code multiplies the token
-    embedding by sqrt(d); ``paper_mode`` does too and initialises it U(-0.1, 0.1).
+    Shapes: idx [B, L] long -> [B, num_prefix + L + num_suffix, dim]. The paper's code multiplies
+    the token embedding by sqrt(d); ``paper_mode`` does too and initialises it U(-0.1, 0.1).
     """
 
-    def __init__(self, config: ModelConfig, vocab_size: int, max_len: int, num_prefix: int) -> None:
+    def __init__(self, config: ModelConfig, vocab_size: int, max_len: int, num_prefix: int, num_suffix: int = 0) -> None:
         super().__init__()
         self.dim, self.num_prefix, self.kind = config.dim, num_prefix, config.positions
         self.tokens = nn.Embedding(vocab_size, config.dim)
         self.prefix = nn.Embedding(num_prefix, config.dim) if num_prefix else None
-        self.learned_positions = nn.Embedding(num_prefix + max_len, config.dim) if self.kind == "learned" else None
+        self.suffix = nn.Embedding(num_suffix, config.dim) if num_suffix else None
+        total = num_prefix + max_len + num_suffix
+        self.learned_positions = nn.Embedding(total, config.dim) if self.kind == "learned" else None
         self.scale = math.sqrt(config.dim) if config.paper_mode else 1.0
         self.dropout = nn.Dropout(config.dropout)
         if config.paper_mode:
-            for table in (self.tokens, self.prefix):
+            for table in (self.tokens, self.prefix, self.suffix):
                 if table is not None:
                     nn.init.uniform_(table.weight, -0.1, 0.1)
 
@@ -128,6 +132,9 @@ class Embedding(nn.Module):
         if self.prefix is not None:
             prefix = self.prefix.weight.expand(idx.shape[0], -1, -1)  # [B, P, dim]
             x = torch.cat([prefix, x], dim=1)  # [B, P+L, dim]
+        if self.suffix is not None:
+            suffix = self.suffix.weight.expand(idx.shape[0], -1, -1)  # [B, S, dim]
+            x = torch.cat([x, suffix], dim=1)  # [B, P+L+S, dim]
         x = x * self.scale
         length = x.shape[1]
         if self.learned_positions is not None:
@@ -147,12 +154,13 @@ def init_weights(model: nn.Module, std: float) -> None:
             nn.init.zeros_(module.bias)
 
 
-def padding_mask(idx: Tensor, pad_id: int | None, num_prefix: int) -> Tensor | None:
-    """[B, P+L] bool, True = real token (prefix tokens are real), or None when nothing is padded."""
+def padding_mask(idx: Tensor, pad_id: int | None, num_prefix: int, num_suffix: int = 0) -> Tensor | None:
+    """[B, P+L+S] bool, True = real token (prefix and suffix tokens are real), or None when nothing is padded."""
     if pad_id is None:
         return None
     real = idx != pad_id  # [B, L]
     if bool(real.all()):
         return None
     prefix = torch.ones(idx.shape[0], num_prefix, dtype=torch.bool, device=idx.device)
-    return torch.cat([prefix, real], dim=1)
+    suffix = torch.ones(idx.shape[0], num_suffix, dtype=torch.bool, device=idx.device)
+    return torch.cat([prefix, real, suffix], dim=1)

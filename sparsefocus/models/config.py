@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from sparsefocus.attention import parse_pattern
@@ -10,6 +12,7 @@ from sparsefocus.attention.patterns import Pattern
 ACTIVATIONS = ("relu", "gelu", "mish")
 POSITIONS = ("sinusoidal", "learned")
 POOLINGS = ("mean", "cls")
+GLOBAL_TOKEN_PLACES = ("prepend", "append_paper")
 
 
 @dataclass
@@ -35,6 +38,15 @@ class ModelConfig:
         init_std: > 0 draws every Linear and Embedding weight from N(0, init_std) and zeroes the
             biases (GPT-2, Zoology: 0.02; needed with tied embeddings, whose torch default N(0, 1)
             would give logits of size sqrt(dim)); 0 keeps torch's default init. Default: 0.
+        global_tokens: where the encoder puts a pattern's g global tokens. "prepend": before the
+            sequence, and BAND/BLOC windows and blocks run over every position; "append_paper":
+            after the (padded) sequence, windows and blocks over the regular tokens only (the
+            Semantic Focus code; BAND, BLOC, global and longformer patterns; no CLS token).
+            Default: "prepend".
+        pad_to_multiple_of_k: the encoder right-pads every input with the pad id to a multiple of
+            its mechanism's k (any pattern with a field ``k``: TOPK, BAND, BLOC...), before any
+            global token, as the Semantic Focus code does (L=40 becomes 45 for k=9; in paper_mode
+            those PAD tokens are attended and pooled). Default: False.
     """
 
     blocks: int = 2
@@ -50,6 +62,8 @@ class ModelConfig:
     paper_mode: bool = False
     tie_embeddings: bool = False
     init_std: float = 0.0
+    global_tokens: str = "prepend"
+    pad_to_multiple_of_k: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -70,6 +84,10 @@ class ModelConfig:
             raise ValueError(f"model.init_std must be >= 0, got {self.init_std}")
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"model.head_dim must be >= 1, got {self.head_dim}")
+        if self.global_tokens not in GLOBAL_TOKEN_PLACES:
+            raise ValueError(
+                f"model.global_tokens must be one of {', '.join(GLOBAL_TOKEN_PLACES)}, got {self.global_tokens!r}"
+            )
 
     def resolved_head_dim(self) -> int:
         """Per-head width: the paper's code gives every head the full width d."""
@@ -85,6 +103,43 @@ def block_patterns(mechanism: "str | Pattern | list | tuple", blocks: int) -> li
             raise ValueError(f"a per-block mechanism list needs {blocks} patterns (model.blocks), got {len(mechanism)}")
         return [parse_pattern(spec) for spec in mechanism]
     return [parse_pattern(mechanism)] * blocks
+
+
+def place_global_tokens(patterns: list[Pattern], global_tokens: str) -> list[Pattern]:
+    """The patterns with their global tokens where ``model.global_tokens`` puts them: unchanged for
+    "prepend"; for "append_paper" each pattern with g > 0 gets ``globals_at="end"`` (its windows or
+    blocks then run over the regular tokens only). ValueError naming the pattern that cannot."""
+    with_globals = [p for p in patterns if p.num_global_tokens]
+    if global_tokens == "prepend":
+        for pattern in with_globals:
+            if getattr(pattern, "globals_at", "start") != "start":
+                raise ValueError(
+                    f"{pattern} puts its global tokens at the end but model.global_tokens is 'prepend'; "
+                    f"set model.global_tokens=append_paper"
+                )
+        return patterns
+    if len({p.num_global_tokens for p in patterns}) > 1:
+        counts = ", ".join(str(p.num_global_tokens) for p in patterns)
+        raise ValueError(f"model.global_tokens=append_paper needs the same number of global tokens in every block, got {counts}")
+    for pattern in with_globals:
+        if not hasattr(pattern, "globals_at"):
+            raise ValueError(
+                f"model.global_tokens=append_paper: {pattern.label()} cannot put its global tokens at the end "
+                f"(BAND, BLOC, global and longformer can)"
+            )
+    return [dataclasses.replace(p, globals_at="end") if p.num_global_tokens else p for p in patterns]
+
+
+def padding_multiple(patterns: list[Pattern]) -> int:
+    """The length the Semantic Focus code pads to a multiple of: the patterns' k (the least common
+    multiple if blocks differ); 1 when no pattern has a field ``k`` (FULL)."""
+    ks = [p.k for p in patterns if isinstance(getattr(p, "k", None), int) and p.k >= 1]
+    return math.lcm(*ks) if ks else 1
+
+
+def padded_length(length: int, multiple: int) -> int:
+    """``length`` rounded up to a multiple of ``multiple`` (40 -> 45 for 9)."""
+    return -(-length // multiple) * multiple
 
 
 def mechanism_label(mechanism: "str | Pattern | list | tuple") -> str:

@@ -38,6 +38,8 @@ class Decoder(nn.Module):
     ) -> None:
         super().__init__()
         config.validate()
+        if config.global_tokens != "prepend" or config.pad_to_multiple_of_k:
+            raise ValueError("model.global_tokens=append_paper and model.pad_to_multiple_of_k are for the (non-causal) encoder only")
         self.config, self.pad_id = config, pad_id
         self.patterns = block_patterns(mechanism, config.blocks)
         self.num_prefix = max(p.num_global_tokens for p in self.patterns)

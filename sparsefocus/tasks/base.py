@@ -39,16 +39,29 @@ class TaskData:
 
 @dataclass
 class TaskConfig:
-    """Base of every task config: a frozen set of typed fields plus ``build(seed)``."""
+    """Base of every task config: a frozen set of typed fields plus ``build(seed)``.
+
+    Args:
+        data_seed: None (the default) draws the data from the training seed, so every seed trains
+            on its own data; an integer draws it from this seed for every training seed (the
+            Semantic Focus ListOps runs: one dataset for all 10 seeds). Text tasks ignore both
+            (their data depend on ``split_seed`` only).
+    """
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "classify"
 
+    data_seed: int | None = None
+
     def validate(self) -> None:
         """Raise ValueError naming the bad field."""
 
+    def seed_for_data(self, seed: int) -> int:
+        """The seed the data are drawn from when training with ``seed``: ``data_seed`` if set."""
+        return seed if self.data_seed is None else self.data_seed
+
     def build(self, seed: int) -> TaskData:
-        """Generate (or load) the data deterministically from ``seed``."""
+        """Generate (or load) the data deterministically from ``seed`` (or ``data_seed``)."""
         raise NotImplementedError(f"{type(self).__name__} must define build")
 
 

@@ -55,10 +55,15 @@ class ChomskyTask(TaskConfig):
         """``count`` fresh examples: inputs [count, length] int64, labels [count] int64."""
         raise NotImplementedError
 
+    def space_size(self) -> int | None:
+        """How many distinct input sequences ``sample`` can produce, or None if not counted."""
+        return None
+
     def build(self, seed: int) -> TaskData:
-        """Train / held-out (/ test) splits with distinct sequences, deterministic in ``seed``."""
+        """Train / held-out (/ test) splits with distinct sequences, deterministic in ``seed``
+        (or ``data_seed``)."""
         self.validate()
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(self.seed_for_data(seed))
         sizes = (self.num_train, self.num_valid, self.num_test)
         tokens = self.tokens()
         return distinct_splits(
@@ -66,6 +71,7 @@ class ChomskyTask(TaskConfig):
             self.kind,
             lambda count: self.sample(rng, count),
             sizes,
+            self.space_size(),
             vocab_size=len(tokens),
             num_classes=self.num_classes(),
             pad_id=len(tokens) - 1,
@@ -81,6 +87,9 @@ class BitStringTask(ChomskyTask):
 
     def num_classes(self) -> int:
         return 2
+
+    def space_size(self) -> int:
+        return 2**self.length
 
 
 @register_task
@@ -131,6 +140,9 @@ class MissingDuplicateConfig(ChomskyTask):
     def num_classes(self) -> int:
         return 2
 
+    def space_size(self) -> int:
+        return 2 ** (self.length // 2) * self.length  # the written bits and the hidden position
+
     def sample(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
         half = rng.integers(0, 2, size=(count, self.length // 2))
         seqs = np.concatenate([half, half], axis=1)  # [count, length]
@@ -155,6 +167,9 @@ class CycleNavigationConfig(ChomskyTask):
     def num_classes(self) -> int:
         return self.cycle_length
 
+    def space_size(self) -> int:
+        return 3**self.length
+
     def sample(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
         actions = rng.integers(0, 3, size=(count, self.length))
         return actions, (actions - 1).sum(axis=1) % self.cycle_length
@@ -178,6 +193,12 @@ class StackManipulationConfig(ChomskyTask):
 
     def num_classes(self) -> int:
         return 3
+
+    def space_size(self) -> int:
+        # bits {0, 1} then actions {2, 3, 4}: the stack length is where the symbols change
+        if self.length == 1:
+            return 2
+        return sum(2**stack * 3 ** (self.length - stack) for stack in range(1, self.length))
 
     def sample(self, rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
         inputs = np.empty((count, self.length), dtype=np.int64)
@@ -258,7 +279,10 @@ class ModularTask(ChomskyTask):
 @register_task
 @dataclass
 class ModularArithmeticBracketsConfig(ModularTask):
-    """Modular arithmetic with brackets (NNCH ``modular_arithmetic_brackets``), mod 5, ops + and -.
+    """Modular arithmetic with brackets (NNCH ``modular_arithmetic_brackets``), mod 5, ops + and -,
+    and * with ``mult=True`` (the Semantic Focus data: about 2.5 ``*`` per sequence at L=40, and
+    label 0 about 29% of the time, since a product with a 0 factor is 0). ``mult=False`` (NNCH's
+    default) gives near-uniform labels.
 
     Ids follow NNCH: digits, then + - * ( ) x (x never occurs here; NNCH's input size is modulus + 6).
     """
@@ -280,6 +304,11 @@ class SolveEquationConfig(ModularTask):
     name: ClassVar[str] = "solve_equation"
     min_length: ClassVar[int] = 3
     symbols: ClassVar[tuple[str, ...]] = ("+", "-", "(", ")", "x", "=")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mult:
+            raise ValueError(f"{self.name}: mult=True is not supported: NNCH's solve_equation has no multiplication")
 
     def text_and_label(self, rnd: random.Random) -> tuple[str, int]:
         expression, value = bracket_expression(rnd, self.modulus, self.length - 2, self.mult)

@@ -294,7 +294,7 @@ class ListOpsConfig(TaskConfig):
         config = self.resolved()
         tables = length_tables(config["max_depth"], config["max_args"], config["max_length"])
         window = self._length_window(tables, config)
-        rnd = random.Random(seed)
+        rnd = random.Random(self.seed_for_data(seed))
         sizes = (config["num_train"], config["num_valid"], config["num_test"])
         vocabulary = TOKENIZATIONS[config["tokenization"]]
         encoder = {token: index for index, token in enumerate(vocabulary)}

@@ -131,7 +131,7 @@ class MQARConfig(TaskConfig):
         """Distinct sequences from one stream seeded by ``seed``; train, held-out, test in that order."""
         self.validate()
         config = self.resolved()
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(self.seed_for_data(seed))
         sizes = (config["num_train"], config["num_valid"], config["num_test"])
         fields = ("vocab_size", "seq_len", "num_kv_pairs", "power_a", "random_non_queries")
 

@@ -59,7 +59,7 @@ class AssocRecallConfig(TaskConfig):
     def build(self, seed: int) -> TaskData:
         """Distinct sequences from one stream seeded by ``seed``; train, held-out, test in that order."""
         self.validate()
-        rng = np.random.default_rng(seed)
+        rng = np.random.default_rng(self.seed_for_data(seed))
         sizes = (self.num_train, self.num_valid, self.num_test)
         tokens = self.tokens()
         return distinct_splits(

@@ -56,33 +56,54 @@ def resolve_preset(task: str, config: Any, presets: dict[str, dict[str, Any]]) -
     return values
 
 
-def draw_distinct(task: str, sample: Sampler, total: int, max_rounds: int = 64) -> tuple[np.ndarray, np.ndarray]:
+ROUND_CAP = 1 << 16  # rows drawn per round at most, so a round stays a few tens of MB
+DRY_DRAWS = 1 << 16  # no new row in this many draws (and 16 x the request) = the space is exhausted
+
+
+def draw_distinct(
+    task: str, sample: Sampler, total: int, space_size: int | None = None, max_rounds: int = 64
+) -> tuple[np.ndarray, np.ndarray]:
     """Draw ``total`` examples with pairwise distinct input rows.
 
     sample(n) -> (inputs [n, L] int, targets [n] or [n, L] int), drawing from the caller's seeded
     generator, so the result is deterministic. Rows equal to an earlier row are dropped and more are
-    drawn; ValueError if the sequence space is too small to hold ``total`` distinct rows.
+    drawn until ``total`` distinct rows are kept: the first ``max_rounds`` rounds draw a little more
+    than is missing (so one round usually suffices), later rounds double in size (up to
+    ``ROUND_CAP`` rows), which finds the last rows of a nearly exhausted space quickly.
+    space_size: the number of distinct rows the sampler can produce, if known; a request above it
+        is refused before any draw.
+    Raises:
+        ValueError: ``total`` > ``space_size``, or no new row appeared in the last
+            max(``DRY_DRAWS``, 16 x max(total, space_size)) draws (the space is too small).
     Returns (inputs [total, L], targets [total, ...]) in draw order.
     """
+    if space_size is not None and total > space_size:
+        raise ValueError(
+            f"{task}: asks for {total} distinct sequences (num_train + num_valid + num_test) but only "
+            f"{space_size} exist: lower the sizes or lengthen the sequences"
+        )
+    dry_limit = max(DRY_DRAWS, 16 * max(total, space_size or 0))
     seen: set[bytes] = set()
     kept_inputs: list[np.ndarray] = []
     kept_targets: list[np.ndarray] = []
-    count = 0
-    for _ in range(max_rounds):
+    count, dry, size, rounds = 0, 0, 0, 0
+    while count < total:
         need = total - count
-        if need == 0:
-            break
-        inputs, targets = sample(need + need // 16 + 4)  # a little extra so one round usually suffices
+        size = need + need // 16 + 4 if rounds < max_rounds else min(max(2 * size, need), ROUND_CAP)
+        rounds += 1
+        inputs, targets = sample(size)
         keep = _first_unseen_rows(inputs, seen, need)
+        dry = dry + size if not keep else size - 1 - keep[-1]
         rows = slice(0, len(keep)) if keep == list(range(len(keep))) else keep  # a view in the usual case
         kept_inputs.append(inputs[rows])
         kept_targets.append(targets[rows])
         count += len(keep)
-    if count < total:
-        raise ValueError(
-            f"{task}: drew only {count} distinct sequences of the {total} asked for (num_train + num_valid "
-            f"+ num_test); the sequence space is too small: lower the sizes or lengthen the sequences"
-        )
+        if count < total and dry >= dry_limit:
+            raise ValueError(
+                f"{task}: drew only {count} distinct sequences of the {total} asked for (num_train + num_valid "
+                f"+ num_test); no new one in the last {dry} draws, so the sequence space holds about {count}: "
+                f"lower the sizes or lengthen the sequences"
+            )
     if len(kept_inputs) == 1:
         return kept_inputs[0], kept_targets[0]
     return np.concatenate(kept_inputs), np.concatenate(kept_targets)
@@ -138,9 +159,14 @@ def split_task_data(
 
 
 def distinct_splits(
-    name: str, kind: str, sample: Sampler, sizes: tuple[int, int, int], **split_options: Any
+    name: str,
+    kind: str,
+    sample: Sampler,
+    sizes: tuple[int, int, int],
+    space_size: int | None = None,
+    **split_options: Any,
 ) -> TaskData:
     """``draw_distinct`` rows from ``sample`` for every split at once, then ``split_task_data``
     (train, held-out, test in that order; ``split_options``: vocab_size, num_classes, pad_id, info)."""
-    inputs, targets = draw_distinct(name, sample, sum(sizes))
+    inputs, targets = draw_distinct(name, sample, sum(sizes), space_size)
     return split_task_data(name, kind, inputs, targets, sizes, **split_options)

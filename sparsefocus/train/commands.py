@@ -1,4 +1,5 @@
-"""``sparsefocus train CONFIG [key=value ...]``: check the config, train every unfinished run, report."""
+"""``sparsefocus train CONFIG [key=value ...] [--budget SECONDS]``: check the config, train every
+unfinished run (or as much as fits in the budget), report when everything is finished."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import argparse
 
 from sparsefocus.train.checkpoint import CheckpointError
 from sparsefocus.train.config import load_config, to_yaml
-from sparsefocus.train.experiment import check_experiment, plan, run_experiment
+from sparsefocus.train.driver import Budget
+from sparsefocus.train.experiment import check_experiment, plan, progress_line, run_experiment
 from sparsefocus.train.report import write_report
 
 EPILOG = """examples:
@@ -15,6 +17,7 @@ EPILOG = """examples:
   sparsefocus train experiments/nnch_even_pairs.yaml model.blocks=2 train.jobs=2 --dry-run
   sparsefocus train experiments/listops.yaml train.num_gpus=1 --ray          (a local Ray)
   sparsefocus train experiments/listops.yaml --ray=auto                      (a running cluster)
+  sparsefocus train experiments/listops.yaml train.device=cuda train.batched=true train.batched_mode=fast --budget 540
 Values are read as YAML; quote arguments with brackets or parentheses for your shell."""
 
 
@@ -33,10 +36,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
         help="train the runs as Ray tasks (train.num_cpus/num_gpus each), on a local Ray or the cluster at ADDRESS",
     )
+    parser.add_argument(
+        "--budget", type=float, default=None, metavar="SECONDS",
+        help="stop at the first epoch boundary where the next epoch would not fit in SECONDS; run again to continue",
+    )
     args = parser.parse_intermixed_args(argv)
     if args.ray and "=" in args.ray and "://" not in args.ray:  # an override that followed a bare --ray
         args.overrides.append(args.ray)
         args.ray = ""
+    if args.ray is not None and args.budget is not None:
+        parser.error("--budget applies to local training; it cannot be combined with --ray")
     return args
 
 
@@ -56,12 +65,15 @@ def main(argv: list[str] | None = None) -> int:
 
             root = run_experiment_ray(config, args.ray)
         else:
-            root = run_experiment(config)
+            budget = Budget(args.budget) if args.budget is not None else None
+            root = run_experiment(config, budget=budget)
+        summary, complete = progress_line(config)
     except (ValueError, CheckpointError, FileNotFoundError) as error:
         print(f"error: {error}")
         return 2
     print(f"runs: {root}")
-    if not args.no_report:
+    print(summary)
+    if not args.no_report and complete:
         report, pictures = write_report(root)
         print(f"report: {report}")
         for picture in pictures:

@@ -25,6 +25,11 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("constant", "step", "cosine")
 TRAIN_LOSSES = ("full_eval", "running")
 DEVICES = ("cpu", "cuda", "auto")
+BATCHED_MODES = ("exact", "fast")
+COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead")
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+AUTOCASTS = ("none", "bf16")
+TOPK_SELECTS = ("torch", "triton")
 
 
 @dataclass
@@ -89,6 +94,24 @@ class TrainConfig:
             (needs the ``tensorboard`` package). Default: False.
         num_cpus, num_gpus: resources one run asks for when runs are Ray tasks
             (``sparsefocus train CONFIG --ray``). Default: 1 CPU, 0 GPUs.
+        batched: train the seeds of each (setting, mechanism) as one run-folded model on one
+            device (``sparsefocus.train.driver``; docs/scale.md). Same run folders. Default: False.
+        batched_mode: "exact" (each run's dropout from its own generator in the single-run order,
+            materialised attention: equals ``train_run``) or "fast" (fused attention, one shared
+            dropout stream, torch.compile on CUDA). Default: "exact".
+        batched_max_runs: most runs folded into one model; 0 = every seed. Default: 0.
+        compile: torch.compile of the batched fast step: "auto" (default mode on CUDA, off on
+            CPU), "eager" (no compile), "default" or "reduce-overhead" (CUDA graphs). Default: "auto".
+        matmul_precision: ``torch.set_float32_matmul_precision`` while training: "highest" (fp32),
+            "high" (TF32 on CUDA) or "medium". Default: "highest".
+        autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".
+        topk_select: how the batched fast path picks TOPK keys: "torch" (scores + topk) or
+            "triton" (the fused selection kernel, CUDA). Default: "torch".
+        task_cache: the batched path keeps each seed's built task data under
+            ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
+            and builds missing seeds in parallel processes. Default: False.
+        shuffle: reshuffle the training examples every epoch; false feeds them in the task's order
+            every epoch (corpus order for ``lm_window``, as the Semantic Focus PTB runs). Default: true.
     """
 
     epochs: int = 10
@@ -102,6 +125,15 @@ class TrainConfig:
     tensorboard: bool = False
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    batched: bool = False
+    batched_mode: str = "exact"
+    batched_max_runs: int = 0
+    compile: str = "auto"
+    matmul_precision: str = "highest"
+    autocast: str = "none"
+    topk_select: str = "torch"
+    task_cache: bool = False
+    shuffle: bool = True
 
     def validate(self) -> None:
         for key in ("epochs", "batch_size", "eval_batch_size", "jobs", "checkpoint_every"):
@@ -113,6 +145,21 @@ class TrainConfig:
             raise ValueError(f"train.threads must be >= 0, got {self.threads}")
         _choice("train.train_loss", self.train_loss, TRAIN_LOSSES)
         _choice("train.device", self.device, DEVICES)
+        self.validate_batched()
+
+    def validate_batched(self) -> None:
+        """The batched path's keys; those that only the batched path reads need ``batched``."""
+        _choice("train.batched_mode", self.batched_mode, BATCHED_MODES)
+        _choice("train.compile", self.compile, COMPILE_MODES)
+        _choice("train.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
+        _choice("train.autocast", self.autocast, AUTOCASTS)
+        _choice("train.topk_select", self.topk_select, TOPK_SELECTS)
+        if self.batched_max_runs < 0:
+            raise ValueError(f"train.batched_max_runs must be >= 0, got {self.batched_max_runs}")
+        if not self.batched and self.autocast != "none":
+            raise ValueError("train.autocast is read by the batched path only: set train.batched=true")
+        if self.batched and self.jobs > 1:
+            raise ValueError("train.jobs must be 1 with train.batched (one process trains the folded runs)")
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 ``check_experiment`` validates everything (task, mechanisms against the sequence length, model,
 optimiser) before any training; ``run_experiment`` skips finished runs, resumes partial ones and
-trains the rest, in this process or in a pool of ``train.jobs`` processes.
+trains the rest, in this process, in a pool of ``train.jobs`` processes, or (``train.batched``)
+folded into one model per (setting, mechanism) by ``sparsefocus.train.driver``. A ``Budget``
+stops every path at an epoch boundary; calling again continues.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from sparsefocus.models.blocks import is_softmax_over_kept_keys
 from sparsefocus.models.config import block_patterns, mechanism_label
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, expand_settings, make_task_config, to_yaml
+from sparsefocus.train.driver import Budget, check_batched, group_specs, train_group
 from sparsefocus.train.loop import RunSpec, check_run_folder, train_run
 
 
@@ -114,18 +117,18 @@ def _states(specs: list[RunSpec]) -> list[tuple[str, int]]:
     return states
 
 
-def _worker(spec: RunSpec, threads: int, progress: Any) -> str:
+def _worker(spec: RunSpec, threads: int, progress: Any, budget: Budget | None) -> str:
     torch.set_num_threads(threads)
-    train_run(spec, on_epoch=lambda: progress.put(1))
+    train_run(spec, on_epoch=lambda: progress.put(1), budget=budget)
     return str(spec.run_dir)
 
 
-def _run_pool(todo: list[RunSpec], jobs: int, threads: int, bar: tqdm) -> None:
+def _run_pool(todo: list[RunSpec], jobs: int, threads: int, bar: tqdm, budget: Budget | None) -> None:
     """Train ``todo`` in ``jobs`` spawned processes, feeding the progress bar from a queue."""
     context = multiprocessing.get_context("spawn")
     with context.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=context) as pool:
         progress = manager.Queue()
-        pending: set[Future] = {pool.submit(_worker, spec, threads, progress) for spec in todo}
+        pending: set[Future] = {pool.submit(_worker, spec, threads, progress, budget) for spec in todo}
         while pending:
             done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             _drain(progress, bar)
@@ -142,13 +145,17 @@ def _drain(progress: Any, bar: tqdm) -> None:
             return
 
 
-def run_experiment(config: ExperimentConfig, *, quiet: bool = False) -> Path:
+def run_experiment(config: ExperimentConfig, *, quiet: bool = False, budget: Budget | None = None) -> Path:
     """Check, then train every unfinished run of ``config``; returns the experiment folder.
 
     Finished runs are skipped, partial runs resume from their checkpoint, a missing or corrupt
-    checkpoint stops everything before training with the folder's path.
+    checkpoint stops everything before training with the folder's path. With a ``budget``,
+    training stops at the first epoch boundary where the next epoch would not fit (every run
+    checkpointed where it is); ``progress_line`` says what is finished.
     """
     settings = check_experiment(config)
+    if config.train.batched:
+        check_batched(settings)
     specs = plan(config, settings)
     states = _states(specs)
     root = Path(config.out_dir) / config.name
@@ -160,11 +167,38 @@ def run_experiment(config: ExperimentConfig, *, quiet: bool = False) -> Path:
     total = sum(spec.config.train.epochs for spec in specs)
     finished = sum(epochs for _, epochs in states)
     with tqdm(total=total, initial=finished, desc=f"{config.name}: {len(specs)} runs", unit="epoch", disable=quiet) as bar:
-        if jobs <= 1:
+        if config.train.batched:
+            torch.set_num_threads(threads)
+            _run_batched(specs, states, budget, bar)
+        elif jobs <= 1:
             torch.set_num_threads(threads)
             for spec in todo:
+                if budget is not None and not budget.allows():
+                    break
                 bar.set_postfix_str(f"{spec.label} seed {spec.seed}")
-                train_run(spec, on_epoch=lambda: bar.update(1))
+                limits = {} if budget is None else {"budget": budget}  # without a budget: train_run's plain call
+                train_run(spec, on_epoch=lambda: bar.update(1), **limits)
         else:
-            _run_pool(todo, jobs, threads, bar)
+            _run_pool(todo, jobs, threads, bar, budget)
     return root
+
+
+def _run_batched(specs: list[RunSpec], states: list[tuple[str, int]], budget: Budget | None, bar: tqdm) -> None:
+    """Unfinished runs grouped by (setting, mechanism, epoch reached), each group one folded model."""
+    todo = [(spec, epochs) for spec, (state, epochs) in zip(specs, states) if state != "done"]
+    for group in group_specs([spec for spec, _ in todo], [epochs for _, epochs in todo]):
+        bar.set_postfix_str(f"{group[0].label} x {len(group)} seeds")
+        if not train_group(group, budget, on_epoch=bar.update):
+            return
+
+
+def progress_line(config: ExperimentConfig) -> tuple[str, bool]:
+    """(one-line summary of what is finished, whether everything is), from the run folders."""
+    specs = plan(config, expand_settings(config))
+    states = _states(specs)
+    finished = sum(state == "done" for state, _ in states)
+    epochs = sum(done for _, done in states)
+    total = sum(spec.config.train.epochs for spec in specs)
+    complete = finished == len(specs)
+    tail = "all finished" if complete else "unfinished: run the same command again to continue"
+    return f"{config.name}: {finished}/{len(specs)} runs finished, {epochs}/{total} epochs; {tail}", complete

@@ -7,12 +7,13 @@ exists, so its presence means "started"), ``metrics.jsonl`` (one line per finish
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +27,14 @@ from sparsefocus.train.checkpoint import load_checkpoint, save_checkpoint, write
 from sparsefocus.train.config import ExperimentConfig, OptimConfig, make_task_config
 from sparsefocus.train.tensorboard import ScalarLog
 
+if TYPE_CHECKING:
+    from sparsefocus.train.driver import Budget
+
 # Keys that may change between an interrupted run and its resumption without changing its result.
+# train.batched is free because its exact mode equals this loop (train.batched_mode is recorded).
 RESUME_FREE_KEYS = (
     "name", "out_dir", "train.jobs", "train.threads", "train.device", "train.tensorboard", "train.num_cpus", "train.num_gpus",
+    "train.batched", "train.batched_max_runs", "train.compile", "train.task_cache",
 )
 
 
@@ -88,6 +94,17 @@ def lr_factor(config: OptimConfig, step: int, steps_per_epoch: int, total_epochs
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@contextlib.contextmanager
+def matmul_precision(name: str):
+    """``torch.set_float32_matmul_precision(name)`` ("highest", "high", "medium") while training."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(name)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,9 +154,12 @@ def train_epoch(
     config: ExperimentConfig,
     generator: torch.Generator,
 ) -> tuple[float, float]:
-    """One shuffled pass over the training set; returns the running (mean batch) loss and accuracy."""
+    """One pass over the training set (shuffled unless ``train.shuffle`` is false); returns the
+    running (mean batch) loss and accuracy."""
     model.train()
-    order = torch.randperm(data.train_inputs.shape[0], generator=generator).to(data.train_inputs.device)
+    count = data.train_inputs.shape[0]
+    order = torch.randperm(count, generator=generator) if config.train.shuffle else torch.arange(count)
+    order = order.to(data.train_inputs.device)
     loss_sum, correct, count = 0.0, 0, 0
     for start in range(0, order.shape[0], config.train.batch_size):
         batch = order[start : start + config.train.batch_size]
@@ -252,12 +272,20 @@ def _write_metrics(run_dir: Path, metrics: list[dict[str, float]]) -> None:
     write_text_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in metrics))
 
 
-def train_run(spec: RunSpec, on_epoch: Callable[[], None] | None = None) -> list[dict[str, float]]:
+def train_run(
+    spec: RunSpec, on_epoch: Callable[[], None] | None = None, budget: "Budget | None" = None
+) -> list[dict[str, float]]:
     """Train one run to ``train.epochs``, resuming from its checkpoint if the folder was started.
 
     Returns the per-epoch metrics (also in ``metrics.jsonl``). ``on_epoch`` is called after every
-    epoch (progress bars).
+    epoch (progress bars). With a ``budget`` it stops before an epoch that would not fit, after
+    checkpointing the epoch reached.
     """
+    with matmul_precision(spec.config.train.matmul_precision):
+        return _train_run(spec, on_epoch, budget)
+
+
+def _train_run(spec: RunSpec, on_epoch: Callable[[], None] | None, budget: "Budget | None") -> list[dict[str, float]]:
     config = spec.config
     device = resolve_device(config.train.device)
     data = build_data(config, spec.seed, device)
@@ -271,8 +299,13 @@ def train_run(spec: RunSpec, on_epoch: Callable[[], None] | None = None) -> list
     generator = torch.Generator().manual_seed(spec.seed)
     start, metrics = _start_or_resume(spec, model, optimizer, scheduler, generator)
     scalars = ScalarLog(spec.run_dir, config.train.tensorboard, first_epoch=start + 1)
+    saved = start
     try:
         for epoch in range(start + 1, config.train.epochs + 1):
+            if budget is not None and not budget.allows():
+                if saved != epoch - 1:
+                    save_checkpoint(spec.run_dir / "checkpoint.pt", _state(epoch - 1, False, model, optimizer, scheduler, generator, metrics))
+                return metrics
             began = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             running = train_epoch(model, optimizer, scheduler, data, config, generator)
@@ -283,6 +316,9 @@ def train_run(spec: RunSpec, on_epoch: Callable[[], None] | None = None) -> list
             if last or epoch % config.train.checkpoint_every == 0:
                 state = _state(epoch, last, model, optimizer, scheduler, generator, metrics)
                 save_checkpoint(spec.run_dir / "checkpoint.pt", state)
+                saved = epoch
+            if budget is not None:
+                budget.record(time.perf_counter() - began)
             if on_epoch is not None:
                 on_epoch()
     finally:

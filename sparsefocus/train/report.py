@@ -19,6 +19,7 @@ from sparsefocus.train.checkpoint import write_text_atomic
 
 REFERENCE = "FULL"
 CONVERGED = 0.95
+EPOCH_BASES = (1, 0)  # 1: epochs counted from 1 (metrics.jsonl); 0: the paper's trfigs.py (row index)
 
 
 @dataclass
@@ -128,11 +129,13 @@ def _iqr(values: np.ndarray, digits: int = 3) -> str:
     return f"{mid:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
-def final_table(curves: dict[str, Curves]) -> list[str]:
-    """Markdown rows of final metrics per mechanism: median [25%, 75%] over seeds."""
+def final_table(curves: dict[str, Curves], epoch_base: int = 1) -> list[str]:
+    """Markdown rows of final metrics per mechanism: median [25%, 75%] over seeds. ``epoch_base``:
+    the number of the first epoch in the convergence column (1, or 0 as the paper's code)."""
+    counted = "" if epoch_base == 1 else ", counted from 0 as the paper"
     rows = [
         "| mechanism | seeds | final train loss | final held-out loss | final held-out acc "
-        f"| best held-out acc (mean ± std) | epoch held-out acc >= {CONVERGED} (seeds reaching) | s/epoch |",
+        f"| best held-out acc (mean ± std) | epoch held-out acc >= {CONVERGED}{counted} (seeds reaching) | s/epoch |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for curve in curves.values():
@@ -140,7 +143,7 @@ def final_table(curves: dict[str, Curves]) -> list[str]:
         rows.append(
             f"| {curve.label} | {len(curve.seeds)} | {_iqr(curve.values['train_loss'][:, -1])} "
             f"| {_iqr(curve.values['valid_loss'][:, -1])} | {_iqr(curve.values['valid_acc'][:, -1])} "
-            f"| {best.mean():.3f} ± {best.std():.3f} | {_convergence(curve.values['valid_acc'])} "
+            f"| {best.mean():.3f} ± {best.std():.3f} | {_convergence(curve.values['valid_acc'], epoch_base)} "
             f"| {np.median(curve.values['seconds']):.2f} |"
         )
     return rows
@@ -162,10 +165,20 @@ def perplexity_table(curves: dict[str, Curves]) -> list[str]:
     return rows + [""]
 
 
-def _convergence(accuracy: np.ndarray) -> str:
+def convergence_epoch(accuracy: np.ndarray, epoch_base: int = 1) -> int | None:
+    """First epoch with accuracy >= 95% of one run's curve [epochs], or None if never. Epochs are
+    counted from ``epoch_base``: 1 (the first epoch is epoch 1, as in metrics.jsonl) or 0 (the
+    paper's ``trfigs.py`` reports the row index, one less)."""
+    if epoch_base not in EPOCH_BASES:
+        raise ValueError(f"epoch_base must be 1 or 0 (the paper's convention), got {epoch_base!r}")
+    reached = epochs_to_reach(-accuracy, -CONVERGED)
+    return None if reached is None else reached - 1 + epoch_base
+
+
+def _convergence(accuracy: np.ndarray, epoch_base: int = 1) -> str:
     """The paper's convergence epoch: first epoch with held-out accuracy >= 95%, mean ± std over
     the seeds that reach it."""
-    epochs = [epochs_to_reach(-row, -CONVERGED) for row in accuracy]
+    epochs = [convergence_epoch(row, epoch_base) for row in accuracy]
     reached = [e for e in epochs if e is not None]
     if not reached:
         return f"never (0/{len(epochs)})"
@@ -223,11 +236,16 @@ def _setting_picture(setting: str, single: bool) -> str:
     return "curves.png" if single else f"curves-{slug(setting)}.png"
 
 
-def write_report(root: "str | Path", *, preface: list[str] | None = None) -> tuple[Path, list[Path]]:
+def write_report(
+    root: "str | Path", *, preface: list[str] | None = None, epoch_base: int = 1
+) -> tuple[Path, list[Path]]:
     """Write ``report.md`` and the curve PNGs of the experiment in ``root``; returns their paths.
 
-    ``preface`` lines (e.g. the demo's measured wall-clock time) go under the title.
+    ``preface`` lines (e.g. the demo's measured wall-clock time) go under the title. ``epoch_base``:
+    convergence epochs counted from 1 (default) or from 0 (the paper's ``trfigs.py``).
     """
+    if epoch_base not in EPOCH_BASES:
+        raise ValueError(f"epoch_base must be 1 or 0 (the paper's convention), got {epoch_base!r}")
     root = Path(root)
     experiment_path = root / "experiment.yaml"
     if not experiment_path.exists():
@@ -250,7 +268,7 @@ def write_report(root: "str | Path", *, preface: list[str] | None = None) -> tup
         if setting != "default":
             lines += [f"## {setting}", ""]
         lines += [f"![curves]({picture.name})", "", "Final metrics, median [25%, 75%] over seeds:", ""]
-        lines += final_table(curves) + [""] + perplexity_table(curves) + speed_table(curves) + [""]
+        lines += final_table(curves, epoch_base) + [""] + perplexity_table(curves) + speed_table(curves) + [""]
     if not grouped:
         lines += ["No finished run yet.", ""]
     report = root / "report.md"
@@ -261,9 +279,13 @@ def write_report(root: "str | Path", *, preface: list[str] | None = None) -> tup
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparsefocus report", description="curves and tables of an experiment folder")
     parser.add_argument("run_dir", help="the experiment folder (holds experiment.yaml)")
+    parser.add_argument(
+        "--epoch-base", type=int, choices=EPOCH_BASES, default=1,
+        help="number of the first epoch in the convergence column: 1 (default) or 0 (the paper's trfigs.py)",
+    )
     args = parser.parse_args(argv)
     try:
-        report, pictures = write_report(args.run_dir)
+        report, pictures = write_report(args.run_dir, epoch_base=args.epoch_base)
     except ValueError as error:
         print(f"error: {error}")
         return 2

@@ -161,7 +161,7 @@ def test_lean_random_at_16k_never_builds_an_n_by_n_tensor():
 @pytest.mark.parametrize(
     "spec, parameter",
     [
-        ("strided:0", "stride"),
+        ("strided:-1", "stride"),
         ("fixed:block=0", "block"),
         ("fixed:4,c=5", "c"),
         ("fixed:4,c=0", "c"),
@@ -191,3 +191,116 @@ def test_positional_and_keyword_forms_agree():
     ]
     for positional, keyword in pairs:
         assert sf.parse_pattern(positional) == sf.parse_pattern(keyword)
+
+
+# The Semantic Focus layout: L=7 real tokens padded to 10 (a multiple of k=5), then g=1 global token
+# appended (position 10). Windows and blocks run over positions 0..9 only; row and column 10 are all kept.
+PAPER_BLOC_5_1 = _rows(
+    "11111000001",
+    "11111000001",
+    "11111000001",
+    "11111000001",
+    "11111000001",
+    "00000111111",
+    "00000111111",
+    "00000111111",
+    "00000111111",
+    "00000111111",
+    "11111111111",
+)
+PAPER_BAND_5_1 = _rows(
+    "11111000001",  # window shifted right at the start: still k=5 regular keys
+    "11111000001",
+    "11111000001",
+    "01111100001",
+    "00111110001",
+    "00011111001",
+    "00001111101",
+    "00000111111",
+    "00000111111",  # shifted left at the end of the REGULAR tokens, not of the row
+    "00000111111",
+    "11111111111",
+)
+
+
+def test_bloc_with_globals_appended_matches_the_papers_hand_written_mask():
+    assert torch.equal(_mask("bloc:k=5,g=1,globals_at=end", 11), PAPER_BLOC_5_1)
+    assert torch.equal(_mask("BLOC:5(1),globals_at=end", 11), PAPER_BLOC_5_1)
+
+
+def test_band_with_globals_appended_matches_the_papers_hand_written_mask():
+    assert torch.equal(_mask("band:k=5,g=1,globals_at=end", 11), PAPER_BAND_5_1)
+
+
+def test_prepended_globals_give_different_key_sets_than_the_papers_layout():
+    # globals first: the block of positions 0..4 holds the global token, so every regular block is
+    # shifted by one; the first real queries of BAND lose a regular key to the global column
+    prepended = _mask("BLOC:5(1)", 11)
+    assert torch.equal(prepended[1], torch.tensor([c == "1" for c in "11111000000"]))
+    assert int(_mask("BAND:5(1)", 11)[1].sum()) == 5  # global + 4 regular keys, not 5 + global
+
+
+def test_with_globals_at_the_end_band_keeps_k_regular_keys_and_bloc_its_block():
+    n, g = 23, 3  # 20 regular positions: four blocks of 5
+    band, bloc = _mask("band:k=5,g=3,globals_at=end", n), _mask("bloc:k=5,g=3,globals_at=end", n)
+    for mask in (band, bloc):
+        assert mask[n - g :].all() and mask[:, n - g :].all()
+    assert (band[: n - g, : n - g].sum(-1) == 5).all()
+    blocks = torch.arange(n - g) // 5
+    assert torch.equal(bloc[: n - g, : n - g], blocks[:, None] == blocks[None, :])
+
+
+@pytest.mark.parametrize(
+    "spec", ["band:k=5,g=2,globals_at=end", "bloc:k=4,g=3,globals_at=end", "global:g=2,globals_at=end", "longformer:3,1,globals_at=end"]
+)
+@pytest.mark.parametrize("n", [7, 26])
+def test_globals_at_end_lean_matches_reference_outputs_and_gradients(spec, n):
+    outputs = {}
+    for impl in ("reference", "lean"):
+        q, k, v = (x.clone().requires_grad_() for x in _inputs(n, seed=3))
+        out = sf.sparse_attention(q, k, v, spec, impl=impl)
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).reshape(out.shape))
+        outputs[impl] = (out.detach(), q.grad, k.grad, v.grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), outputs["reference"], outputs["lean"]):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"{spec} {name}")
+
+
+def test_globals_at_end_flex_matches_reference():
+    q, k, v = _inputs(13, seed=4)
+    spec = "band:k=5,g=2,globals_at=end"
+    torch.testing.assert_close(
+        sf.sparse_attention(q, k, v, spec, impl="flex"), sf.sparse_attention(q, k, v, spec, impl="reference"), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_globals_at_end_refuses_causal_and_unknown_places():
+    with pytest.raises(ValueError, match="globals_at=end cannot be causal"):
+        sf.parse_pattern("band:k=5,g=1,globals_at=end").check_sizes(11, 11, causal=True)
+    with pytest.raises(ValueError, match="globals_at must be one of start, end"):
+        sf.parse_pattern("bloc:k=5,g=1,globals_at=middle")
+
+
+def test_bare_strided_uses_a_stride_of_ceil_sqrt_n():
+    for n, stride in ((7, 3), (16, 4), (17, 5)):
+        for causal in (False, True):
+            assert torch.equal(_mask("strided", n, causal), _mask(f"strided:stride={stride}", n, causal))
+
+
+def test_bare_bigbird_is_window_3_two_globals_three_random_keys():
+    assert sf.parse_pattern("bigbird") == sf.parse_pattern("bigbird:window=3,g=2,r=3,seed=0")
+    mask = _mask("bigbird", 30)
+    assert mask[:2].all() and mask[:, :2].all()
+    assert (mask[3:].sum(-1) == 3 + 2 + 3).all()  # from row 3 on the window is clear of the globals
+
+
+@pytest.mark.parametrize("spec", ["band:k=5,g=1,globals_at=end", "bloc:k=5,g=3,globals_at=end"])
+def test_globals_at_end_triton_matches_reference(spec):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on CPU (conftest)
+    q, k, v = (x.to(device).requires_grad_() for x in _inputs(19, seed=5))
+    grad_out = torch.randn(2, 2, 19, 8, device=device)
+    outs = []
+    for impl in ("triton", "reference"):
+        out = sf.sparse_attention(q, k, v, spec, impl=impl)
+        outs.append([out] + list(torch.autograd.grad(out, (q, k, v), grad_out)))
+    for name, got, want in zip(["out", "dq", "dk", "dv"], *outs):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4, msg=f"{spec} {name}")

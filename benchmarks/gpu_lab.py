@@ -1,0 +1,275 @@
+"""The batched laboratory on one GPU: correctness, throughput, precision fidelity, then the study.
+
+Each call does what fits in ``--budget`` seconds and remembers what it finished in
+``<out>/gpu_lab.json``; calling again with the same ``--out`` folder continues.
+
+1. check: on CUDA the fast batched FULL and TOPK:5 models (dropout 0) against the exact ones
+   (each op per run, as ``train_run``) on a small ListOps batch, fp32: logits and gradients.
+2. throughput: the ListOps model (10 blocks, d=64, lengths 500-600, batch 25) with 10 seeds
+   folded, FULL and TOPK:5, fp32 and the chosen precision: ms per training step, seconds of one
+   whole-set evaluation (5000 + 2000 per seed), their sum per epoch, compile seconds, peak memory.
+3. fidelity: FULL and TOPK:5, 3 seeds, ``--fidelity-epochs`` epochs at fp32 and at the chosen
+   precision (run folders ``fidelity-fp32`` / ``fidelity-<precision>``), per-epoch differences
+   of train loss and held-out accuracy next to the spread between seeds.
+4. study: the Figure-1a ListOps study (FULL, TOPK:5, BAND:5, BAND:5(1), BLOC:5, BLOC:5(1); 10
+   seeds; 200 epochs; ReLU) advanced with the budget driver under ``<out>/listops_fig1a``.
+
+Usage (one H200, about 9 minutes a call):
+    python benchmarks/gpu_lab.py --out OUT [--budget 540] [--precision high] [--autocast none]
+Writes ``<out>/gpu_lab.json`` and prints a table. Extra ``--set key=value`` overrides go to
+every ListOps config (e.g. ``--set model.global_tokens=append_paper``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparsefocus.train.checkpoint import write_text_atomic
+from sparsefocus.train.config import PAPER_SEEDS, load_config
+from sparsefocus.train.driver import Budget, GroupTrainer, build_datas
+from sparsefocus.train.experiment import plan, progress_line, run_experiment
+from sparsefocus.train.loop import matmul_precision
+
+ROOT = Path(__file__).resolve().parents[1]
+FIG1A = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
+FP32 = ("highest", "none")
+DEVICE = "cuda"
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def listops(out: Path, name: str, mechanisms: list[str], seeds: list[int], precision: tuple[str, str], extra: list[str], *more: str):
+    """The paper's ListOps config, batched fast mode on CUDA, with the given precision."""
+    overrides = [
+        f"out_dir={out}", f"name={name}", f"mechanisms={json.dumps(mechanisms)}", f"seeds={seeds}", "settings={}",
+        f"train.device={DEVICE}", "train.batched=true", "train.batched_mode=fast", "train.task_cache=true",
+        f"train.matmul_precision={precision[0]}", f"train.autocast={precision[1]}", *extra, *more,
+    ]
+    return load_config(ROOT / "experiments" / "listops.yaml", overrides)
+
+
+def label(precision: tuple[str, str]) -> str:
+    return "fp32" if precision == FP32 else (precision[1] if precision[1] != "none" else f"tf32-{precision[0]}")
+
+
+def trainer_for(config, mechanism: str, seeds: list[int]) -> GroupTrainer:
+    from sparsefocus.train.loop import RunSpec
+
+    specs = [RunSpec(Path(config.out_dir) / "unused", config, "default", mechanism, seed) for seed in seeds]
+    datas = build_datas(config, seeds, torch.device(DEVICE))
+    return GroupTrainer(specs, datas, torch.device(DEVICE))
+
+
+def check(out: Path, extra: list[str]) -> dict:
+    """Fast against exact folded models on CUDA (fp32, dropout 0): logits and gradients."""
+    results = {}
+    for mechanism in ("FULL", "TOPK:5"):
+        grads = {}
+        for mode in ("exact", "fast"):
+            config = listops(out, "check", [mechanism], PAPER_SEEDS[:2], FP32, extra, "model.dropout=0.0", f"train.batched_mode={mode}", "train.compile=eager")
+            with matmul_precision("highest"):
+                trainer = trainer_for(config, mechanism, PAPER_SEEDS[:2])
+                inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, torch.arange(8, device=DEVICE).expand(2, -1))
+                loss, _, _ = trainer.forward(inputs, targets)
+                loss.backward()
+                grads[mode] = (loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        # relative to the whole gradient's norm: some gradients are zero in exact arithmetic (k_proj.bias)
+        total = torch.sqrt(sum(g.norm() ** 2 for g in grads["exact"][1].values()))
+        worst = max(((grads["fast"][1][n] - g).norm() / total).item() for n, g in grads["exact"][1].items())
+        results[mechanism] = {"loss_exact": grads["exact"][0].item(), "loss_fast": grads["fast"][0].item(), "worst_grad_rel_err": worst}
+    return results
+
+
+def throughput(out: Path, precisions: list[tuple[str, str]], extra: list[str], steps: int, compile_mode: str) -> dict:
+    """ms per training step and seconds per whole evaluation, 10 seeds folded."""
+    results = {}
+    for precision in precisions:
+        for mechanism in ("FULL", "TOPK:5"):
+            config = listops(out, "listops_fig1a", [mechanism], PAPER_SEEDS, precision, extra, f"train.compile={compile_mode}")
+            with matmul_precision(precision[0]):
+                if DEVICE == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                trainer = trainer_for(config, mechanism, PAPER_SEEDS)
+                results[f"{mechanism}/{label(precision)}"] = _time_trainer(trainer, steps)
+            del trainer
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+            print(f"throughput {mechanism} {label(precision)}: {results[f'{mechanism}/{label(precision)}']}", flush=True)
+    return results
+
+
+def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
+    params = list(trainer.model.parameters())
+    batch = trainer.train_cfg.batch_size
+    order = torch.stack([torch.randperm(trainer.train_inputs.shape[1], device=DEVICE) for _ in range(trainer.runs)])
+
+    def step(i: int) -> None:
+        from sparsefocus.train.batched import clip_per_run_
+
+        inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, order[:, i * batch : (i + 1) * batch])
+        loss, _, _ = trainer.forward(inputs, targets)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_per_run_(params, trainer.config.optim.grad_clip, exact=False)
+        trainer.optimizer.step()
+
+    trainer.model.train()
+    began = time.perf_counter()
+    for i in range(3):
+        step(i)
+    synchronize()
+    compile_s = time.perf_counter() - began
+    began = time.perf_counter()
+    for i in range(steps):
+        step(3 + i)
+    synchronize()
+    step_ms = 1000 * (time.perf_counter() - began) / steps
+    trainer.evaluate(trainer.valid_inputs[:, :500], trainer.valid_targets[:, :500])  # compile the eval graph
+    synchronize()
+    began = time.perf_counter()
+    trainer.evaluate(trainer.train_inputs, trainer.train_targets)
+    trainer.evaluate(trainer.valid_inputs, trainer.valid_targets)
+    synchronize()
+    eval_s = time.perf_counter() - began
+    epoch_s = trainer.steps_per_epoch * step_ms / 1000 + eval_s
+    return {
+        "step_ms": round(step_ms, 3), "eval_s": round(eval_s, 3), "epoch_s": round(epoch_s, 3),
+        "study_min_200_epochs": round(200 * epoch_s / 60, 2), "compile_s": round(compile_s, 1),
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else 0.0,
+    }
+
+
+def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epochs: int, budget: Budget) -> dict:
+    """FULL and TOPK:5 curves, 3 seeds, at each precision; the largest per-epoch differences."""
+    curves = {}
+    for precision in precisions:
+        config = listops(out, f"fidelity-{label(precision)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], precision, extra, f"train.epochs={epochs}")
+        run_experiment(config, quiet=True, budget=budget)
+        for spec in plan(config, [("default", config)]):
+            path = spec.run_dir / "metrics.jsonl"
+            lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+            curves[(label(precision), spec.label, spec.seed)] = lines
+    if any(len(lines) < epochs for lines in curves.values()):
+        return {"finished": False}
+    reference, chosen = label(precisions[0]), label(precisions[-1])
+    summary = {"finished": True}
+    for mechanism in ("FULL", "TOPK:5"):
+        for key in ("train_loss", "valid_acc"):
+            gaps, spreads = [], []
+            for epoch in range(epochs):
+                a = [curves[(reference, mechanism, s)][epoch][key] for s in PAPER_SEEDS[:3]]
+                b = [curves[(chosen, mechanism, s)][epoch][key] for s in PAPER_SEEDS[:3]]
+                gaps.append(max(abs(x - y) for x, y in zip(a, b)))
+                spreads.append(statistics.pstdev(a))
+            summary[f"{mechanism}/{key}"] = {"max_gap": round(max(gaps), 5), "seed_std_mean": round(statistics.mean(spreads), 5)}
+            summary[f"{mechanism}/{key}/{reference}"] = [
+                round(statistics.median(curves[(reference, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4) for e in range(epochs)
+            ]
+            summary[f"{mechanism}/{key}/{chosen}"] = [
+                round(statistics.median(curves[(chosen, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4) for e in range(epochs)
+            ]
+    return summary
+
+
+def study(out: Path, precision: tuple[str, str], extra: list[str], budget: Budget) -> dict:
+    config = listops(out, "listops_fig1a", FIG1A, PAPER_SEEDS, precision, extra)
+    began = time.perf_counter()
+    run_experiment(config, quiet=True, budget=budget)
+    line, complete = progress_line(config)
+    return {"summary": line, "complete": complete, "seconds_this_call": round(time.perf_counter() - began, 1)}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_lab_out"), help="results and run folders (default: $OUT)")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds this call may use (default 540)")
+    parser.add_argument("--margin", type=float, default=90.0, help="seconds kept free for a compile at a group start")
+    parser.add_argument("--precision", default="high", choices=("highest", "high", "medium"), help="chosen matmul precision")
+    parser.add_argument("--autocast", default="none", choices=("none", "bf16"), help="chosen autocast")
+    parser.add_argument("--compile", default="default", choices=("eager", "default", "reduce-overhead"), help="torch.compile mode")
+    parser.add_argument("--steps", type=int, default=30, help="timed training steps per throughput case")
+    parser.add_argument("--fidelity-epochs", type=int, default=5)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
+    parser.add_argument("--min-stage", type=float, default=240.0, help="seconds left needed to start the throughput stage")
+    parser.add_argument("--redo", action="append", default=[], help="stage to run again: check, throughput, fidelity")
+    parser.add_argument("--set", action="append", default=[], dest="extra", metavar="KEY=VALUE", help="override for every ListOps config")
+    return parser.parse_args()
+
+
+def main() -> int:
+    global DEVICE
+    args = parse_args()
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("gpu_lab needs CUDA (--device cpu with small --set sizes is a smoke test only)")
+        return 2
+    started = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / "gpu_lab.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    for stage in args.redo:
+        state.pop(stage, None)
+    chosen = (args.precision, args.autocast)
+    precisions = [FP32] if chosen == FP32 else [FP32, chosen]
+    extra = [f"train.compile={args.compile}", *args.extra]
+    state["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
+    state["torch"] = torch.__version__
+    state["chosen"] = {"matmul_precision": chosen[0], "autocast": chosen[1], "compile": args.compile}
+
+    def save() -> None:
+        write_text_atomic(state_path, json.dumps(state, indent=1))
+
+    def left() -> float:
+        return args.budget - (time.time() - started)
+
+    if "check" not in state:
+        state["check"] = check(out, extra)
+        save()
+    if "throughput" not in state and left() > args.min_stage:
+        state["throughput"] = throughput(out, precisions, extra, args.steps, args.compile)
+        save()
+    if not state.get("fidelity", {}).get("finished") and left() > args.margin + 120:
+        state["fidelity"] = fidelity(out, precisions, extra, args.fidelity_epochs, Budget(left() - args.margin))
+        save()
+    if left() > args.margin + 60:
+        state["study"] = study(out, chosen, extra, Budget(left() - args.margin))
+        save()
+    print_table(state)
+    return 0
+
+
+def print_table(state: dict) -> None:
+    print(f"\n{state['device']}, torch {state['torch']}, chosen {state['chosen']}")
+    for mechanism, row in state.get("check", {}).items():
+        print(f"check {mechanism:7s} fast vs exact: loss {row['loss_fast']:.6f} vs {row['loss_exact']:.6f}, worst grad rel err {row['worst_grad_rel_err']:.2e}")
+    if "throughput" in state:
+        print(f"{'case':18s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'200 ep min':>10s} {'compile s':>9s} {'GiB':>6s}")
+        for case, row in state["throughput"].items():
+            print(f"{case:18s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}")
+    fid = state.get("fidelity", {})
+    if fid.get("finished"):
+        for key, row in fid.items():
+            if isinstance(row, dict):
+                print(f"fidelity {key:22s} max gap {row['max_gap']:.4f}  (seed std {row['seed_std_mean']:.4f})")
+    elif fid:
+        print("fidelity: unfinished, continues next call")
+    if "study" in state:
+        print(f"study: {state['study']['summary']} ({state['study']['seconds_this_call']} s this call)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

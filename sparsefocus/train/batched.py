@@ -1,0 +1,438 @@
+"""Many runs as one model: R models of one architecture folded into a module whose parameters
+carry a leading run dimension and whose activations fold the runs into the batch.
+
+``fold_models([m_0, ..., m_{R-1}])`` copies the structure of ``m_0`` and replaces every leaf that
+holds parameters by its run-folded twin (``RunLinear``, ``RunTable``, ``RunLayerNorm``,
+``RunAttention``, ``FoldedEmbedding``) and every dropout by ``RunDropout``. Parameter names stay
+those of the single model, each tensor with a leading R: ``blocks.0.attn.q_proj.weight`` is
+[R, out, in]. Inputs are [R*B, ...], run-major (rows r*B .. r*B+B-1 belong to run r), so the
+model's own ``forward`` (embedding, blocks, pooling, classifier) runs unchanged, and attention
+sees [R*B, H, N, D]: ``sparse_attention`` and SDPA take the folded batch directly, no vmap.
+
+Two modes:
+
+- exact: every parameterised op runs per run on that run's slice (the same op on the same shapes
+  as the single model) and each run's dropout masks come from its own generator state, drawn in
+  the single-run order; the attention is the model's own materialised computation. A folded
+  exact model gives what the R models give.
+- fast: one batched matmul per layer (``torch.baddbmm``), fused attention (SDPA for FULL and
+  fixed patterns, gathered keys for TOPK/BOTK), dropout from the device's one generator
+  (statistically the same masks, not the same draws).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sparsefocus.attention import selection_mask, sparse_attention
+from sparsefocus.attention.common import expand_kv
+from sparsefocus.attention.full import Full
+from sparsefocus.attention.topk import BottomK, TopK
+from sparsefocus.layers import SparseAttention
+from sparsefocus.models.blocks import (
+    PAPER_FILL,
+    Embedding,
+    PaperAttention,
+    sinusoidal_positions,
+)
+
+MODES = ("exact", "fast")
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator that ``F.dropout`` draws from on ``device``."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return torch.default_generator
+
+
+class RunRandomness:
+    """Per-run states of the default generator of ``device``: ``call(r, fn, ...)`` runs ``fn`` as if
+    run r were the only one in the process (its state in, its advanced state out).
+
+    ``states``: one generator state per run (``torch.Generator.get_state()``).
+    """
+
+    def __init__(self, device: torch.device, states: list[Tensor]) -> None:
+        self.device, self.states = device, list(states)
+
+    def call(self, run: int, fn: Callable[..., Tensor], *args, **kwargs) -> Tensor:
+        generator = default_generator(self.device)
+        saved = generator.get_state()
+        generator.set_state(self.states[run])
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.states[run] = generator.get_state()
+            generator.set_state(saved)
+
+
+def _runs_of(x: Tensor, runs: int) -> tuple[Tensor, ...]:
+    """The R run-major slices of a folded [R*B, ...] tensor."""
+    if x.shape[0] % runs:
+        raise ValueError(f"a folded batch of {x.shape[0]} rows is not a multiple of {runs} runs")
+    return x.chunk(runs, dim=0)
+
+
+def _stack(tensors: list[Tensor]) -> nn.Parameter:
+    return nn.Parameter(torch.stack([t.detach() for t in tensors]))
+
+
+class RunDropout(nn.Module):
+    """Dropout of a folded batch: per-run masks from ``rng`` (exact) or one draw (``rng`` None).
+
+    ``always``: stay active in eval mode (the Semantic Focus code's attention dropout).
+    """
+
+    def __init__(self, p: float, runs: int, rng: RunRandomness | None, *, always: bool = False) -> None:
+        super().__init__()
+        self.p, self.runs, self.rng, self.always = p, runs, rng, always
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.p == 0 or not (self.training or self.always):
+            return x
+        if self.rng is None:
+            return F.dropout(x, self.p, training=True)
+        parts = [self.rng.call(r, F.dropout, part, self.p, training=True) for r, part in enumerate(_runs_of(x, self.runs))]
+        return torch.cat(parts)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, runs={self.runs}, per_run_rng={self.rng is not None}, always={self.always}"
+
+
+class RunLinear(nn.Module):
+    """R linears: weight [R, out, in], bias [R, out]; x [R*B, ..., in] -> [R*B, ..., out]."""
+
+    def __init__(self, linears: list[nn.Linear], exact: bool) -> None:
+        super().__init__()
+        self.exact = exact
+        self.weight = _stack([m.weight for m in linears])
+        if linears[0].bias is not None:
+            self.bias = _stack([m.bias for m in linears])
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        runs = self.weight.shape[0]
+        if self.exact:
+            biases = self.bias if self.bias is not None else [None] * runs
+            return torch.cat([F.linear(part, w, b) for part, w, b in zip(_runs_of(x, runs), self.weight, biases)])
+        flat = x.reshape(runs, -1, x.shape[-1])  # [R, B*..., in]
+        weight = self.weight.transpose(1, 2)  # [R, in, out]
+        out = torch.bmm(flat, weight) if self.bias is None else torch.baddbmm(self.bias[:, None], flat, weight)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class RunTable(nn.Module):
+    """R embedding tables: weight [R, V, d]; ``lookup(idx [R*B, L])`` -> [R*B, L, d]."""
+
+    def __init__(self, tables: list[nn.Embedding]) -> None:
+        super().__init__()
+        self.weight = _stack([t.weight for t in tables])
+
+    def lookup(self, idx: Tensor) -> Tensor:
+        runs, size, dim = self.weight.shape
+        offset = torch.arange(runs, device=idx.device)[:, None] * size  # [R, 1]
+        flat = idx.reshape(runs, -1) + offset  # [R, B*L]: row r reads table r
+        return F.embedding(flat, self.weight.reshape(runs * size, dim)).reshape(*idx.shape, dim)
+
+    def per_row(self, batch: int) -> Tensor:
+        """Every table, repeated for the B rows of its run: [R*B, V, d] (prefix/suffix tokens)."""
+        runs, size, dim = self.weight.shape
+        return self.weight[:, None].expand(runs, batch, size, dim).reshape(runs * batch, size, dim)
+
+
+class RunLayerNorm(nn.Module):
+    """R affine LayerNorms: weight, bias [R, d] (a LayerNorm without affine needs no folding)."""
+
+    def __init__(self, norms: list[nn.LayerNorm], exact: bool) -> None:
+        super().__init__()
+        self.exact, self.shape, self.eps = exact, norms[0].normalized_shape, norms[0].eps
+        self.weight = _stack([n.weight for n in norms])
+        self.bias = _stack([n.bias for n in norms])
+
+    def forward(self, x: Tensor) -> Tensor:
+        runs = self.weight.shape[0]
+        if self.exact:
+            parts = _runs_of(x, runs)
+            return torch.cat([F.layer_norm(p, self.shape, w, b, self.eps) for p, w, b in zip(parts, self.weight, self.bias)])
+        view = (runs, -1) + (1,) * (x.dim() - 2) + (x.shape[-1],)
+        out = F.layer_norm(x, self.shape, None, None, self.eps).reshape(runs, -1, *x.shape[1:])
+        return (out * self.weight.view(view) + self.bias.view(view)).reshape(x.shape)
+
+
+class FoldedEmbedding(nn.Module):
+    """``models.blocks.Embedding`` of R runs: idx [R*B, L] -> [R*B, P+L+S, dim], same steps
+    (tokens, prefix tokens, suffix tokens, x sqrt(d) in paper_mode, positions, dropout)."""
+
+    def __init__(self, embeddings: list[Embedding], exact: bool, rng: RunRandomness | None) -> None:
+        super().__init__()
+        first = embeddings[0]
+        self.dim, self.num_prefix, self.kind, self.scale = first.dim, first.num_prefix, first.kind, first.scale
+        self.tokens = RunTable([e.tokens for e in embeddings])
+        self.prefix = RunTable([e.prefix for e in embeddings]) if first.prefix is not None else None
+        suffix = getattr(first, "suffix", None)
+        self.suffix = RunTable([e.suffix for e in embeddings]) if suffix is not None else None
+        learned = first.learned_positions is not None
+        self.learned_positions = RunTable([e.learned_positions for e in embeddings]) if learned else None
+        self.dropout = RunDropout(first.dropout.p, len(embeddings), rng)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        runs = self.tokens.weight.shape[0]
+        x = self.tokens.lookup(idx)  # [R*B, L, dim]
+        batch = idx.shape[0] // runs
+        if self.prefix is not None:
+            x = torch.cat([self.prefix.per_row(batch), x], dim=1)  # [R*B, P+L, dim]
+        if self.suffix is not None:
+            x = torch.cat([x, self.suffix.per_row(batch)], dim=1)  # [R*B, P+L+S, dim]
+        x = x * self.scale
+        length = x.shape[1]
+        if self.learned_positions is not None:
+            positions = self.learned_positions.weight[:, None, :length]  # [R, 1, P+L+S, dim]
+            x = (x.view(runs, batch, length, self.dim) + positions).view(runs * batch, length, self.dim)
+        else:
+            x = x + sinusoidal_positions(length, self.dim, x.device)
+        return self.dropout(x)
+
+
+class RunAttention(nn.Module):
+    """``SparseAttention`` / ``PaperAttention`` of R runs on a folded batch x [R*B, N, dim].
+
+    The projections are ``RunLinear``s; q, k, v are [R*B, H, N, D]. ``PaperAttention``'s core
+    (dense scores, -1e15 fill, softmax, dropout active in eval) runs per run in exact mode; fast
+    mode uses ``fused_paper_attention``. ``SparseAttention`` calls ``sparse_attention`` on the
+    folded batch in both modes.
+    """
+
+    def __init__(self, modules: list[SparseAttention], exact: bool, rng: RunRandomness | None, topk_select: str) -> None:
+        super().__init__()
+        first = modules[0]
+        if len(first.mechanism):
+            raise ValueError(f"train.batched cannot fold {first.pattern.label()}: its trainable parameters are not per run")
+        self.pattern, self.heads, self.kv_heads = first.pattern, first.heads, first.kv_heads
+        self.causal, self.impl, self.head_dim, self.qk_dim = first.causal, first.impl, first.head_dim, first.qk_dim
+        self.exact, self.runs, self.rng, self.topk_select = exact, len(modules), rng, topk_select
+        self.paper = isinstance(first, PaperAttention)
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            setattr(self, name, RunLinear([getattr(m, name) for m in modules], exact))
+        p = first.attention_dropout if self.paper else first.dropout.p
+        self.dropout = RunDropout(p, self.runs, rng, always=self.paper)
+
+    project = SparseAttention.project
+
+    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        q, k, v = self.project(x)  # [R*B, H, N, D]
+        if not self.paper:
+            out = sparse_attention(
+                q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl
+            )
+        elif self.exact:
+            masks = _runs_of(key_padding_mask, self.runs) if key_padding_mask is not None else [None] * self.runs
+            parts = zip(_runs_of(q, self.runs), _runs_of(k, self.runs), _runs_of(v, self.runs), masks)
+            out = torch.cat([self.paper_core(r, *part) for r, part in enumerate(parts)])
+        else:
+            out = self.fused_core(q, k, v, key_padding_mask)
+        out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [R*B, N, H*Dh]
+        out = self.out_proj(out)
+        return out if self.paper else self.dropout(out)
+
+    def paper_core(self, run: int, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """``PaperAttention``'s computation for one run's slice, its dropout from that run's state."""
+        keep = selection_mask(self.pattern, q, k, causal=self.causal, key_padding_mask=key_padding_mask)
+        k, v = expand_kv(k, self.heads), expand_kv(v, self.heads)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.qk_dim)  # [B, H, N, N]
+        weights = scores.masked_fill(~keep, PAPER_FILL).softmax(dim=-1)
+        if self.dropout.p > 0:
+            weights = self.rng.call(run, F.dropout, weights, self.dropout.p, training=True)
+        return torch.matmul(weights, v)  # [B, H, N, Dh]
+
+    def fused_core(self, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """The paper's attention without the N x N weights where the pattern allows (see
+        ``fused_paper_attention``); dropout stays active in eval, as in the paper's code."""
+        k, v = expand_kv(k, self.heads), expand_kv(v, self.heads)
+        fixed = None
+        if not self.pattern.input_dependent and not isinstance(self.pattern, Full):
+            # [1, 1, N, M]: the same for every row; rebuilt per call (cheap, and no state under torch.compile)
+            fixed = selection_mask(self.pattern, q[:1, :1], k[:1, :1], causal=self.causal)
+        return fused_paper_attention(
+            q, k, v, self.pattern, fixed_mask=fixed, key_padding_mask=key_padding_mask, causal=self.causal,
+            dropout_p=self.dropout.p, topk_select=self.topk_select,
+        )
+
+
+def _select(q: Tensor, k: Tensor, pattern: TopK | BottomK, topk_select: str) -> Tensor:
+    """[B, H, N, K] long key positions of each query's k largest (smallest) scores, no gradient;
+    scores in fp32 (outside autocast) so that the choice does not follow bf16 rounding."""
+    with torch.no_grad(), torch.autocast(q.device.type, enabled=False):
+        if topk_select == "triton" and q.is_cuda and isinstance(pattern, TopK):
+            from sparsefocus.kernels.topk_select import topk_select as kernel
+
+            return kernel(q.float(), k.float(), pattern.k).long()
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # [B, H, N, M]
+        return scores.topk(pattern.k, dim=-1, largest=isinstance(pattern, TopK)).indices
+
+
+def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """Softmax attention over the listed keys only: q [B, H, N, D], k, v [B, H, M, D], index
+    [B, H, N, K] long (every entry a valid key) -> [B, H, N, D]. Dropout on the K weights."""
+    batch, heads, n_queries, dim = q.shape
+    rows = torch.arange(batch * heads, device=q.device)[:, None, None]  # [B*H, 1, 1]
+    flat_index = index.reshape(batch * heads, n_queries, -1)  # [B*H, N, K]
+    keys = k.reshape(batch * heads, -1, dim)[rows, flat_index]  # [B*H, N, K, D]
+    values = v.reshape(batch * heads, -1, v.shape[-1])[rows, flat_index]  # [B*H, N, K, Dv]
+    scores = torch.einsum("rnd,rnkd->rnk", q.reshape(batch * heads, n_queries, dim), keys) * scale
+    weights = F.dropout(scores.softmax(dim=-1), dropout_p, training=True) if dropout_p > 0 else scores.softmax(dim=-1)
+    out = torch.einsum("rnk,rnkd->rnd", weights, values)  # [B*H, N, Dv]
+    return out.reshape(batch, heads, n_queries, -1)
+
+
+def fused_paper_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern,
+    *,
+    fixed_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+    causal: bool,
+    dropout_p: float,
+    topk_select: str = "torch",
+) -> Tensor:
+    """The Semantic Focus attention (softmax over the kept keys, dropout on the weights) computed
+    without materialising N x N weights where possible.
+
+    q, k, v: [B, H, N, D] (k, v already expanded to H heads). FULL -> SDPA; an input-agnostic
+    pattern -> SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
+    causality -> scores of the k chosen keys only (``gathered_attention``); anything else -> the
+    dense masked softmax. Returns [B, H, N, D]. The dropout masks are drawn from the default
+    generator (not the single model's draws).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    plain = key_padding_mask is None and not causal
+    if plain and isinstance(pattern, Full):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+    if plain and fixed_mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=fixed_mask, dropout_p=dropout_p, scale=scale)
+    if plain and isinstance(pattern, (TopK, BottomK)):
+        return gathered_attention(q, k, v, _select(q, k, pattern, topk_select), scale, dropout_p)
+    keep = selection_mask(pattern, q, k, causal=causal, key_padding_mask=key_padding_mask)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, N, M]
+    weights = F.dropout(scores.masked_fill(~keep, PAPER_FILL).softmax(dim=-1), dropout_p, training=True)
+    return torch.matmul(weights, v)
+
+
+def _fold_leaf(module: nn.Module, parts: list[nn.Module], exact: bool, rng: RunRandomness | None, topk_select: str):
+    """The run-folded twin of one module, or None when its children are folded instead."""
+    if isinstance(module, SparseAttention):
+        return RunAttention(parts, exact, rng, topk_select)
+    if isinstance(module, Embedding):
+        return FoldedEmbedding(parts, exact, rng)
+    if isinstance(module, nn.Linear):
+        return RunLinear(parts, exact)
+    if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
+        return RunLayerNorm(parts, exact)
+    if isinstance(module, nn.Dropout):
+        return RunDropout(module.p, len(parts), rng)
+    return None
+
+
+def _fold_children(target: nn.Module, sources: list[nn.Module], exact: bool, rng, topk_select: str) -> None:
+    for name, child in list(target.named_children()):
+        parts = [getattr(source, name) for source in sources]
+        folded = _fold_leaf(child, parts, exact, rng, topk_select)
+        if folded is not None:
+            setattr(target, name, folded)  # same slot: parameter order and names stay the model's
+        else:
+            _fold_children(child, parts, exact, rng, topk_select)
+    own = [name for name, _ in target.named_parameters(recurse=False)] + [name for name, _ in target.named_buffers(recurse=False)]
+    if own and not isinstance(target, (RunLinear, RunTable, RunLayerNorm)):
+        raise ValueError(f"train.batched cannot fold {type(target).__name__} (it holds {', '.join(own)})")
+
+
+def fold_models(
+    models: list[nn.Module], *, mode: str = "exact", rng: RunRandomness | None = None, topk_select: str = "torch"
+) -> nn.Module:
+    """One module computing R models of one architecture on a folded batch [R*B, ...].
+
+    Args:
+        models: R >= 1 models built from the same config (only their parameter values differ).
+        mode: "exact" or "fast" (see the module docstring). Default: "exact".
+        rng: per-run dropout states (exact mode); None draws from the default generator.
+        topk_select: "torch" or "triton" (fast mode's TOPK selection). Default: "torch".
+    Returns:
+        The folded module; ``state_dict()`` has the single model's keys, each tensor [R, ...].
+    Raises:
+        ValueError: a module the folding does not know holds parameters, or the models differ.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "exact" and rng is None and any(isinstance(m, nn.Dropout) and m.p > 0 for m in models[0].modules()):
+        raise ValueError("exact mode needs the runs' generator states (rng) when the model has dropout")
+    shapes = [[(n, tuple(p.shape)) for n, p in m.named_parameters()] for m in models]
+    if any(s != shapes[0] for s in shapes):
+        raise ValueError("fold_models: the models differ in their parameters (names or shapes)")
+    folded = copy.deepcopy(models[0])
+    _fold_children(folded, models, mode == "exact", rng, topk_select)
+    names = [n for n, _ in folded.named_parameters()]
+    if names != [n for n, _ in shapes[0]]:
+        raise ValueError("fold_models: folding changed the parameter order; a module is not folded in place")
+    return folded
+
+
+def run_state(folded: nn.Module, run: int) -> dict[str, Tensor]:
+    """Run ``run``'s ``state_dict``, as its single model would have it."""
+    return {name: value[run].detach().clone() for name, value in folded.state_dict().items()}
+
+
+def load_run_states(folded: nn.Module, states: list[dict[str, Tensor]]) -> None:
+    """Copy R single-model state dicts into the folded parameters."""
+    for name, tensor in folded.state_dict().items():
+        tensor.copy_(torch.stack([state[name] for state in states]))
+
+
+def run_optimizer_state(state: dict, run: int) -> dict:
+    """Run ``run``'s optimiser state dict from the folded one (per-parameter tensors with a run
+    dimension are sliced; scalars such as Adam's step are shared)."""
+    per_param = {
+        index: {key: value[run].clone() if torch.is_tensor(value) and value.dim() > 0 else value for key, value in entry.items()}
+        for index, entry in state["state"].items()
+    }
+    return {"state": per_param, "param_groups": copy.deepcopy(state["param_groups"])}
+
+
+def fold_optimizer_states(states: list[dict]) -> dict:
+    """The folded optimiser state dict from R single ones (inverse of ``run_optimizer_state``)."""
+    first = states[0]
+    per_param = {
+        index: {
+            key: torch.stack([s["state"][index][key] for s in states]) if torch.is_tensor(value) and value.dim() > 0 else value
+            for key, value in entry.items()
+        }
+        for index, entry in first["state"].items()
+    }
+    return {"state": per_param, "param_groups": copy.deepcopy(first["param_groups"])}
+
+
+def clip_per_run_(parameters: list[nn.Parameter], max_norm: float, *, exact: bool) -> Tensor:
+    """``clip_grad_norm_`` of every run separately: run r's gradients (the slices [r] of every
+    parameter) scaled by min(1, max_norm / (||g_r|| + 1e-6)). Exact mode computes each run's norm
+    with ``torch.nn.utils.get_total_norm`` on its slices, as the single loop does. Returns the
+    per-run norms [R]; no host sync."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    runs = grads[0].shape[0]
+    if exact:
+        norms = torch.stack([torch.nn.utils.get_total_norm([g[r] for g in grads]) for r in range(runs)])
+    else:
+        per_param = torch.stack([torch.linalg.vector_norm(g.reshape(runs, -1), dim=1) for g in grads])  # [P, R]
+        norms = torch.linalg.vector_norm(per_param, dim=0)  # [R]
+    coef = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.view(runs, *([1] * (g.dim() - 1))).to(g.dtype))
+    return norms

@@ -1,0 +1,432 @@
+"""The batched loop: the seeds of one (setting, mechanism) trained as one folded model, each run
+still in its own folder with the files ``train_run`` writes; and the time budget shared by both
+loops.
+
+A group's runs share the config; each has its own data (``build`` with its seed), initial weights
+(``torch.manual_seed(seed)`` before building, as ``train_run``), shuffling generator, dropout
+stream and checkpoint. The data stay on the device, every step is free of host syncs (loss and
+accuracy sums stay on the device and are read once per epoch) and, in fast mode on CUDA, the
+forward and loss are compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import inspect
+import json
+import math
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+from torch import Tensor
+
+from sparsefocus.tasks.base import TaskData
+from sparsefocus.train.batched import (
+    RunRandomness,
+    clip_per_run_,
+    default_generator,
+    fold_models,
+    fold_optimizer_states,
+    load_run_states,
+    run_optimizer_state,
+    run_state,
+)
+from sparsefocus.train.checkpoint import (
+    load_checkpoint,
+    save_checkpoint,
+    write_text_atomic,
+)
+from sparsefocus.train.config import ExperimentConfig, TrainConfig, make_task_config
+from sparsefocus.train.loop import (
+    RunSpec,
+    _write_metrics,
+    build_data,
+    build_model,
+    lr_factor,
+    make_optimizer,
+    matmul_precision,
+    resolve_device,
+)
+
+
+@dataclasses.dataclass
+class Budget:
+    """A wall-clock allowance checked at epoch boundaries (picklable: an absolute deadline).
+
+    ``seconds``: the allowance; ``deadline``: ``time.time()`` when it ends; ``last_epoch``: the
+    latest epoch's length in this process, the estimate for the next one; ``epochs``: epochs
+    trained under it. The first epoch is always allowed, so that every call makes progress.
+    """
+
+    seconds: float
+    deadline: float = 0.0
+    last_epoch: float = 0.0
+    epochs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.seconds <= 0:
+            raise ValueError(f"--budget must be > 0 seconds, got {self.seconds}")
+        if not self.deadline:
+            self.deadline = time.time() + self.seconds
+
+    def allows(self, estimate: float | None = None) -> bool:
+        """Whether an epoch expected to take ``estimate`` (default: the longest so far) still fits."""
+        if self.epochs == 0:
+            return True
+        return time.time() + (self.last_epoch if estimate is None else estimate) <= self.deadline
+
+    def record(self, seconds: float) -> None:
+        """The latest epoch is the estimate: a first epoch that compiled would overstate the rest."""
+        self.last_epoch, self.epochs = seconds, self.epochs + 1
+
+
+TASK_TENSORS = ("train_inputs", "train_targets", "valid_inputs", "valid_targets", "test_inputs", "test_targets")
+TASK_SCALARS = ("name", "kind", "vocab_size", "num_classes", "pad_id")
+
+
+def task_cache_path(config: ExperimentConfig, seed: int) -> Path:
+    """Where the task cache keeps ``seed``'s data: keyed by the task config and the source of the
+    module that generates it, so an edited generator never serves stale data."""
+    task = make_task_config(config.task)
+    source = Path(inspect.getsourcefile(type(task))).read_bytes()
+    key = hashlib.sha256(json.dumps(config.task, sort_keys=True, default=str).encode() + source).hexdigest()[:16]
+    return Path(config.out_dir) / ".task-cache" / key / f"seed-{seed}.pt"
+
+
+def _build_into_cache(config: ExperimentConfig, seed: int) -> None:
+    """Build ``seed``'s task on the CPU and save its tensors and sizes atomically."""
+    data = build_data(config, seed, torch.device("cpu"))
+    record = {name: _compact(getattr(data, name)) for name in TASK_TENSORS} | {n: getattr(data, n) for n in TASK_SCALARS}
+    path = task_cache_path(config, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, record)
+
+
+def _load_cached(config: ExperimentConfig, seed: int, device: torch.device) -> TaskData:
+    record = torch.load(task_cache_path(config, seed), map_location=device, weights_only=True)
+    for name in TASK_TENSORS:
+        if record[name] is not None:
+            record[name] = record[name].long()
+    return TaskData(**record)
+
+
+def _compact(ids: Tensor | None) -> Tensor | None:
+    """Token ids and targets in the smallest integer type that holds them (the cache is re-read
+    every call; ListOps' 7000 x 599 ids are 4 MB as uint8, 34 MB as int64)."""
+    if ids is None:
+        return None
+    if ids.numel() and ids.min() >= 0 and ids.max() < 256:
+        return ids.to(torch.uint8)
+    return ids.to(torch.int16) if ids.numel() and ids.abs().max() < 2**15 else ids
+
+
+def build_datas(config: ExperimentConfig, seeds: list[int], device: torch.device) -> list[TaskData]:
+    """Every seed's task data on ``device``; with ``train.task_cache`` missing seeds are built in
+    parallel processes (one per core at most) into the cache, then all are read from it."""
+    if not config.train.task_cache:
+        return [build_data(config, seed, device) for seed in seeds]
+    missing = [seed for seed in seeds if not task_cache_path(config, seed).exists()]
+    if len(missing) == 1:
+        _build_into_cache(config, missing[0])
+    elif missing:
+        workers = min(len(missing), os.cpu_count() or 1)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            list(pool.map(_build_into_cache, [config] * len(missing), missing))
+    return [_load_cached(config, seed, device) for seed in seeds]
+
+
+def _shape_key(data: TaskData) -> tuple:
+    """Runs fold together only when their data have the same shapes and sizes."""
+    return (data.kind, tuple(data.train_inputs.shape), tuple(data.valid_inputs.shape), data.vocab_size, data.num_classes, data.pad_id)
+
+
+def _epoch_seed(seeds: list[int], epoch: int) -> int:
+    """Fast mode's dropout seed of an epoch: a hash of the group's seeds and the epoch, so that
+    a resumed group draws what the uninterrupted one would have."""
+    text = ",".join(map(str, seeds)) + f"/{epoch}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
+    """The torch.compile mode of the fast step, or None for eager."""
+    if train.batched_mode != "fast" or train.compile == "eager":
+        return None
+    if train.compile == "auto":
+        return "default" if device.type == "cuda" else None
+    return train.compile
+
+
+class GroupTrainer:
+    """R runs of one config as one folded model on one device; see the module docstring.
+
+    Args:
+        specs: the runs (same config and mechanism, different seeds), all at the same epoch.
+        datas: their data, on ``device``, all of one shape.
+        device: where the model and the data live.
+    """
+
+    def __init__(self, specs: list[RunSpec], datas: list[TaskData], device: torch.device) -> None:
+        self.specs, self.device, self.config = specs, device, specs[0].config
+        self.train_cfg = self.config.train
+        self.exact = self.train_cfg.batched_mode == "exact"
+        self.runs = len(specs)
+        self.train_inputs = torch.stack([d.train_inputs for d in datas])  # [R, n, L]
+        self.train_targets = torch.stack([d.train_targets for d in datas])  # [R, n]
+        self.valid_inputs = torch.stack([d.valid_inputs for d in datas])
+        self.valid_targets = torch.stack([d.valid_targets for d in datas])
+        self.cpu_states, device_states, models = [], [], []
+        for spec, data in zip(specs, datas):
+            torch.manual_seed(spec.seed)  # as train_run: the seed fixes the initial weights
+            models.append(build_model(self.config.model, spec.mechanism, data))
+            self.cpu_states.append(torch.get_rng_state())
+            device_states.append(default_generator(device).get_state())
+        self.rng = RunRandomness(device, device_states) if self.exact else None
+        mode = "exact" if self.exact else "fast"
+        self.model = fold_models(models, mode=mode, rng=self.rng, topk_select=self.train_cfg.topk_select).to(device)
+        self.optimizer = make_optimizer(self.config.optim, self.model)
+        self.steps_per_epoch = math.ceil(self.train_inputs.shape[1] / self.train_cfg.batch_size)
+        epochs = self.train_cfg.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(self.config.optim, step, self.steps_per_epoch, epochs)
+        )
+        self.generators = [torch.Generator().manual_seed(spec.seed) for spec in specs]
+        self.forward = self._make_forward()
+        self.clip = functools.partial(clip_per_run_, exact=self.exact)
+        if _compile_mode(self.train_cfg, device) is not None:
+            self.clip = torch.compile(self.clip)  # ~2 kernels instead of ~3 per parameter
+
+    def _make_forward(self) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+        """(inputs [R*B, L], targets [R*B]) -> (sum over runs of each run's mean loss, per-example
+        loss [R, B], per-example correct [R, B]); compiled in fast mode on CUDA."""
+        runs = self.runs
+        autocast = self.train_cfg.autocast == "bf16"
+
+        def forward_loss(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
+                logits = self.model(inputs)  # [R*B, C]
+            losses = F.cross_entropy(logits.float(), targets, reduction="none").view(runs, -1)  # [R, B]
+            correct = (logits.argmax(-1) == targets).view(runs, -1)
+            return losses.mean(dim=1).sum(), losses, correct
+
+        mode = _compile_mode(self.train_cfg, self.device)
+        if mode is None:
+            return forward_loss
+        torch._dynamo.reset()  # each group's closure would otherwise count towards dynamo's recompile limit
+        return torch.compile(forward_loss, mode=mode, dynamic=False)
+
+    def rows(self, inputs: Tensor, targets: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+        """Each run's rows ``index`` [R, B] of [R, n, ...] data, folded: ([R*B, L], [R*B])."""
+        run = torch.arange(self.runs, device=index.device)[:, None]
+        return inputs[run, index].flatten(0, 1), targets[run, index].flatten(0, 1)
+
+    def train_epoch(self) -> tuple[Tensor, Tensor]:
+        """One shuffled pass per run (each run's order from its own generator, as ``train_epoch``).
+        Returns the running per-run (loss sum, correct count) on the device."""
+        self.model.train()
+        n, batch = self.train_inputs.shape[1], self.train_cfg.batch_size
+        if self.train_cfg.shuffle:
+            orders = torch.stack([torch.randperm(n, generator=g) for g in self.generators]).to(self.device)  # [R, n]
+        else:
+            orders = torch.arange(n, device=self.device).expand(self.runs, -1)
+        loss_sum = torch.zeros(self.runs, dtype=torch.float64, device=self.device)
+        correct = torch.zeros(self.runs, dtype=torch.long, device=self.device)
+        params = [p for p in self.model.parameters()]
+        for start in range(0, n, batch):
+            inputs, targets = self.rows(self.train_inputs, self.train_targets, orders[:, start : start + batch])
+            loss, losses, right = self.forward(inputs, targets)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.config.optim.grad_clip > 0:
+                self.clip(params, self.config.optim.grad_clip)
+            self.optimizer.step()
+            self.scheduler.step()
+            loss_sum += losses.detach().sum(dim=1, dtype=torch.float64)
+            correct += right.sum(dim=1)
+        return loss_sum / n, correct.double() / n
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-run (mean loss, accuracy) [R] over a whole split in eval mode, in the single loop's
+        chunks of ``eval_batch_size`` examples per run."""
+        self.model.eval()
+        n, chunk = inputs.shape[1], self.train_cfg.eval_batch_size
+        loss_sum = torch.zeros(self.runs, dtype=torch.float64, device=self.device)
+        correct = torch.zeros(self.runs, dtype=torch.long, device=self.device)
+        for start in range(0, n, chunk):
+            index = torch.arange(start, min(start + chunk, n), device=self.device).expand(self.runs, -1)
+            _, losses, right = self.forward(*self.rows(inputs, targets, index))
+            loss_sum += losses.sum(dim=1, dtype=torch.float64)
+            correct += right.sum(dim=1)
+        return loss_sum / n, correct.double() / n
+
+    def epoch_metrics(self, epoch: int, running: tuple[Tensor, Tensor], lr: float, seconds: float) -> list[dict]:
+        """One metrics line per run (one host read for the whole group)."""
+        if self.train_cfg.train_loss == "full_eval":
+            train = self.evaluate(self.train_inputs, self.train_targets)
+        else:
+            train = running
+        valid = self.evaluate(self.valid_inputs, self.valid_targets)
+        table = torch.stack([*train, *valid]).cpu().tolist()  # [4, R]
+        return [
+            {
+                "epoch": epoch,
+                "train_loss": table[0][r],
+                "train_acc": table[1][r],
+                "valid_loss": table[2][r],
+                "valid_acc": table[3][r],
+                "lr": lr,
+                "seconds": round(seconds, 4),
+            }
+            for r in range(self.runs)
+        ]
+
+    def reseed(self, epoch: int) -> None:
+        """Fast mode: the epoch's dropout stream from the group's seeds and the epoch."""
+        if not self.exact:
+            default_generator(self.device).manual_seed(_epoch_seed([s.seed for s in self.specs], epoch))
+
+    def state(self, run: int, epoch: int, finished: bool, metrics: list[dict]) -> dict[str, Any]:
+        """Run ``run``'s checkpoint, in ``train_run``'s format (either loop can resume it)."""
+        on_cpu = self.device.type == "cpu"
+        state = {
+            "epoch": epoch,
+            "finished": finished,
+            "model": run_state(self.model, run),
+            "optimizer": run_optimizer_state(self.optimizer.state_dict(), run),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": self.rng.states[run] if (self.exact and on_cpu) else self.cpu_states[run],
+            "generator": self.generators[run].get_state(),
+            "metrics": metrics,
+        }
+        if self.exact and not on_cpu:
+            state["device_rng"] = self.rng.states[run]
+        return state
+
+    def restore(self, states: list[dict[str, Any]]) -> None:
+        """Load R checkpoints of the same epoch into the folded model and its bookkeeping."""
+        load_run_states(self.model, [s["model"] for s in states])
+        self.optimizer.load_state_dict(fold_optimizer_states([s["optimizer"] for s in states]))
+        self.scheduler.load_state_dict(states[0]["scheduler"])
+        for r, state in enumerate(states):
+            self.generators[r].set_state(state["generator"])
+            self.cpu_states[r] = state["torch_rng"]
+            if self.exact:
+                on_cpu = self.device.type == "cpu"
+                self.rng.states[r] = state["torch_rng"] if on_cpu else state.get("device_rng", self.rng.states[r])
+
+
+def _start_or_resume(trainer: GroupTrainer) -> tuple[int, list[list[dict]]]:
+    """Restore the group from its runs' checkpoints, or start every folder (checkpoint, then
+    config.yaml, as ``train_run``)."""
+    specs = trainer.specs
+    started = [(s.run_dir / "config.yaml").exists() for s in specs]
+    if any(started):
+        if not all(started):
+            raise ValueError("a batched group mixes started and new runs; group runs by their epoch first")
+        states = [load_checkpoint(s.run_dir / "checkpoint.pt") for s in specs]
+        epochs = {int(s["epoch"]) for s in states}
+        if len(epochs) > 1:
+            raise ValueError(f"a batched group's runs are at different epochs {sorted(epochs)}")
+        trainer.restore(states)
+        metrics = [list(s["metrics"]) for s in states]
+        for spec, lines in zip(specs, metrics):
+            _write_metrics(spec.run_dir, lines)  # drop epochs logged after the last checkpoint
+        return epochs.pop(), metrics
+    for r, spec in enumerate(specs):
+        spec.run_dir.mkdir(parents=True, exist_ok=True)
+        save_checkpoint(spec.run_dir / "checkpoint.pt", trainer.state(r, 0, False, []))
+        write_text_atomic(spec.run_dir / "config.yaml", yaml.safe_dump(spec.record(), sort_keys=False))
+    return 0, [[] for _ in specs]
+
+
+def _save_all(trainer: GroupTrainer, epoch: int, finished: bool, metrics: list[list[dict]]) -> None:
+    for r, spec in enumerate(trainer.specs):
+        save_checkpoint(spec.run_dir / "checkpoint.pt", trainer.state(r, epoch, finished, metrics[r]))
+
+
+def train_part(
+    specs: list[RunSpec],
+    datas: list[TaskData],
+    device: torch.device,
+    budget: Budget | None = None,
+    on_epoch: Callable[[int], None] | None = None,
+) -> bool:
+    """Train runs of one data shape as one folded model until ``train.epochs`` or the budget.
+    Returns True when they finished. A stop saves every run at the epoch reached."""
+    trainer = GroupTrainer(specs, datas, device)
+    start, metrics = _start_or_resume(trainer)
+    total, every = trainer.train_cfg.epochs, trainer.train_cfg.checkpoint_every
+    saved = start
+    for epoch in range(start + 1, total + 1):
+        if budget is not None and not budget.allows():
+            if saved != epoch - 1:
+                _save_all(trainer, epoch - 1, False, metrics)
+            return False
+        began = time.perf_counter()
+        trainer.reseed(epoch)
+        lr = trainer.optimizer.param_groups[0]["lr"]
+        running = trainer.train_epoch()
+        lines = trainer.epoch_metrics(epoch, running, lr, time.perf_counter() - began)
+        for r, spec in enumerate(specs):
+            metrics[r].append(lines[r])
+            _write_metrics(spec.run_dir, metrics[r])
+        if epoch == total or epoch % every == 0:
+            _save_all(trainer, epoch, epoch == total, metrics)
+            saved = epoch
+        if budget is not None:
+            budget.record(time.perf_counter() - began)
+        if on_epoch is not None:
+            on_epoch(len(specs))
+    return True
+
+
+def train_group(
+    specs: list[RunSpec], budget: Budget | None = None, on_epoch: Callable[[int], None] | None = None
+) -> bool:
+    """Train the runs of one (setting, mechanism), all at the same epoch, folded into models of at
+    most ``train.batched_max_runs`` runs with data of one shape. Returns True when all finished."""
+    config: ExperimentConfig = specs[0].config
+    device = resolve_device(config.train.device)
+    with matmul_precision(config.train.matmul_precision):
+        datas = build_datas(config, [spec.seed for spec in specs], device)
+        parts: dict[tuple, list[int]] = {}
+        for index, data in enumerate(datas):
+            parts.setdefault(_shape_key(data), []).append(index)
+        size = config.train.batched_max_runs or len(specs)
+        for members in parts.values():
+            for at in range(0, len(members), size):
+                chosen = members[at : at + size]
+                if budget is not None and not budget.allows():
+                    return False
+                done = train_part([specs[i] for i in chosen], [datas[i] for i in chosen], device, budget, on_epoch)
+                if not done:
+                    return False
+    return True
+
+
+def check_batched(settings: list[tuple[str, ExperimentConfig]]) -> None:
+    """Fail before training when a setting cannot be batched (next-token tasks use the Decoder)."""
+    from sparsefocus.train.config import make_task_config
+
+    for label, setting in settings:
+        if type(make_task_config(setting.task)).kind != "classify":
+            where = "" if label == "default" else f"setting {label}: "
+            raise ValueError(f"{where}train.batched supports classification tasks only, task {setting.task['name']!r} is not one")
+
+
+def group_specs(specs: list[RunSpec], epochs_done: list[int]) -> list[list[RunSpec]]:
+    """Runs of one (setting, mechanism) at the same epoch, in plan order."""
+    groups: dict[tuple, list[RunSpec]] = {}
+    for spec, done in zip(specs, epochs_done):
+        groups.setdefault((spec.setting, spec.label, done), []).append(spec)
+    return list(groups.values())

@@ -1,0 +1,240 @@
+"""The batched loop against the single-run loop: R seeds folded into one model give each seed's
+``train_run`` result (exact mode: with dropout, parameters bit for bit; fast mode: without
+dropout, to fp32 rounding), resume after an interruption, and keep the run-folder layout."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparsefocus.models import Encoder, ModelConfig
+from sparsefocus.train.batched import (
+    RunRandomness,
+    default_generator,
+    fold_models,
+    fused_paper_attention,
+    load_run_states,
+    run_state,
+)
+from sparsefocus.train.checkpoint import load_checkpoint
+from sparsefocus.train.config import load_config
+from sparsefocus.train.driver import Budget
+from sparsefocus.train.experiment import run_experiment
+from sparsefocus.train.loop import build_data, build_model
+from sparsefocus.train.report import write_report
+
+SEEDS = [1, 2, 3]
+TINY = [
+    "task={name: parity, length: 10, num_train: 40, num_valid: 20}",
+    "model.blocks=2",
+    "model.dim=8",
+    "model.mlp_dim=8",
+    "model.paper_mode=true",
+    "optim.lr=0.5",
+    "optim.decay=0.9",
+    "train.epochs=3",
+    "train.batch_size=15",  # 40 = 15 + 15 + 10: a short last batch
+    "train.eval_batch_size=15",
+    "train.threads=1",
+    f"seeds={SEEDS}",
+]
+METRICS = ("train_loss", "train_acc", "valid_loss", "valid_acc", "lr")
+
+
+def config(out: Path, *overrides: str):
+    return load_config(None, [f"out_dir={out}", "name=exp", *TINY, *overrides])
+
+
+def metrics_of(root: Path) -> dict[str, list[dict]]:
+    return {
+        str(path.parent.relative_to(root)): [json.loads(line) for line in path.read_text().splitlines()]
+        for path in sorted(root.glob("*/*/seed-*/metrics.jsonl"))
+    }
+
+
+def params_of(root: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return {str(p.parent.relative_to(root)): load_checkpoint(p)["model"] for p in sorted(root.glob("*/*/seed-*/checkpoint.pt"))}
+
+
+def assert_same_metrics(expected: dict, actual: dict, rtol: float) -> None:
+    assert expected.keys() == actual.keys() and expected
+    for run, lines in expected.items():
+        assert len(lines) == len(actual[run]), run
+        for want, got in zip(lines, actual[run]):
+            assert want["epoch"] == got["epoch"]
+            for key in METRICS:
+                assert got[key] == pytest.approx(want[key], rel=rtol, abs=rtol), (run, want["epoch"], key)
+
+
+def assert_same_params(expected: dict, actual: dict, atol: float) -> None:
+    assert expected.keys() == actual.keys()
+    for run, state in expected.items():
+        assert list(state) == list(actual[run]), run
+        for name, tensor in state.items():
+            torch.testing.assert_close(actual[run][name], tensor, rtol=0, atol=atol, msg=f"{run} {name}")
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The single-run loop's results for TOPK:3 with dropout 0.1 and FULL, BAND:3(1), TOPK:3 without."""
+    out = tmp_path_factory.mktemp("single")
+    run_experiment(config(out / "dropout", "model.dropout=0.1", "mechanisms=[TOPK:3]"), quiet=True)
+    run_experiment(config(out / "plain", "model.dropout=0.0", "mechanisms=[FULL,BAND:3(1),TOPK:3]"), quiet=True)
+    return out
+
+
+def test_exact_batched_seeds_equal_single_runs_with_dropout(single, tmp_path):
+    root = run_experiment(config(tmp_path, "model.dropout=0.1", "mechanisms=[TOPK:3]", "train.batched=true"), quiet=True)
+    assert_same_metrics(metrics_of(single / "dropout" / "exp"), metrics_of(root), rtol=1e-6)
+    assert_same_params(params_of(single / "dropout" / "exp"), params_of(root), atol=0.0)
+
+
+def test_fast_batched_seeds_equal_single_runs_without_dropout(single, tmp_path):
+    overrides = ["model.dropout=0.0", "mechanisms=[FULL,BAND:3(1),TOPK:3]", "train.batched=true", "train.batched_mode=fast"]
+    root = run_experiment(config(tmp_path, *overrides), quiet=True)
+    assert_same_metrics(metrics_of(single / "plain" / "exp"), metrics_of(root), rtol=1e-5)
+    assert_same_params(params_of(single / "plain" / "exp"), params_of(root), atol=1e-5)
+
+
+class EpochBudget(Budget):
+    """A budget that allows a fixed number of epoch starts (an interruption at a known place)."""
+
+    def __init__(self, epochs: int) -> None:
+        super().__init__(1e9)
+        self.left = epochs
+
+    def allows(self, estimate=None) -> bool:
+        self.left -= 1
+        return self.left >= 0
+
+
+def test_interrupted_batched_run_resumes_to_the_single_runs_result(single, tmp_path):
+    cfg = config(tmp_path, "model.dropout=0.1", "mechanisms=[TOPK:3]", "train.batched=true")
+    root = run_experiment(cfg, quiet=True, budget=EpochBudget(2))  # group start + epoch 1
+    first = metrics_of(root)
+    assert {len(lines) for lines in first.values()} == {1}
+    assert all(not load_checkpoint(p)["finished"] for p in root.glob("*/*/seed-*/checkpoint.pt"))
+    run_experiment(cfg, quiet=True)
+    assert_same_metrics(metrics_of(single / "dropout" / "exp"), metrics_of(root), rtol=1e-6)
+    assert_same_params(params_of(single / "dropout" / "exp"), params_of(root), atol=0.0)
+
+
+def test_batched_output_keeps_the_run_folders_and_the_report(single, tmp_path):
+    root = run_experiment(config(tmp_path, "model.dropout=0.1", "mechanisms=[TOPK:3]", "train.batched=true"), quiet=True)
+    want = sorted(p.relative_to(single / "dropout" / "exp") for p in (single / "dropout" / "exp").rglob("*") if p.is_file())
+    got = sorted(p.relative_to(root) for p in root.rglob("*") if p.is_file())
+    assert got == want
+    report, _ = write_report(root)
+    assert "TOPK:3" in report.read_text()
+
+
+def _models(mechanism: str, dropout: float, seeds=SEEDS):
+    cfg = config(Path("unused"), f"model.dropout={dropout}", f"mechanisms=[{mechanism}]")
+    data = build_data(cfg, seeds[0], torch.device("cpu"))
+    models, states = [], []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        models.append(build_model(cfg.model, mechanism, data))
+        states.append(torch.get_rng_state())
+    return models, states, data
+
+
+def test_folded_state_has_the_single_models_keys_and_slices():
+    models, _, _ = _models("BAND:3(1)", 0.0)
+    folded = fold_models(models, mode="fast")
+    assert list(folded.state_dict()) == list(models[1].state_dict())
+    for name, tensor in run_state(folded, 1).items():
+        assert torch.equal(tensor, models[1].state_dict()[name]), name
+    load_run_states(folded, [m.state_dict() for m in reversed(models)])
+    assert torch.equal(run_state(folded, 0)["classifier.weight"], models[2].classifier.weight)
+
+
+def test_exact_fold_reproduces_each_models_logits_and_dropout_draws():
+    models, states, data = _models("TOPK:3", 0.2)
+    inputs = data.valid_inputs[:7]
+    expected = []
+    for model, state in zip(models, states):
+        torch.set_rng_state(state)
+        expected.append(model.train()(inputs))
+    folded = fold_models(models, mode="exact", rng=RunRandomness(torch.device("cpu"), states)).train()
+    got = folded(inputs.repeat(len(models), 1))  # [R*7, C], run-major
+    torch.testing.assert_close(got, torch.cat(expected), rtol=0, atol=0)
+
+
+def test_fast_dropout_is_unbiased_and_differs_between_runs():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 16, 4) for _ in range(3))
+    q, k, v = (t.repeat(2, 1, 1, 1) for t in (q, k, v))  # runs 0 and 1 see identical inputs
+    plain = fused_paper_attention(q, k, v, _full(), fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.0)
+    default_generator(torch.device("cpu")).manual_seed(1)
+    draws = torch.stack([
+        fused_paper_attention(q, k, v, _full(), fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.3)
+        for _ in range(400)
+    ])
+    assert not torch.equal(draws[0, :2], draws[0, 2:])  # each run gets its own mask
+    spread = draws.std(dim=0) / 400**0.5
+    assert ((draws.mean(dim=0) - plain).abs() <= 5 * spread + 1e-6).float().mean() > 0.99
+
+
+def _full():
+    from sparsefocus.attention import parse_pattern
+
+    return parse_pattern("FULL")
+
+
+def test_fold_refuses_a_mechanism_with_trainable_parameters():
+    from sparsefocus.attention.patterns import PATTERNS
+
+    name = next((n for n, cls in PATTERNS.items() if cls.examples and _has_parameters(cls.examples[0])), None)
+    if name is None:
+        pytest.skip("no registered pattern with trainable parameters")
+    spec = PATTERNS[name].examples[0]
+    model = Encoder(ModelConfig(blocks=1, dim=8, mlp_dim=8), spec, vocab_size=4, num_classes=2, max_len=16)
+    with pytest.raises(ValueError, match="trainable parameters are not per run"):
+        fold_models([model, model], mode="fast")
+
+
+def _has_parameters(spec: str) -> bool:
+    from sparsefocus.attention import parse_pattern
+
+    try:
+        return bool(parse_pattern(spec).make_parameters(1))
+    except Exception:  # noqa: BLE001  (an example that needs other sizes is simply not used)
+        return False
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.batched_mode=quick", "train.batched_mode must be one of"),
+        ("train.autocast=bf16", "train.autocast is read by the batched path only"),
+        ("train.matmul_precision=low", "train.matmul_precision must be one of"),
+    ],
+)
+def test_bad_batched_keys_fail_by_name(override, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        config(tmp_path, override)
+
+
+def test_batched_refuses_next_token_tasks(tmp_path):
+    task = "task={name: mqar, vocab_size: 32, seq_len: 16, num_kv_pairs: 2, num_train: 16, num_valid: 8}"
+    with pytest.raises(ValueError, match="classification tasks only"):
+        run_experiment(config(tmp_path, task, "model.paper_mode=false", "train.batched=true"), quiet=True)
+
+
+@pytest.mark.parametrize("layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"])
+@pytest.mark.parametrize("mechanism", ["BAND:3(1)", "BLOC:4(1)", "TOPK:3"])
+def test_fast_fold_computes_each_models_logits(mechanism, layout):
+    if layout and not hasattr(ModelConfig(), "global_tokens"):
+        pytest.skip("this model has no global-token layouts")
+    cfg = config(Path("unused"), "model.dropout=0.0", f"mechanisms=[{mechanism}]", *layout)
+    data = build_data(cfg, 1, torch.device("cpu"))
+    models = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        models.append(build_model(cfg.model, mechanism, data).eval())
+    inputs = data.valid_inputs[:5]
+    expected = torch.cat([model(inputs) for model in models])
+    got = fold_models(models, mode="fast").eval()(inputs.repeat(len(models), 1))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

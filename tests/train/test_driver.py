@@ -1,0 +1,107 @@
+"""``sparsefocus train --budget``: each call advances an experiment by whole epochs and stops;
+called again it continues; the finished result equals an uninterrupted run, batched or not, and
+a folder started by one loop is continued by the other."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparsefocus.train import commands
+from sparsefocus.train.driver import Budget
+
+TINY = [
+    "task={name: parity, length: 10, num_train: 30, num_valid: 15}",
+    "model.blocks=1",
+    "model.dim=8",
+    "model.mlp_dim=8",
+    "model.paper_mode=true",
+    "model.dropout=0.1",
+    "optim.lr=0.5",
+    "train.epochs=3",
+    "train.batch_size=15",
+    "train.threads=1",
+    "seeds=[4,5]",
+    "mechanisms=[FULL,TOPK:3]",
+    "name=exp",
+]
+KEYS = ("epoch", "train_loss", "train_acc", "valid_loss", "valid_acc", "lr")
+
+
+def train(out: Path, *extra: str) -> int:
+    return commands.main(["defaults", f"out_dir={out}", *TINY, *extra, "--no-report"])
+
+
+def curves(root: Path) -> dict[str, list[tuple]]:
+    out = {}
+    for path in sorted(root.glob("*/*/seed-*/metrics.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        out[str(path.parent.relative_to(root))] = [[m[k] for k in KEYS] for m in lines]
+    return out
+
+
+def assert_same_curves(expected: dict, actual: dict) -> None:
+    """Equal up to the batched loop's summation order of the logged loss (fp32 rounding)."""
+    assert expected.keys() == actual.keys() and expected
+    for run, lines in expected.items():
+        assert len(actual[run]) == len(lines), run
+        for want, got in zip(lines, actual[run]):
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-6), run
+
+
+def continue_until_done(out: Path, capsys, *extra: str) -> int:
+    """Call the command with a tiny budget until it says everything is finished; returns the calls."""
+    for calls in range(1, 20):
+        assert train(out, *extra, "--budget", "0.001") == 0
+        summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("exp:")]
+        assert len(summary) == 1
+        if "all finished" in summary[0]:
+            return calls
+        assert "run the same command again" in summary[0]
+    raise AssertionError("the budget driver never finished")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole")
+    assert train(out) == 0
+    return curves(out / "exp")
+
+
+@pytest.mark.parametrize("loop", [[], ["train.batched=true"]], ids=["single", "batched"])
+def test_budget_calls_continue_to_the_uninterrupted_result(uninterrupted, loop, tmp_path, capsys):
+    calls = continue_until_done(tmp_path, capsys, *loop)
+    assert calls > 1  # the tiny budget really stopped it
+    assert_same_curves(uninterrupted, curves(tmp_path / "exp"))
+
+
+def test_one_loop_continues_a_folder_the_other_started(uninterrupted, tmp_path, capsys):
+    for step in range(12):
+        loop = ["train.batched=true"] if step % 2 else []
+        assert train(tmp_path, *loop, "--budget", "0.001") == 0
+        if "all finished" in capsys.readouterr().out:
+            break
+    assert_same_curves(uninterrupted, curves(tmp_path / "exp"))
+
+
+def test_budget_must_be_positive():
+    with pytest.raises(ValueError, match="--budget must be > 0"):
+        Budget(0)
+
+
+def test_task_cache_serves_the_built_data(tmp_path):
+    import torch
+
+    from sparsefocus.train.config import load_config
+    from sparsefocus.train.driver import build_datas, task_cache_path
+    from sparsefocus.train.loop import build_data
+
+    config = load_config(None, [f"out_dir={tmp_path}", *TINY, "train.batched=true", "train.task_cache=true"])
+    first = build_datas(config, [5], torch.device("cpu"))
+    assert task_cache_path(config, 5).exists()
+    again = build_datas(config, [4, 5], torch.device("cpu"))[1]  # 4 is built, 5 is read
+    fresh = build_data(config, 5, torch.device("cpu"))
+    for name in ("train_inputs", "train_targets", "valid_inputs", "valid_targets"):
+        assert torch.equal(getattr(again, name), getattr(fresh, name))
+        assert torch.equal(getattr(first[0], name), getattr(fresh, name))
+    assert (again.vocab_size, again.num_classes, again.pad_id) == (fresh.vocab_size, fresh.num_classes, fresh.pad_id)
