@@ -7,6 +7,7 @@ from sparsefocus.attention import (  # noqa: F401  (importing a family registers
     full,
     image,
     lsh,
+    nsa,
     routing,
     topk,
     zeta,

@@ -88,7 +88,7 @@ def sparse_attention(
     spec.check_sizes(q.shape[2], k.shape[2], causal)
     chosen = resolve_impl(spec, impl, q)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if chosen != "triton":
+    if chosen != "triton" and spec.expands_kv:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     run = getattr(spec, chosen)
     out = run(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
@@ -112,6 +112,6 @@ def selection_mask(
     spec = parse_pattern(pattern)
     check_inputs(q, k, k, key_padding_mask)
     spec.check_sizes(q.shape[2], k.shape[2], causal)
-    k = expand_kv(k, q.shape[1])
+    k = expand_kv(k, q.shape[1]) if spec.expands_kv else k
     with torch.no_grad():
         return spec.full_mask(q, k, causal, key_padding_mask, params)

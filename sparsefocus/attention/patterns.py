@@ -31,6 +31,8 @@ from sparsefocus.attention.common import (
 )
 
 PATTERNS: dict[str, type["Pattern"]] = {}
+HIDDEN_KEY = "hidden"  # params entry: the layer's input x [B, N, dim], for patterns with needs_hidden
+AUX_KEY = "aux_losses"  # params entry: a dict the mechanism fills with named auxiliary losses
 _ALIASES: dict[str, str] = {}
 
 
@@ -64,6 +66,10 @@ class Pattern:
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean")
     needs_square: ClassVar[bool] = True
     examples: ClassVar[tuple[str, ...]] = ()
+    # Mechanisms that read the layer's input x get it as params[HIDDEN_KEY] ([B, N, dim]).
+    needs_hidden: ClassVar[bool] = False
+    # False: the non-Triton paths receive k, v with their own Hk heads (the mechanism handles GQA).
+    expands_kv: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -91,6 +97,11 @@ class Pattern:
     def make_parameters(self, num_heads: int) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters the mechanism owns (e.g. ZETA's gamma, a gate). Default: none."""
         return {}
+
+    def make_layer_parameters(self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters for a layer of this shape (a gate on x, a compression MLP...).
+        Default: ``make_parameters(num_heads)``."""
+        return self.make_parameters(num_heads)
 
     def row_mask(
         self,

@@ -100,6 +100,8 @@ def block_sparse_mask(
         mask = mask & (key_pos[None, :] <= query_pos)
     if window > 0:
         mask = mask & (key_pos[None, :] > query_pos - window)
+        if not causal:
+            mask = mask & (key_pos[None, :] < query_pos + window)
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]
     return mask
@@ -133,6 +135,8 @@ def _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window,
         mask = mask & (kpos[None, :] <= pos[:, None])
     if HAS_WINDOW:
         mask = mask & (kpos[None, :] > pos[:, None] - window)
+        if not CAUSAL:
+            mask = mask & (kpos[None, :] < pos[:, None] + window)
     return mask
 
 
@@ -524,7 +528,8 @@ def block_sparse_attention(
         causal: drop keys whose position exceeds the query's. Default: False.
         scale: score scale. Default: 1/sqrt(D).
         key_padding_mask: [B, M] bool, True = real key. Default: None.
-        window: > 0 also drops keys at position <= query position - window. Default: 0 (none).
+        window: > 0 also drops keys at position <= query position - window (and, not causal,
+            >= query position + window). Default: 0 (none).
         key_stride, key_offset: the position of key j is j * key_stride + key_offset (for
             ``causal`` and ``window``). Default: 1, 0.
     Returns:
