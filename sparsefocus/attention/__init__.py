@@ -3,6 +3,7 @@
 from sparsefocus.attention import (  # noqa: F401  (importing a family registers its patterns)
     adaptive,
     block_topk,
+    dsa,
     fixed,
     full,
     image,

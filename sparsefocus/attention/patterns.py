@@ -70,6 +70,8 @@ class Pattern:
     needs_hidden: ClassVar[bool] = False
     # False: the non-Triton paths receive k, v with their own Hk heads (the mechanism handles GQA).
     expands_kv: ClassVar[bool] = True
+    # True: the mechanism writes named auxiliary losses into params[AUX_KEY] (a dict the caller passes).
+    has_aux_loss: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()
