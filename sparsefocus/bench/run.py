@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sparsefocus.bench import zeta_cases  # noqa: F401  (registers the zeta case)
+from sparsefocus.bench import block_sparse_cases, zeta_cases  # noqa: F401  (register their cases)
 from sparsefocus.bench.registry import CASES, BenchShape
 from sparsefocus.bench.runner import MODES, PEAK_TBPS, PEAK_TFLOPS, measure
 
