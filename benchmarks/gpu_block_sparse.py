@@ -31,7 +31,7 @@ DEVICE = "cuda"
 NSA = "nsa:block=64,top=16,cmp=64,stride=64,window=0"  # fla's configuration: compression + selection
 MOBA = "moba:block=64,top=15,tile=64"  # own block + 15 = 16 blocks of 64
 QUEST = "quest:block=64,top=15,tile=64"
-DSA = "dsa:k=2048,heads=4,dim=64"
+DSA = "dsa:k=2048,heads=4,dim=64,kl_every=16"  # the KL loss on every 16th query row
 DEADLINE_S = 450
 
 

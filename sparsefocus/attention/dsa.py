@@ -30,19 +30,21 @@ from sparsefocus.attention.common import dense_masked_attention, expand_kv, gath
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, Pattern, register, require
 
 SCORE_ELEMENTS = 2**26  # largest [B, heads, rows, N] chunk of indexer scores
-KL_ELEMENTS = 2**24  # largest [B, Hq, rows, k] chunk of the KL loss
+KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)
 WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
 
 
 @register
 @dataclass(frozen=True)
 class DSA(Pattern):
-    """``dsa:k=2048,heads=4,dim=64,kl=1.0``: top-k keys per query by a lightning indexer."""
+    """``dsa:k=2048,heads=4,dim=64,kl=1.0,kl_every=1``: top-k keys per query by a lightning indexer;
+    the KL loss (weight ``kl``) is taken over every ``kl_every``-th query row (positions 0, e, 2e...)."""
 
     k: int = 2048
     heads: int = 4
     dim: int = 64
     kl: float = 1.0
+    kl_every: int = 1
     name: ClassVar[str] = "dsa"
     positional: ClassVar[tuple[str, ...]] = ("k",)
     field_aliases: ClassVar[dict[str, str]] = {"topk": "k", "index_heads": "heads", "index_dim": "dim"}
@@ -59,6 +61,7 @@ class DSA(Pattern):
     def validate(self) -> None:
         require(self.k >= 1 and self.heads >= 1 and self.dim >= 1, f"dsa: k, heads, dim must be >= 1, got {self.k}, {self.heads}, {self.dim}")
         require(self.kl >= 0, f"dsa: kl must be >= 0, got {self.kl}")
+        require(self.kl_every >= 1, f"dsa: kl_every must be >= 1, got {self.kl_every}")
 
     def make_layer_parameters(self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> dict[str, nn.Parameter]:
         """Indexer weights ``dsa_wq`` [dim, heads * idim], ``dsa_wk`` [dim, idim], ``dsa_ww`` [dim, heads]."""
@@ -110,7 +113,7 @@ class DSA(Pattern):
         q_heads = q.shape[1]
         out = dense_masked_attention(q, expand_kv(k, q_heads), expand_kv(v, q_heads), mask, scale)
         if self._wants_loss(params):
-            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * dense_indexer_kl(q, k, mask[:, 0], tensors, scale)
+            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * dense_indexer_kl(q, k, mask[:, 0], tensors, scale, self.kl_every)
         return out
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
@@ -127,7 +130,7 @@ class DSA(Pattern):
 
     def _store_loss(self, q, k, index, tensors, scale, params) -> None:
         if self._wants_loss(params):
-            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * chunked_indexer_kl(q, k, index, tensors, scale)
+            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * chunked_indexer_kl(q, k, index, tensors, scale, self.kl_every)
 
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
         index, _ = self._lists(q, k, causal, key_padding_mask, params)
@@ -157,24 +160,27 @@ def kl_to_target(target: Tensor, logits: Tensor, valid: Tensor) -> tuple[Tensor,
     return terms.sum(), valid.any(-1).sum()
 
 
-def dense_indexer_kl(q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float) -> Tensor:
+def dense_indexer_kl(q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1) -> Tensor:
     """The indexer's KL loss, defined densely: selected [B, N, M] bool, the main distribution
-    softmax(scale q k) over the selected keys averaged over the query heads (detached)."""
+    softmax(scale q k) over the selected keys averaged over the query heads (detached); the mean
+    over the query rows 0, every, 2 every... that keep a key."""
+    iq, ik, w = tensors
+    q, selected, iq, w = q[:, :, ::every], selected[:, ::every], iq[:, :, ::every], w[:, ::every]
     with torch.no_grad():
         scores = torch.matmul(upcast(q), upcast(expand_kv(k, q.shape[1])).transpose(-1, -2)) * scale  # [B, Hq, N, M]
         has_key = selected.any(-1, keepdim=True)[:, None]
         probs = torch.softmax(scores.masked_fill(~selected[:, None], float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
         target = (probs * has_key).mean(1)  # [B, N, M]
-    iq, ik, w = tensors
     total, rows = kl_to_target(target, index_scores(iq, ik, w), selected)
     return total / rows.clamp_min(1)
 
 
-def chunked_indexer_kl(q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float) -> Tensor:
+def chunked_indexer_kl(q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1) -> Tensor:
     """The same loss from the key lists ([B, 1, N, K]) in row chunks, each recomputed in backward."""
     iq, ik, w = tensors
+    q, index, iq, w = q[:, :, ::every], index[:, :, ::every], iq[:, :, ::every], w[:, ::every]
     batch, q_heads, n, _ = q.shape
-    chunk = max(1, KL_ELEMENTS // max(1, batch * q_heads * index.shape[-1]))
+    chunk = max(1, KL_ELEMENTS // max(1, batch * q_heads * index.shape[-1] * q.shape[-1]))
     total, rows = iq.new_zeros(()), iq.new_zeros(())
     for start in range(0, n, chunk):
         part = row_slice(n, start, start + chunk)

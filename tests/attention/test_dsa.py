@@ -81,3 +81,12 @@ def test_decoder_with_dsa_reports_the_summed_aux_loss():
     model(torch.randint(0, 11, (2, 13)))
     layers = [m for m in model.modules() if isinstance(m, SparseAttention)]
     torch.testing.assert_close(total_aux_loss(model), layers[0].aux_loss + layers[1].aux_loss)
+
+
+def test_kl_on_every_third_row_matches_the_dense_definition():
+    spec = sf.parse_pattern("dsa:k=6,heads=2,dim=4,kl_every=3")
+    x, q, k, v, weights = dsa_case(spec, n=29)
+    ref = run_with_grads(spec, "reference", x, q, k, v, weights, aux_key="dsa_indexer_kl")
+    lean = run_with_grads(spec, "lean", x, q, k, v, weights, aux_key="dsa_indexer_kl")
+    for name, a, b in zip(NAMES + list(weights), ref, lean):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=name)
