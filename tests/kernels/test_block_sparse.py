@@ -123,3 +123,24 @@ def test_forward_op_passes_opcheck():
     q, k, v, blocks, padding = make_case(n=20, tile=16, group=2, kv_heads=1, dim=16, dim_v=16, slots=2)
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     torch.library.opcheck(block_sparse_fwd, (q, k, v, blocks, padding, 16, 16, True, 0.25, 0, 1, 0))
+
+
+def test_backward_op_passes_opcheck():
+    from sparsefocus.kernels.block_sparse import block_sparse_bwd
+
+    q, k, v, blocks, padding = make_case(n=20, tile=16, group=2, kv_heads=1, dim=16, dim_v=16, slots=2, batch=1)
+    out, lse = block_sparse_attention(q, k, v, blocks, block_size=16, tile=16, causal=True, key_padding_mask=padding)
+    args = (torch.randn_like(out), q, k, v, out, lse, torch.zeros_like(lse), blocks, padding, 16, 16, True, 0.25, 0, 1, 0)
+    torch.library.opcheck(block_sparse_bwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_with_fullgraph_forward_and_backward():
+    q, k, v, blocks, _ = make_case(n=20, tile=16, group=1, kv_heads=1, dim=16, dim_v=16, slots=2, padded=False, batch=1)
+    q = q.requires_grad_()
+
+    def step(q, k, v, blocks):
+        return block_sparse_attention(q, k, v, blocks, block_size=16, tile=16, causal=True)[0].sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    grad = torch.autograd.grad(compiled(q, k, v, blocks), q)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(step(q, k, v, blocks), q)[0])
