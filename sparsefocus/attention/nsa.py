@@ -262,14 +262,15 @@ class NSA(Pattern):
         o_slc, _ = block_sparse_attention(
             q, k, v, blocks, block_size=self.block, tile=GROUP_TILE, causal=causal, scale=scale, key_padding_mask=key_padding_mask
         )
-        out = gates[..., 0, None] * o_cmp.float() + gates[..., 1, None] * o_slc.float()
+        gates = gates.to(o_slc.dtype)  # combined in the inputs' dtype: fp32 copies of three outputs would double the memory
+        out = gates[..., 0, None] * o_cmp + gates[..., 1, None] * o_slc
         if self.window:
             lists = window_lists(q.shape[0], q.shape[1], q.shape[2], k.shape[2], self.window, causal, q.device)
             o_swa, _ = block_sparse_attention(
                 q, k, v, lists, block_size=KEY_TILE, tile=QUERY_TILE, causal=causal, scale=scale,
                 key_padding_mask=key_padding_mask, window=self.window,
             )
-            out = out + gates[..., 2, None] * o_swa.float()
+            out = out + gates[..., 2, None] * o_swa
         return out
 
     def _compressed_branch(self, q, ck, cv, cmp_real, causal, scale) -> tuple[Tensor, Tensor]:
