@@ -66,6 +66,20 @@ def compress(x: Tensor, real: Tensor | None, cmp: int, stride: int, mlp: tuple[T
     return mean + F.linear(F.gelu(F.linear(flat, w1.t().to(x.dtype), b1.to(x.dtype))), w2.t().to(x.dtype)), cmp_real
 
 
+def group_probabilities(q, ck, lse, cmp_real, rows, cmp, stride, causal, scale) -> Tensor:
+    """[B, Hk, R, Nc] compressed attention probabilities of the rows summed over each GQA group
+    (the slow twin of ``kernels.block_sparse.compressed_importance``): q [B, Hq, R, D], lse [B, Hq, R]."""
+    batch, q_heads, n_rows, dim = q.shape
+    kv_heads, n_cmp = ck.shape[1], ck.shape[2]
+    grouped = upcast(q).reshape(batch, kv_heads, q_heads // kv_heads, n_rows, dim)
+    scores = torch.matmul(grouped, upcast(ck)[:, :, None].transpose(-1, -2)) * scale  # [B, Hk, G, R, Nc]
+    lse = lse.reshape(batch, kv_heads, -1, n_rows, 1)
+    visible = compressed_visible(rows, n_cmp, cmp, stride, causal, q.device)  # [R, Nc]
+    if cmp_real is not None:
+        visible = visible & cmp_real[:, None, None, None, :]
+    return torch.where(visible & torch.isfinite(lse), torch.exp(scores - lse), torch.zeros_like(scores)).sum(2)
+
+
 def compressed_visible(rows: slice, n_cmp: int, cmp: int, stride: int, causal: bool, device: torch.device) -> Tensor:
     """[R, Nc] bool: query i sees compressed key j iff j * stride + cmp - 1 <= i (always, not causal)."""
     if not causal:
@@ -150,11 +164,14 @@ class NSA(Pattern):
         gates = torch.sigmoid(logits.float()).view(*hidden.shape[:2], BRANCHES, q.shape[1])  # [B, N, 3, Hq]
         return gates.permute(0, 3, 1, 2)  # [B, Hq, N, 3]
 
-    def selected_blocks(self, q: Tensor, ck: Tensor, lse: Tensor, cmp_real: Tensor | None, causal: bool, scale: float) -> Tensor:
+    def selected_blocks(
+        self, q: Tensor, ck: Tensor, lse: Tensor, cmp_real: Tensor | None, causal: bool, scale: float, fused: bool = False
+    ) -> Tensor:
         """[B, Hk, N, top] int32 selected block ids per (position, kv group); -1 unused. No gradient.
 
         Block b's importance for query i is sum over the group's heads h and the compressed keys j
-        starting in b of exp(scale q_h . c_j - lse_h(i)), the compressed attention probability."""
+        starting in b of exp(scale q_h . c_j - lse_h(i)), the compressed attention probability.
+        ``fused``: the group sums come from the Triton kernel ``compressed_importance``."""
         with torch.no_grad():
             batch, q_heads, n, _ = q.shape
             kv_heads, n_cmp = ck.shape[1], ck.shape[2]
@@ -163,24 +180,23 @@ class NSA(Pattern):
             parts = []
             for start in range(0, n, chunk):
                 rows = row_slice(n, start, start + chunk)
-                importance = self._importance(q[:, :, rows], ck, lse[:, :, rows], cmp_real, rows, causal, scale, n_blocks)
+                importance = self._importance(q, ck, lse, cmp_real, rows, causal, scale, n_blocks, fused)
                 parts.append(self._top_blocks(importance, rows, causal, n_blocks))
             return torch.cat(parts, dim=2).to(torch.int32)  # [B, Hk, N, top]
 
-    def _importance(self, q, ck, lse, cmp_real, rows, causal, scale, n_blocks) -> Tensor:
-        """[B, Hk, R, nb] summed compressed probabilities of each selection block."""
-        batch, q_heads, n_rows, dim = q.shape
-        kv_heads, n_cmp = ck.shape[1], ck.shape[2]
+    def _importance(self, q, ck, lse, cmp_real, rows, causal, scale, n_blocks, fused) -> Tensor:
+        """[B, Hk, R, nb] summed compressed probabilities of each selection block for the rows."""
+        batch, q_heads, _, dim = q.shape
+        kv_heads, n_cmp, n_rows = ck.shape[1], ck.shape[2], rows.stop - rows.start
         per_block = self.block // self.stride
         if n_cmp == 0:
             return q.new_zeros(batch, kv_heads, n_rows, n_blocks, dtype=torch.float32)
-        grouped = upcast(q).view(batch, kv_heads, q_heads // kv_heads, n_rows, dim)
-        scores = torch.matmul(grouped, upcast(ck)[:, :, None].transpose(-1, -2)) * scale  # [B, Hk, G, R, Nc]
-        lse = lse.view(batch, kv_heads, -1, n_rows, 1)
-        visible = compressed_visible(rows, n_cmp, self.cmp, self.stride, causal, q.device)  # [R, Nc]
-        if cmp_real is not None:
-            visible = visible & cmp_real[:, None, None, None, :]
-        probs = torch.where(visible & torch.isfinite(lse), torch.exp(scores - lse), torch.zeros_like(scores)).sum(2)
+        if fused:
+            from sparsefocus.kernels.block_sparse import compressed_importance
+
+            probs = compressed_importance(q, ck, lse, cmp_real, rows, scale=scale, stride=self.stride, cmp=self.cmp, causal=causal)
+        else:
+            probs = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], cmp_real, rows, self.cmp, self.stride, causal, scale)
         probs = F.pad(probs, (0, n_blocks * per_block - n_cmp))  # [B, Hk, R, nb * per_block]
         return probs.view(batch, kv_heads, n_rows, n_blocks, per_block).sum(-1)
 
@@ -258,7 +274,7 @@ class NSA(Pattern):
         gates = self.gates(q, params)
         ck, cv, cmp_real = self.compressed(k, v, key_padding_mask, params)
         o_cmp, lse = self._compressed_branch(q, ck, cv, cmp_real, causal, scale)
-        blocks = self.selected_blocks(q.detach(), ck.detach(), lse.detach(), cmp_real, causal, scale)
+        blocks = self.selected_blocks(q.detach(), ck.detach(), lse.detach(), cmp_real, causal, scale, fused=True)
         o_slc, _ = block_sparse_attention(
             q, k, v, blocks, block_size=self.block, tile=GROUP_TILE, causal=causal, scale=scale, key_padding_mask=key_padding_mask
         )

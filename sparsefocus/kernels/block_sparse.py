@@ -544,3 +544,62 @@ def block_sparse_attention(
         scale, int(window), int(key_stride), int(key_offset),
     )
 
+
+
+@triton.jit
+def _importance_kernel(
+    Q, C, LSE, REAL, OUT, sqb, sqh, sqn, scb, sch, scn,
+    HK, HQ, N, NC, G, row_start, n_rows, scale, stride, cmp,
+    CAUSAL: tl.constexpr, HAS_REAL: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    r_out, bhk = tl.program_id(0), tl.program_id(1)
+    b, kv = bhk // HK, bhk % HK
+    t = row_start + r_out
+    head, pos, row_ok = _tile_rows(t, kv, N, G, BLOCK_M, True)
+    offs_d, offs_c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_C)
+    q = tl.load((Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    lse = tl.load(LSE + (b * HQ + head) * N + pos, mask=row_ok, other=float("-inf"))
+    row_ok = row_ok & (lse > float("-inf"))
+    lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
+    n_visible = NC
+    if CAUSAL:
+        n_visible = tl.minimum(tl.maximum((t - cmp + 1) // stride + 1, 0), NC)
+        n_visible = tl.where(t - cmp + 1 >= 0, n_visible, 0)
+    out_row = OUT + (bhk * n_rows + r_out) * NC
+    for c0 in range(0, NC, BLOCK_C):
+        cidx = c0 + offs_c
+        col_ok = cidx < n_visible
+        if HAS_REAL:
+            col_ok = col_ok & (tl.load(REAL + b * NC + cidx, mask=cidx < NC, other=0) != 0)
+        if c0 < n_visible:
+            ct = tl.load(C + b * scb + kv * sch + cidx[:, None] * scn + offs_d[None, :], mask=(cidx[:, None] < NC) & (offs_d[None, :] < D), other=0.0)
+            s = tl.dot(q, tl.trans(ct), input_precision=PRECISION) * (scale * 1.4426950408889634)
+            p = tl.where(row_ok[:, None] & col_ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+            total = tl.sum(p, axis=0)
+        else:
+            total = tl.zeros([BLOCK_C], tl.float32)
+        tl.store(out_row + cidx, total, mask=cidx < NC)
+
+
+def compressed_importance(
+    q: Tensor, ck: Tensor, lse: Tensor, cmp_real: Optional[Tensor], rows: slice, *, scale: float, stride: int, cmp: int, causal: bool
+) -> Tensor:
+    """NSA's compressed attention probabilities summed over each GQA group, for the query rows
+    ``rows``: q [B, Hq, N, D], compressed keys ck [B, Hk, Nc, D] (key j at position
+    j * stride + cmp - 1), lse [B, Hq, N] of the compressed attention -> [B, Hk, R, Nc] fp32.
+    Entry (i, j) is sum_h exp(scale q_h(i) . ck_j - lse_h(i)) over the group's heads where i sees j."""
+    batch, q_heads, n, d = q.shape
+    kv_heads, n_cmp = ck.shape[1], ck.shape[2]
+    n_rows = rows.stop - rows.start
+    out = torch.empty(batch, kv_heads, n_rows, n_cmp, dtype=torch.float32, device=q.device)
+    q, ck = q.contiguous(), ck.to(q.dtype).contiguous()
+    group = q_heads // kv_heads
+    block_d = max(16, triton.next_power_of_2(d))
+    _importance_kernel[(n_rows, batch * kv_heads)](
+        q, ck, lse.float().contiguous(), _real_arg(cmp_real, q), out, *_strides(q, ck),
+        kv_heads, q_heads, n, n_cmp, group, rows.start, n_rows, scale, stride, cmp,
+        CAUSAL=causal, HAS_REAL=cmp_real is not None, D=d, BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_C=64, BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out

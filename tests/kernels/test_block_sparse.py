@@ -144,3 +144,18 @@ def test_compiles_with_fullgraph_forward_and_backward():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     grad = torch.autograd.grad(compiled(q, k, v, blocks), q)[0]
     torch.testing.assert_close(grad, torch.autograd.grad(step(q, k, v, blocks), q)[0])
+
+
+def test_compressed_importance_matches_its_torch_twin():
+    from sparsefocus.attention.nsa import group_probabilities
+    from sparsefocus.kernels.block_sparse import compressed_importance
+
+    n, n_cmp, stride, cmp = 29, 12, 2, 6
+    q, ck = torch.randn(1, 4, n, 16, device=DEVICE), torch.randn(1, 2, n_cmp, 16, device=DEVICE)
+    lse = torch.randn(1, 4, n, device=DEVICE) + 3
+    lse[0, 1, 3] = float("-inf")  # a row without visible keys
+    real = torch.rand(1, n_cmp, device=DEVICE) > 0.3
+    rows = slice(5, 26)
+    got = compressed_importance(q, ck, lse, real, rows, scale=0.3, stride=stride, cmp=cmp, causal=True)
+    want = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], real, rows, cmp, stride, True, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
