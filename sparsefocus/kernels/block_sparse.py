@@ -194,7 +194,7 @@ def _fwd_kernel(
 def _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION: tl.constexpr):
     """p [BM, BN] and ds [BM, BN] (d loss / d score, before the scale) of one key tile."""
     sc = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale
-    p = tl.where(mask, tl.exp2(sc - lse2[:, None]), 0.0)
+    p = tl.exp2(tl.where(mask, sc - lse2[:, None], float("-inf")))  # masked before exp2: no overflow
     dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)  # [BM, BN]
     return p, p * (dp - delta[:, None])
 
@@ -575,7 +575,7 @@ def _importance_kernel(
         if c0 < n_visible:
             ct = tl.load(C + b * scb + kv * sch + cidx[:, None] * scn + offs_d[None, :], mask=(cidx[:, None] < NC) & (offs_d[None, :] < D), other=0.0)
             s = tl.dot(q, tl.trans(ct), input_precision=PRECISION) * (scale * 1.4426950408889634)
-            p = tl.where(row_ok[:, None] & col_ok[None, :], tl.exp2(s - lse2[:, None]), 0.0)
+            p = tl.exp2(tl.where(row_ok[:, None] & col_ok[None, :], s - lse2[:, None], float("-inf")))
             total = tl.sum(p, axis=0)
         else:
             total = tl.zeros([BLOCK_C], tl.float32)
