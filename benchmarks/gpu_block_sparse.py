@@ -25,7 +25,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparsefocus as sf
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY
-from sparsefocus.kernels.block_sparse import GROUP_TILE, block_sparse_attention, block_sparse_attention_ref, block_sparse_mask
+from sparsefocus.kernels.block_sparse import (
+    GROUP_TILE,
+    block_sparse_attention,
+    block_sparse_attention_ref,
+    block_sparse_mask,
+)
 
 DEVICE = "cuda"
 NSA = "nsa:block=64,top=16,cmp=64,stride=64,window=0"  # fla's configuration: compression + selection
@@ -53,7 +58,7 @@ def check_kernel(tile: int, group: int) -> dict:
     q, k, v = (torch.randn(2, h, n, d, device=DEVICE).bfloat16().float() for h in (kv * group, kv, kv))
     heads, tiles = (kv, n) if tile == GROUP_TILE else (kv * group, -(-n // tile))
     blocks = torch.rand(2 * heads * tiles, -(-n // 64), device=DEVICE).argsort(-1)[:, :3].view(2, heads, tiles, 3).int()
-    kw = dict(block_size=64, tile=tile, causal=True)
+    kw = {"block_size": 64, "tile": tile, "causal": True}
 
     def torch_low(q, k, v):
         mask = block_sparse_mask(q, k, blocks, 64, tile, True, None, 0, 1, 0)
@@ -110,7 +115,7 @@ def correctness() -> dict:
 
 def inputs(batch: int, heads: int, kv_heads: int, n: int, d: int):
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    make = lambda h: torch.randn(batch, h, n, d, generator=gen, device=DEVICE, dtype=torch.bfloat16).requires_grad_()  # noqa: E731
+    make = lambda h: torch.randn(batch, h, n, d, generator=gen, device=DEVICE, dtype=torch.bfloat16).requires_grad_()
     return make(heads), make(kv_heads), make(kv_heads)
 
 
@@ -157,9 +162,9 @@ def fla_nsa(batch, heads, kv_heads, n, d, selection_only=False) -> dict:
     g = torch.ones(batch, n, heads, device=DEVICE, dtype=torch.bfloat16)
     if selection_only:
         indices = causal_block_lists(batch, kv_heads, n).transpose(1, 2).long().contiguous()  # [B, T, H, S]
-        fn = lambda q, k, v: parallel_nsa(q, k, v, g_slc=g, block_indices=indices, block_counts=16, block_size=64)  # noqa: E731
+        fn = lambda q, k, v: parallel_nsa(q, k, v, g_slc=g, block_indices=indices, block_counts=16, block_size=64)
     else:
-        fn = lambda q, k, v: parallel_nsa(q, k, v, g_cmp=g, g_slc=g, block_counts=16, block_size=64)  # noqa: E731
+        fn = lambda q, k, v: parallel_nsa(q, k, v, g_cmp=g, g_slc=g, block_counts=16, block_size=64)
     return measure(fn, [q, k, v])
 
 
@@ -175,7 +180,7 @@ def causal_block_lists(batch, kv_heads, n, top=16, block=64) -> torch.Tensor:
 
 def ours_selection_only(batch, heads, kv_heads, n, d) -> dict:
     blocks = causal_block_lists(batch, kv_heads, n)
-    fn = lambda q, k, v: block_sparse_attention(q, k, v, blocks, block_size=64, tile=GROUP_TILE, causal=True)[0]  # noqa: E731
+    fn = lambda q, k, v: block_sparse_attention(q, k, v, blocks, block_size=64, tile=GROUP_TILE, causal=True)[0]
     return measure(fn, inputs(batch, heads, kv_heads, n, d))
 
 

@@ -22,12 +22,25 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from sparsefocus.attention.common import dense_masked_attention, expand_kv, gather_keys, indexed_attention_ref, mask_from_indices, row_slice, upcast
-from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, Pattern, register, require
+from sparsefocus.attention.common import (
+    dense_masked_attention,
+    expand_kv,
+    gather_keys,
+    indexed_attention_ref,
+    mask_from_indices,
+    row_slice,
+    upcast,
+)
+from sparsefocus.attention.patterns import (
+    AUX_KEY,
+    HIDDEN_KEY,
+    Pattern,
+    register,
+    require,
+)
 
 SCORE_ELEMENTS = 2**26  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)

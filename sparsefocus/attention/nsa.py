@@ -25,7 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sparsefocus.attention.common import apply_key_padding, causal_row_mask, dense_masked_attention, expand_kv, row_slice, upcast
+from sparsefocus.attention.common import (
+    apply_key_padding,
+    causal_row_mask,
+    dense_masked_attention,
+    expand_kv,
+    row_slice,
+    upcast,
+)
 from sparsefocus.attention.patterns import HIDDEN_KEY, Pattern, register, require
 
 POOLS = ("mean", "mlp")
@@ -174,7 +181,7 @@ class NSA(Pattern):
         ``fused``: the group sums come from the Triton kernel ``compressed_importance``."""
         with torch.no_grad():
             batch, q_heads, n, _ = q.shape
-            kv_heads, n_cmp = ck.shape[1], ck.shape[2]
+            n_cmp = ck.shape[2]
             n_blocks = -(-n // self.block)
             chunk = max(1, SCORE_ELEMENTS // max(1, batch * q_heads * max(n_cmp, 1)))
             parts = []
@@ -186,7 +193,7 @@ class NSA(Pattern):
 
     def _importance(self, q, ck, lse, cmp_real, rows, causal, scale, n_blocks, fused) -> Tensor:
         """[B, Hk, R, nb] summed compressed probabilities of each selection block for the rows."""
-        batch, q_heads, _, dim = q.shape
+        batch = q.shape[0]
         kv_heads, n_cmp, n_rows = ck.shape[1], ck.shape[2], rows.stop - rows.start
         per_block = self.block // self.stride
         if n_cmp == 0:

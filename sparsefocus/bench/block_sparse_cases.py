@@ -15,7 +15,13 @@ from sparsefocus.attention import parse_pattern, sparse_attention
 from sparsefocus.attention.dsa import DSA
 from sparsefocus.attention.nsa import NSA
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, Pattern
-from sparsefocus.bench.registry import BenchShape, Workload, attention_flops, io_bytes, register_case
+from sparsefocus.bench.registry import (
+    BenchShape,
+    Workload,
+    attention_flops,
+    io_bytes,
+    register_case,
+)
 
 
 def kept_keys(pattern: Pattern, shape: BenchShape) -> float:

@@ -26,7 +26,9 @@ compressed keys sit at the last position they summarise). Entries of one list mu
 The slow twin is ``block_sparse_attention_ref`` (dense masked attention in fp32).
 """
 
-from typing import Optional
+from typing import (
+    Optional,  # not `X | None`: torch.library reads the op schemas from these annotations
+)
 
 import torch
 import triton
@@ -82,7 +84,7 @@ def block_sparse_mask(
     key_offset: int,
 ) -> Tensor:
     """[B, Hq, N, M] bool: the (query, key) pairs ``block_sparse_attention`` keeps."""
-    batch, q_heads, n_queries, _ = q.shape
+    q_heads, n_queries = q.shape[1], q.shape[2]
     n_keys = k.shape[2]
     n_blocks = -(-n_keys // block_size)
     slot = torch.where(blocks >= 0, blocks.long(), torch.full_like(blocks.long(), n_blocks))
@@ -236,7 +238,7 @@ def _bwd_dq_kernel(
                 vt = tl.load(V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
                              mask=kin[:, None] & (offs_dv[None, :] < DV), other=0.0)
                 mask = _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window, CAUSAL, HAS_REAL, HAS_WINDOW)
-                p, ds = _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION)
+                _, ds = _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION)
                 dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PRECISION)
     tl.store((DQ + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < D))
@@ -409,8 +411,8 @@ def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor,
     block_start, block_end = torch.gather(offsets, 1, item_block), torch.gather(offsets, 1, item_block + 1)
     item_start = (block_start + part * entries).clamp(max=block_end)
     item_end = torch.minimum(item_start + entries, block_end)
-    as32 = lambda t: t.to(torch.int32).contiguous()  # noqa: E731
-    return codes.contiguous(), as32(item_block), as32(item_start), as32(item_end), as32(xoff), nb + n_extra
+    item_block, item_start, item_end, xoff = (t.to(torch.int32).contiguous() for t in (item_block, item_start, item_end, xoff))
+    return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra
 
 
 def _backward_impl(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset):

@@ -4,9 +4,9 @@ padding; no causal leak; row chunking changes nothing; the KL trains the indexer
 exposes the loss as ``aux_loss``."""
 
 import torch
+from block_sparse_checks import perturbed_after, run_with_grads
 
 import sparsefocus as sf
-from block_sparse_checks import perturbed_after, run_with_grads
 from sparsefocus.attention import dsa
 from sparsefocus.layers import SparseAttention
 from sparsefocus.layers.attention import total_aux_loss

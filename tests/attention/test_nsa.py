@@ -5,9 +5,9 @@ layer owns and trains the gates."""
 
 import pytest
 import torch
+from block_sparse_checks import perturbed_after, run_with_grads
 
 import sparsefocus as sf
-from block_sparse_checks import perturbed_after, run_with_grads
 from sparsefocus.attention.nsa import NSA, compress
 from sparsefocus.layers import SparseAttention
 
@@ -16,7 +16,7 @@ NAMES = ["out", "aux", "dq", "dk", "dv"]
 
 def nsa_case(spec, group, n, kv_heads=1, dim=10, head_dim=16, batch=1):
     weights = spec.make_layer_parameters(dim, kv_heads * group, kv_heads, head_dim, head_dim)
-    for name, w in weights.items():  # leave the zero initialisation so every weight matters
+    for w in weights.values():  # leave the zero initialisation so every weight matters
         w.data.normal_(0, 0.3)
     x = torch.randn(batch, n, dim)
     q = torch.randn(batch, kv_heads * group, n, head_dim)

@@ -89,7 +89,7 @@ def test_fp16_within_twice_torch_error(tile):
     """FlashAttention's rule: kernel error vs fp32 <= 2 x PyTorch's error at fp16 (+ eps)."""
     q, k, v, blocks, padding = make_case(n=33, tile=tile, group=2, kv_heads=1, dim=32, dim_v=16, batch=1)
     q, k, v = (x.half().float() for x in (q, k, v))  # the same rounded inputs for all three
-    kwargs = dict(block_size=16, tile=tile, causal=True, key_padding_mask=padding)
+    kwargs = {"block_size": 16, "tile": tile, "causal": True, "key_padding_mask": padding}
     grad_out = torch.randn(*q.shape[:3], v.shape[-1], device=DEVICE)
     grad_lse = torch.zeros(*q.shape[:3], device=DEVICE)
     truth = run(block_sparse_attention_ref, q, k, v, blocks, torch.float32, grad_out, grad_lse, **kwargs)
