@@ -590,18 +590,32 @@ def compressed_importance(
     """NSA's compressed attention probabilities summed over each GQA group, for the query rows
     ``rows``: q [B, Hq, N, D], compressed keys ck [B, Hk, Nc, D] (key j at position
     j * stride + cmp - 1), lse [B, Hq, N] of the compressed attention -> [B, Hk, R, Nc] fp32.
-    Entry (i, j) is sum_h exp(scale q_h(i) . ck_j - lse_h(i)) over the group's heads where i sees j."""
+    Entry (i, j) is sum_h exp(scale q_h(i) . ck_j - lse_h(i)) over the group's heads where i sees j.
+    No gradient (it feeds a discrete selection)."""
+    q, ck = q.detach().contiguous(), ck.detach().to(q.dtype).contiguous()
+    real = None if cmp_real is None else cmp_real.contiguous()
+    return nsa_importance(q, ck, lse.detach().float().contiguous(), real, rows.start, rows.stop - rows.start, scale, stride, cmp, causal)
+
+
+@torch.library.custom_op("sparsefocus::nsa_importance", mutates_args=())
+def nsa_importance(
+    q: Tensor, ck: Tensor, lse: Tensor, cmp_real: Optional[Tensor], row_start: int, n_rows: int, scale: float,
+    stride: int, cmp: int, causal: bool,
+) -> Tensor:
+    """Op behind ``compressed_importance`` (contiguous inputs, rows [row_start, row_start + n_rows))."""
     batch, q_heads, n, d = q.shape
     kv_heads, n_cmp = ck.shape[1], ck.shape[2]
-    n_rows = rows.stop - rows.start
     out = torch.empty(batch, kv_heads, n_rows, n_cmp, dtype=torch.float32, device=q.device)
-    q, ck = q.contiguous(), ck.to(q.dtype).contiguous()
     group = q_heads // kv_heads
-    block_d = max(16, triton.next_power_of_2(d))
     _importance_kernel[(n_rows, batch * kv_heads)](
-        q, ck, lse.float().contiguous(), _real_arg(cmp_real, q), out, *_strides(q, ck),
-        kv_heads, q_heads, n, n_cmp, group, rows.start, n_rows, scale, stride, cmp,
+        q, ck, lse, _real_arg(cmp_real, q), out, *_strides(q, ck),
+        kv_heads, q_heads, n, n_cmp, group, row_start, n_rows, scale, stride, cmp,
         CAUSAL=causal, HAS_REAL=cmp_real is not None, D=d, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_C=64, BLOCK_D=block_d, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_C=64, BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
+
+
+@nsa_importance.register_fake
+def _(q, ck, lse, cmp_real, row_start, n_rows, scale, stride, cmp, causal):
+    return q.new_empty(q.shape[0], ck.shape[1], n_rows, ck.shape[2], dtype=torch.float32)

@@ -83,3 +83,16 @@ def test_layer_owns_the_gates_and_trains_them_in_a_decoder_block():
     layer(x).square().mean().backward()
     assert layer.mechanism["nsa_gate_weight"].grad.abs().sum() > 0
     assert layer.aux_loss.item() == 0.0
+
+
+@pytest.mark.parametrize("pattern", ["nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1", "moba:block=16,top=1,tile=16"])
+def test_triton_path_compiles_with_fullgraph(pattern):
+    spec = sf.parse_pattern(pattern)  # parsed outside, as SparseAttention holds it
+    q, k, v = torch.randn(1, 2, 40, 16, requires_grad=True), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+
+    def loss(q, k, v):
+        return sf.sparse_attention(q, k, v, spec, causal=True, impl="triton").sum()
+
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    grad = torch.autograd.grad(compiled(q, k, v), q)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(loss(q, k, v), q)[0])

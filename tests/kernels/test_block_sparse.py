@@ -159,3 +159,6 @@ def test_compressed_importance_matches_its_torch_twin():
     got = compressed_importance(q, ck, lse, real, rows, scale=0.3, stride=stride, cmp=cmp, causal=True)
     want = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], real, rows, cmp, stride, True, 0.3)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    from sparsefocus.kernels.block_sparse import nsa_importance
+
+    torch.library.opcheck(nsa_importance, (q, ck, lse, real, 5, 21, 0.3, stride, cmp, True))
