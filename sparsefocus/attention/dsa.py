@@ -42,7 +42,7 @@ from sparsefocus.attention.patterns import (
     require,
 )
 
-SCORE_ELEMENTS = 2**26  # largest [B, heads, rows, N] chunk of indexer scores
+SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)
 WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
 
