@@ -3,10 +3,12 @@
 from sparsefocus.attention import (  # noqa: F401  (importing a family registers its patterns)
     adaptive,
     block_topk,
+    dsa,
     fixed,
     full,
     image,
     lsh,
+    nsa,
     routing,
     topk,
     zeta,

@@ -117,7 +117,7 @@ def sparse_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if return_lse and chosen == "triton":
         return _triton_with_lse(spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
-    if chosen != "triton":
+    if chosen != "triton" and spec.expands_kv:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     kwargs = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}
     if decoding:
@@ -177,7 +177,7 @@ def selection_mask(
     spec = parse_pattern(pattern)
     check_inputs(q, k, k, key_padding_mask)
     decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
-    k = expand_kv(k, q.shape[1])
+    k = expand_kv(k, q.shape[1]) if spec.expands_kv else k
     with torch.no_grad():
         if decoding:
             full = spec.full_mask(padded_queries(q, k.shape[2]), k, True, key_padding_mask, params)

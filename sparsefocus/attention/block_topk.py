@@ -1,5 +1,9 @@
 """Block top-k selection (the selection branch of NSA, MoBA's gate, Quest's page selection).
 
+Two forms live here. ``block_topk`` selects per query token and attends through the per-query
+gather kernel. ``moba`` and ``quest`` select per tile of consecutive queries and attend through
+the block-sparse kernel (``sparsefocus.kernels.block_sparse``), with tensor-core tiles.
+
 Keys are cut into consecutive blocks of ``block`` positions (the last may be shorter). Each query
 scores every block through a pooled summary of its keys and keeps the ``top`` best blocks plus its
 own block (the block holding position i). ``pool="mean"`` scores q . mean(keys) as MoBA does;
@@ -18,7 +22,7 @@ from torch import Tensor
 
 from sparsefocus.attention.common import causal_row_mask, mask_from_indices, upcast
 from sparsefocus.attention.lsh import repeat_heads
-from sparsefocus.attention.patterns import IndexedPattern, register, require
+from sparsefocus.attention.patterns import IndexedPattern, Pattern, register, require
 
 POOLS = ("mean", "minmax")
 
@@ -78,7 +82,7 @@ class BlockTopK(IndexedPattern):
     pool: str = "mean"
     examples: ClassVar[tuple[str, ...]] = ("block_topk:block=4,top=2", "block_topk:block=8,top=1,pool=minmax")
     name: ClassVar[str] = "block_topk"
-    aliases: ClassVar[tuple[str, ...]] = ("blocktopk", "moba")
+    aliases: ClassVar[tuple[str, ...]] = ("blocktopk",)
     positional: ClassVar[tuple[str, ...]] = ("block", "top", "pool")
     field_aliases: ClassVar[dict[str, str]] = {"block_size": "block", "topk": "top"}
     input_dependent: ClassVar[bool] = True
@@ -122,3 +126,130 @@ class BlockTopK(IndexedPattern):
         if causal:
             unused = unused | (index > torch.arange(q.shape[-2], device=q.device)[:, None])
         return torch.where(unused, torch.full_like(index, -1), index)
+
+
+def pooled_tile_queries(q: Tensor, tile: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """Sums of the positive and negative parts of each tile's scoring queries: q [B, H, N, D] ->
+    (pos, neg) [B, H, T, D] fp32, T = ceil(N / tile).
+
+    The scoring queries of tile t are its own queries, or when causal the ``tile`` queries ending
+    at its first position t * tile (so no row's selection reads a query after that row)."""
+    with torch.no_grad():
+        q = upcast(q)
+        n, tiles = q.shape[2], -(-q.shape[2] // tile)
+        parts = []
+        for part in (q.clamp_min(0), q.clamp_max(0)):
+            total = F.pad(part.cumsum(2), (0, 0, 1, 0))  # [B, H, N + 1, D]: total[i] = sum of q[:i]
+            first = torch.arange(tiles, device=q.device) * tile
+            end = (first + 1) if causal else (first + tile).clamp_max(n)
+            start = (end - tile).clamp_min(0)
+            parts.append(total[:, :, end] - total[:, :, start])  # [B, H, T, D]
+        return parts[0], parts[1]
+
+
+def tile_block_scores(q: Tensor, k: Tensor, block: int, tile: int, pool: str, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    """Sum over each tile's scoring queries of the per-token block score -> [B, Hq, T, nb] fp32.
+
+    Both scores are linear in the positive and negative parts of q, so the sum over queries is the
+    score of their pooled parts: mean, (sum q) . mean(k); minmax, sum_d (sum q+)_d max_d + (sum q-)_d min_d."""
+    with torch.no_grad():
+        pos, neg = pooled_tile_queries(q, tile, causal)
+        kf = upcast(k)
+        real = real_key_blocks(k.shape[-2], block, key_padding_mask, k.device)[..., None]  # [B, 1, nb, block, 1]
+        blocked = F.pad(kf, (0, 0, 0, real.shape[-3] * block - k.shape[-2])).reshape(*k.shape[:2], -1, block, k.shape[-1])
+        has_key = real.any(dim=-2)  # [B, 1, nb, 1]
+        if pool == "mean":
+            mean = repeat_heads((blocked * real).sum(-2) / real.sum(-2).clamp_min(1), q.shape[1])  # [B, Hq, nb, D]
+            scores = torch.matmul(pos + neg, mean.transpose(-1, -2))
+        else:
+            low = repeat_heads(blocked.masked_fill(~real, float("inf")).amin(-2).masked_fill(~has_key, 0.0), q.shape[1])
+            high = repeat_heads(blocked.masked_fill(~real, float("-inf")).amax(-2).masked_fill(~has_key, 0.0), q.shape[1])
+            scores = torch.matmul(pos, high.transpose(-1, -2)) + torch.matmul(neg, low.transpose(-1, -2))
+        return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))  # [B, Hq, T, nb]
+
+
+@dataclass(frozen=True)
+class TileBlockTopK(Pattern):
+    """Shared machinery of ``moba`` and ``quest``: per tile of ``tile`` consecutive queries (and
+    per query head), keep the blocks that hold the tile's own positions and the ``top`` best other
+    blocks by the tile's summed pooled score; attend with the block-sparse kernel.
+
+    Candidates are blocks with a real key other than the own ones; causal: only blocks that end at
+    or before the tile's first position, scored by the ``tile`` queries ending there. Own blocks are
+    cut at j <= i by the causal mask. Rows with fewer candidates keep all of them.
+    """
+
+    block: int = 64
+    top: int = 3
+    tile: int = 64
+    pool: ClassVar[str] = "mean"
+    positional: ClassVar[tuple[str, ...]] = ("block", "top")
+    field_aliases: ClassVar[dict[str, str]] = {"block_size": "block", "topk": "top", "chunk": "block"}
+    input_dependent: ClassVar[bool] = True
+    family: ClassVar[str] = "heavy hitters"
+    needs_square: ClassVar[bool] = False
+    impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
+    cost: ClassVar[tuple[str, str]] = ("O((N/T)(M/S) D) scores + O(N (top + T/S + 1) S D) attend", "O((N/T)(M/S)) scores")
+
+    def validate(self) -> None:
+        require(self.block >= 1, f"{self.name}: block must be >= 1, got {self.block}")
+        require(self.top >= 0, f"{self.name}: top must be >= 0, got {self.top}")
+        require(self.tile >= 16 and self.tile & (self.tile - 1) == 0, f"{self.name}: tile must be a power of 2 >= 16, got {self.tile}")
+
+    def tile_blocks(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+        """[B, Hq, T, S] int32 block lists: the own blocks of each tile, then the chosen ones; -1 unused."""
+        n_keys, tiles = k.shape[-2], -(-q.shape[-2] // self.tile)
+        n_blocks = -(-n_keys // self.block)
+        first = torch.arange(tiles, device=q.device) * self.tile  # [T]
+        last = (first + self.tile - 1).clamp_max(q.shape[-2] - 1)
+        n_own = (self.tile + self.block - 2) // self.block + 1
+        own = first[:, None] // self.block + torch.arange(n_own, device=q.device)  # [T, n_own]
+        own = torch.where((own <= last[:, None] // self.block) & (own < n_blocks), own, torch.full_like(own, -1))
+        block_id = torch.arange(n_blocks, device=q.device)
+        is_own = (block_id >= first[:, None] // self.block) & (block_id <= last[:, None] // self.block)  # [T, nb]
+        candidate = ((block_id + 1) * self.block <= first[:, None]) if causal else ~is_own
+        scores = tile_block_scores(q, k, self.block, self.tile, self.pool, causal, key_padding_mask)
+        scores = scores.masked_fill(~candidate, float("-inf"))
+        values, chosen = scores.topk(min(self.top, n_blocks), dim=-1)  # [B, Hq, T, top]
+        chosen = torch.where(torch.isinf(values), torch.full_like(chosen, -1), chosen)
+        own = own.expand(*chosen.shape[:2], *own.shape)
+        return torch.cat([own, chosen], dim=-1).to(torch.int32)
+
+    def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
+        blocks = self.tile_blocks(q, k, causal, key_padding_mask)  # [B, Hq, T, S]
+        n_blocks = -(-k.shape[-2] // self.block)
+        tile_of_row = torch.arange(rows.start, rows.stop, device=q.device) // self.tile
+        kept = mask_from_indices(blocks[:, :, tile_of_row], n_blocks)  # [B, Hq, R, nb]
+        mask = kept[..., torch.arange(k.shape[-2], device=q.device) // self.block]  # [B, Hq, R, M]
+        return mask & causal_row_mask(rows, k.shape[-2], q.device) if causal else mask
+
+    def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        from sparsefocus.kernels.block_sparse import block_sparse_attention
+
+        blocks = self.tile_blocks(q, k, causal, key_padding_mask)
+        out, _ = block_sparse_attention(
+            q, k, v, blocks, block_size=self.block, tile=self.tile, causal=causal, scale=scale, key_padding_mask=key_padding_mask
+        )
+        return out
+
+
+@register
+@dataclass(frozen=True)
+class Moba(TileBlockTopK):
+    """``moba:block=S,top=T,tile=Q``: MoBA's mean-pooled block gate per tile of Q queries (own
+    blocks + the T best past blocks by (sum of the tile's scoring queries) . mean(block keys))."""
+
+    name: ClassVar[str] = "moba"
+    pool: ClassVar[str] = "mean"
+    examples: ClassVar[tuple[str, ...]] = ("moba:block=8,top=2,tile=16",)
+
+
+@register
+@dataclass(frozen=True)
+class Quest(TileBlockTopK):
+    """``quest:block=S,top=T,tile=Q``: Quest's min/max bound per tile of Q queries (own blocks + the
+    T best past blocks by the summed bound sum_d max(q_d min_d, q_d max_d) over the tile's queries)."""
+
+    name: ClassVar[str] = "quest"
+    pool: ClassVar[str] = "minmax"
+    examples: ClassVar[tuple[str, ...]] = ("quest:block=8,top=2,tile=16",)

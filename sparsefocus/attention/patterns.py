@@ -31,6 +31,8 @@ from sparsefocus.attention.common import (
 )
 
 PATTERNS: dict[str, type["Pattern"]] = {}
+HIDDEN_KEY = "hidden"  # params entry: the layer's input x [B, N, dim], for patterns with needs_hidden
+AUX_KEY = "aux_losses"  # params entry: a dict the mechanism fills with named auxiliary losses
 _ALIASES: dict[str, str] = {}
 
 
@@ -69,6 +71,12 @@ class Pattern:
     # Causal with N < M (attention/decode.py): "rows" computes only the last N rows through
     # row_mask, "replay" runs the square call and keeps them, "none" refuses.
     decoding: ClassVar[str] = "rows"
+    # Mechanisms that read the layer's input x get it as params[HIDDEN_KEY] ([B, N, dim]).
+    needs_hidden: ClassVar[bool] = False
+    # False: the non-Triton paths receive k, v with their own Hk heads (the mechanism handles GQA).
+    expands_kv: ClassVar[bool] = True
+    # True: the mechanism writes named auxiliary losses into params[AUX_KEY] (a dict the caller passes).
+    has_aux_loss: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +104,11 @@ class Pattern:
     def make_parameters(self, num_heads: int) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters the mechanism owns (e.g. ZETA's gamma, a gate). Default: none."""
         return {}
+
+    def make_layer_parameters(self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> dict[str, torch.nn.Parameter]:
+        """Trainable parameters for a layer of this shape (a gate on x, a compression MLP...).
+        Default: ``make_parameters(num_heads)``."""
+        return self.make_parameters(num_heads)
 
     def row_mask(
         self,

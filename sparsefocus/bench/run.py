@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from sparsefocus.bench import zeta_cases  # noqa: F401  (registers the zeta case)
+from sparsefocus.bench import block_sparse_cases, zeta_cases  # noqa: F401  (register their cases)
 from sparsefocus.bench.dense import DENSE_CASES, attach_dense_ratios, dense_table
 from sparsefocus.bench.registry import CASES, BenchShape
 from sparsefocus.bench.runner import MODES, ceilings_for, measure

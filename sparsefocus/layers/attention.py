@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from sparsefocus.attention import parse_pattern, sparse_attention
-from sparsefocus.attention.patterns import Pattern
+from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, Pattern
 
 
 class SparseAttention(nn.Module):
@@ -24,6 +24,8 @@ class SparseAttention(nn.Module):
         impl: passed to ``sparse_attention``. Default: "auto".
     Shapes:
         x: [B, N, dim], key_padding_mask: [B, N] bool (True = real token) -> [B, N, dim].
+        After each forward ``self.aux_loss`` holds the scalar sum of the mechanism's auxiliary
+        losses (DSA's indexer KL; 0 for most patterns): add it to the training loss.
     """
 
     def __init__(
@@ -54,7 +56,8 @@ class SparseAttention(nn.Module):
         self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(heads * self.head_dim, dim, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        self.mechanism = nn.ParameterDict(self.pattern.make_parameters(heads))
+        self.mechanism = nn.ParameterDict(self.pattern.make_layer_parameters(dim, heads, kv_heads, self.qk_dim, self.head_dim))
+        self.aux_loss: Tensor = torch.zeros(())
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, N, dim] -> q [B, H, N, Dqk], k [B, Hk, N, Dqk], v [B, Hk, N, Dh]."""
@@ -83,13 +86,31 @@ class SparseAttention(nn.Module):
             if not self.causal:
                 raise ValueError("past_kv needs a causal SparseAttention: a cache only makes sense for decoding")
             k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # [B, Hk, P+N, *]
-        params = dict(self.mechanism) or None
+        params = self.mechanism_params(x)
         out = sparse_attention(
             q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
         )  # [B, H, N, Dh]
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [B, N, H*Dh]
+        aux = params.get(AUX_KEY, {}) if params else {}
+        self.aux_loss = sum(aux.values(), x.new_zeros((), dtype=torch.float32))
         out = self.dropout(self.out_proj(out))
         return (out, (k, v)) if use_cache else out
 
+    def mechanism_params(self, x: Tensor) -> dict | None:
+        """The ``params`` of ``sparse_attention``: the mechanism's parameters, plus the input x for
+        patterns that read it and an empty dict that mechanisms fill with auxiliary losses."""
+        params = dict(self.mechanism)
+        if self.pattern.needs_hidden:
+            params[HIDDEN_KEY] = x
+        if self.pattern.has_aux_loss:
+            params[AUX_KEY] = {}
+        return params or None
+
     def extra_repr(self) -> str:
         return f"pattern={self.pattern.label()}, heads={self.heads}, kv_heads={self.kv_heads}, causal={self.causal}, impl={self.impl}"
+
+
+def total_aux_loss(model: nn.Module) -> Tensor:
+    """Sum of the auxiliary losses the attention layers of ``model`` computed in their last forward."""
+    losses = [m.aux_loss for m in model.modules() if isinstance(m, SparseAttention)]
+    return sum(losses[1:], losses[0]) if losses else torch.zeros(())

@@ -102,3 +102,54 @@ def test_padded_keys_do_not_enter_the_block_summaries():
 def test_bad_parameters_raise_naming_the_parameter(spec, word):
     with pytest.raises(ValueError, match=word):
         sf.parse_pattern(spec)
+
+
+def _leaves(*tensors):
+    return [x.detach().clone().requires_grad_() for x in tensors]
+
+
+def _out_and_grads(pattern, impl, q, k, v, padding=None, causal=True, grad_rows=None):
+    q, k, v = _leaves(q, k, v)
+    out = sf.sparse_attention(q, k, v, pattern, causal=causal, key_padding_mask=padding, impl=impl)
+    weight = torch.cos(torch.arange(out.numel(), dtype=torch.float32)).reshape(out.shape)
+    if grad_rows is not None:
+        weight[:, :, grad_rows:] = 0
+    return [out, *torch.autograd.grad((out.float() * weight).sum(), (q, k, v))]
+
+
+@pytest.mark.parametrize("pattern", ["moba:block=16,top=2,tile=16", "quest:block=16,top=2,tile=32"])
+def test_tile_patterns_kernel_matches_reference_with_gqa_and_padding(pattern):
+    q, k, v = torch.randn(2, 4, 75, 8), torch.randn(2, 2, 75, 8), torch.randn(2, 2, 75, 5)
+    padding = torch.rand(2, 75) > 0.2
+    ref = _out_and_grads(pattern, "reference", q, k, v, padding)
+    tri = _out_and_grads(pattern, "triton", q, k, v, padding)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ref, tri):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"{pattern} {name}")
+
+
+@pytest.mark.parametrize("pattern", ["moba:block=16,top=1,tile=16", "quest:block=8,top=2,tile=16"])
+def test_tile_patterns_never_leak_the_future_into_outputs_or_gradients(pattern):
+    """Perturbing q, k and v after position 37 changes neither earlier outputs nor the gradients a
+    loss on those outputs sends to earlier positions (selection scores included)."""
+    cut = 37
+    q, k, v = torch.randn(1, 2, 70, 8), torch.randn(1, 2, 70, 8), torch.randn(1, 2, 70, 8)
+    q2, k2, v2 = (x.clone() for x in (q, k, v))
+    for x in (q2, k2, v2):
+        x[:, :, cut:] = torch.randn_like(x[:, :, cut:]) * 5
+    before = _out_and_grads(pattern, "triton", q, k, v, grad_rows=cut)
+    after = _out_and_grads(pattern, "triton", q2, k2, v2, grad_rows=cut)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), before, after):
+        torch.testing.assert_close(b[:, :, :cut], a[:, :, :cut], atol=1e-6, rtol=1e-6, msg=f"{pattern} {name}")
+
+
+def test_tile_selection_scores_the_tile_by_its_pooled_queries():
+    """Non-causal, one tile of 16 queries: the tile keeps the block with the best summed score even
+    when most single queries prefer another one."""
+    k = torch.zeros(1, 1, 48, 2)
+    k[0, 0, 16:32] = torch.tensor([1.0, 0.0])
+    k[0, 0, 32:48] = torch.tensor([0.0, 1.0])
+    q = torch.tensor([0.0, 1.0]).repeat(16, 1)
+    q[:5] = torch.tensor([10.0, 0.0])  # 5 queries with a strong pull to block 1 outweigh 11 weak ones
+    q = q[None, None]
+    mask = sf.selection_mask("moba:block=16,top=1,tile=16", q, k[:, :, :48])
+    assert _kept_blocks(mask[0, 0, 15], 16) == [0, 1]

@@ -1,0 +1,222 @@
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): a lightning indexer picks k keys per query.
+
+Indexer: ``heads`` small heads of width ``dim`` read the layer's input x. For query t and key s,
+
+    I(t, s) = sum_h w_{t,h} * ReLU(q^I_{t,h} . k^I_s),    q^I = x W_q,  k^I = x W_k,  w = x W_w,
+
+with one indexer key per token shared by every head. Each query keeps its ``k`` best keys by I
+(causal: among s <= t; padded keys never), shared by all query heads, and ordinary softmax
+attention runs over them. Without indexer weights the main queries serve as indexer heads and the
+mean key over kv heads as indexer key (w = 1 / Hq).
+
+Training (V3.2's sparse stage): the indexer learns from a KL loss towards the main attention's
+distribution on the selected keys (summed over query heads, L1-normalised, detached), weighted by
+``kl`` and written to ``params[AUX_KEY]["dsa_indexer_kl"]``; the indexer reads a detached x, so the
+loss trains the indexer only. The indexer never holds an N x N tensor: scores are computed in
+row chunks and only the top-k lists are kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from sparsefocus.attention.common import (
+    dense_masked_attention,
+    expand_kv,
+    gather_keys,
+    indexed_attention_ref,
+    mask_from_indices,
+    row_slice,
+    upcast,
+)
+from sparsefocus.attention.patterns import (
+    AUX_KEY,
+    HIDDEN_KEY,
+    Pattern,
+    register,
+    require,
+)
+
+SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
+KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)
+WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
+
+
+@register
+@dataclass(frozen=True)
+class DSA(Pattern):
+    """``dsa:k=2048,heads=4,dim=64,kl=1.0,kl_every=1``: top-k keys per query by a lightning indexer;
+    the KL loss (weight ``kl``) is taken over every ``kl_every``-th query row (positions 0, e, 2e...)."""
+
+    k: int = 2048
+    heads: int = 4
+    dim: int = 64
+    kl: float = 1.0
+    kl_every: int = 1
+    name: ClassVar[str] = "dsa"
+    positional: ClassVar[tuple[str, ...]] = ("k",)
+    field_aliases: ClassVar[dict[str, str]] = {"topk": "k", "index_heads": "heads", "index_dim": "dim"}
+    input_dependent: ClassVar[bool] = True
+    family: ClassVar[str] = "heavy hitters"
+    needs_square: ClassVar[bool] = False
+    impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
+    needs_hidden: ClassVar[bool] = True
+    expands_kv: ClassVar[bool] = False
+    has_aux_loss: ClassVar[bool] = True
+    examples: ClassVar[tuple[str, ...]] = ("dsa:k=5,heads=2,dim=4",)
+    cost: ClassVar[tuple[str, str]] = ("O(N M heads dim) indexer + O(N k D) attend", "O(N k) lists")
+
+    def validate(self) -> None:
+        require(self.k >= 1 and self.heads >= 1 and self.dim >= 1, f"dsa: k, heads, dim must be >= 1, got {self.k}, {self.heads}, {self.dim}")
+        require(self.kl >= 0, f"dsa: kl must be >= 0, got {self.kl}")
+        require(self.kl_every >= 1, f"dsa: kl_every must be >= 1, got {self.kl_every}")
+
+    def make_layer_parameters(self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> dict[str, nn.Parameter]:
+        """Indexer weights ``dsa_wq`` [dim, heads * idim], ``dsa_wk`` [dim, idim], ``dsa_ww`` [dim, heads]."""
+        scale = dim**-0.5
+        return {
+            "dsa_wq": nn.Parameter(torch.randn(dim, self.heads * self.dim) * scale),
+            "dsa_wk": nn.Parameter(torch.randn(dim, self.dim) * scale),
+            "dsa_ww": nn.Parameter(torch.randn(dim, self.heads) * scale),
+        }
+
+    def indexer(self, q: Tensor, k: Tensor, params: dict | None) -> tuple[Tensor, Tensor, Tensor]:
+        """(indexer queries [B, h, N, d], keys [B, M, d], head weights [B, N, h]), fp32."""
+        if params is None or any(name not in params for name in WEIGHTS):
+            iq, ik = upcast(q.detach()), upcast(k.detach()).mean(1)
+            return iq, ik, iq.new_full((q.shape[0], q.shape[2], q.shape[1]), 1.0 / q.shape[1])
+        hidden = params.get(HIDDEN_KEY)
+        if hidden is None:
+            raise ValueError(f"dsa's indexer needs the layer's input x as params[{HIDDEN_KEY!r}] [B, N, dim]")
+        x = upcast(hidden.detach())  # the indexer's loss must not train the main model
+        batch, n, _ = x.shape
+        iq = (x @ params["dsa_wq"].float()).view(batch, n, self.heads, self.dim).transpose(1, 2)  # [B, h, N, d]
+        return iq, x @ params["dsa_wk"].float(), x @ params["dsa_ww"].float()
+
+    def select(self, iq: Tensor, ik: Tensor, w: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+        """[B, 1, N, min(k, M)] int32 top-k key lists by indexer score, -1 where fewer keys are allowed."""
+        with torch.no_grad():
+            batch, heads, n, _ = iq.shape
+            chunk = max(1, SCORE_ELEMENTS // max(1, batch * heads * ik.shape[1]))
+            lists = []
+            for start in range(0, n, chunk):
+                rows = row_slice(n, start, start + chunk)
+                scores = index_scores(iq[:, :, rows], ik, w[:, rows])  # [B, R, M]
+                scores = scores.masked_fill(~allowed_keys(rows, ik.shape[1], causal, key_padding_mask, iq.device), float("-inf"))
+                values, chosen = scores.topk(min(self.k, ik.shape[1]), dim=-1)
+                lists.append(torch.where(values == float("-inf"), torch.full_like(chosen, -1), chosen))
+            return torch.cat(lists, dim=1)[:, None].to(torch.int32)
+
+    def _lists(self, q, k, causal, key_padding_mask, params) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        tensors = self.indexer(q, k, params)
+        return self.select(*tensors, causal, key_padding_mask), tensors
+
+    def _wants_loss(self, params: dict | None) -> bool:
+        return self.kl > 0 and params is not None and AUX_KEY in params and all(name in params for name in WEIGHTS)
+
+    def reference(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        """Dense masked attention over the selected keys; the KL loss from dense [B, N, M] tensors."""
+        index, tensors = self._lists(q, k, causal, key_padding_mask, params)
+        mask = mask_from_indices(index, k.shape[2])  # [B, 1, N, M]
+        q_heads = q.shape[1]
+        out = dense_masked_attention(q, expand_kv(k, q_heads), expand_kv(v, q_heads), mask, scale)
+        if self._wants_loss(params):
+            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * dense_indexer_kl(q, k, mask[:, 0], tensors, scale, self.kl_every)
+        return out
+
+    def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        index, tensors = self._lists(q, k, causal, key_padding_mask, params)
+        self._store_loss(q, k, index, tensors, scale, params)
+        return indexed_attention_ref(q, k, v, index.expand(q.shape[0], q.shape[1], -1, -1), scale=scale)
+
+    def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        from sparsefocus.kernels.indexed import indexed_attention
+
+        index, tensors = self._lists(q, k, causal, key_padding_mask, params)
+        self._store_loss(q, k, index, tensors, scale, params)
+        return indexed_attention(q, k, v, index.expand(q.shape[0], q.shape[1], -1, -1), scale=scale)
+
+    def _store_loss(self, q, k, index, tensors, scale, params) -> None:
+        if self._wants_loss(params):
+            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * chunked_indexer_kl(q, k, index, tensors, scale, self.kl_every)
+
+    def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
+        index, _ = self._lists(q, k, causal, key_padding_mask, params)
+        return mask_from_indices(index[:, :, rows], k.shape[2])
+
+
+def index_scores(iq: Tensor, ik: Tensor, w: Tensor) -> Tensor:
+    """I(t, s) = sum_h w_{t,h} ReLU(iq_{t,h} . ik_s): iq [B, h, R, d], ik [B, M, d], w [B, R, h] -> [B, R, M]."""
+    relu = torch.relu(torch.matmul(iq, ik[:, None].transpose(-1, -2)))  # [B, h, R, M]
+    return torch.einsum("bhrm,brh->brm", relu, w)
+
+
+def allowed_keys(rows: slice, n_keys: int, causal: bool, key_padding_mask: Tensor | None, device: torch.device) -> Tensor:
+    """[B or 1, R, M] bool: keys a query may select (causal: s <= t; real keys only)."""
+    allowed = torch.ones(1, rows.stop - rows.start, n_keys, dtype=torch.bool, device=device)
+    if causal:
+        allowed = allowed & (torch.arange(n_keys, device=device)[None, :] <= torch.arange(rows.start, rows.stop, device=device)[:, None])
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, :]
+    return allowed
+
+
+def kl_to_target(target: Tensor, logits: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """(sum over rows of KL(target || softmax(logits)) over the valid entries, number of rows with one)."""
+    log_q = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+    terms = torch.where(valid & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(target))
+    return terms.sum(), valid.any(-1).sum()
+
+
+def dense_indexer_kl(q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1) -> Tensor:
+    """The indexer's KL loss, defined densely: selected [B, N, M] bool, the main distribution
+    softmax(scale q k) over the selected keys averaged over the query heads (detached); the mean
+    over the query rows 0, every, 2 every... that keep a key."""
+    iq, ik, w = tensors
+    q, selected, iq, w = q[:, :, ::every], selected[:, ::every], iq[:, :, ::every], w[:, ::every]
+    with torch.no_grad():
+        scores = torch.matmul(upcast(q), upcast(expand_kv(k, q.shape[1])).transpose(-1, -2)) * scale  # [B, Hq, N, M]
+        has_key = selected.any(-1, keepdim=True)[:, None]
+        probs = torch.softmax(scores.masked_fill(~selected[:, None], float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
+        target = (probs * has_key).mean(1)  # [B, N, M]
+    total, rows = kl_to_target(target, index_scores(iq, ik, w), selected)
+    return total / rows.clamp_min(1)
+
+
+def chunked_indexer_kl(q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1) -> Tensor:
+    """The same loss from the key lists ([B, 1, N, K]) in row chunks, each recomputed in backward."""
+    iq, ik, w = tensors
+    q, index, iq, w = q[:, :, ::every], index[:, :, ::every], iq[:, :, ::every], w[:, ::every]
+    batch, q_heads, n, _ = q.shape
+    chunk = max(1, KL_ELEMENTS // max(1, batch * q_heads * index.shape[-1] * q.shape[-1]))
+    total, rows = iq.new_zeros(()), iq.new_zeros(())
+    for start in range(0, n, chunk):
+        part = row_slice(n, start, start + chunk)
+        args = (q[:, :, part].detach(), k.detach(), index[:, :, part], iq[:, :, part], ik, w[:, part])
+        chunk_total, chunk_rows = checkpoint(_kl_chunk, *args, scale, use_reentrant=False) if torch.is_grad_enabled() else _kl_chunk(*args, scale)
+        total, rows = total + chunk_total, rows + chunk_rows
+    return total / rows.clamp_min(1)
+
+
+def _kl_chunk(q: Tensor, k: Tensor, index: Tensor, iq: Tensor, ik: Tensor, w: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """KL sum and row count of one chunk: q [B, Hq, R, D], index [B, 1, R, K], iq [B, h, R, d], w [B, R, h]."""
+    valid = index[:, 0] >= 0  # [B, R, K]
+    safe = index.clamp_min(0).long()
+    with torch.no_grad():
+        keys = gather_keys(upcast(k), safe.expand(-1, k.shape[1], -1, -1))  # [B, Hk, R, K, D]
+        keys = expand_kv(keys.flatten(2, 3), q.shape[1]).view(*q.shape[:3], -1, q.shape[-1])  # [B, Hq, R, K, D]
+        scores = torch.einsum("bhrd,bhrkd->bhrk", upcast(q), keys) * scale
+        has_key = valid.any(-1, keepdim=True)[:, None]
+        probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
+        target = (probs * has_key).mean(1)  # [B, R, K]
+    batch, _, n_rows, width = safe.shape
+    flat = safe[:, 0].reshape(batch, n_rows * width, 1).expand(-1, -1, ik.shape[-1])
+    picked = torch.gather(ik, 1, flat).view(batch, n_rows, width, -1)  # [B, R, K, d]
+    relu = torch.relu(torch.einsum("bhrd,brkd->bhrk", iq, picked))  # [B, h, R, K]
+    logits = torch.einsum("bhrk,brh->brk", relu, w)
+    return kl_to_target(target, logits, valid)

@@ -1,0 +1,164 @@
+"""The Triton block-sparse kernel against ``block_sparse_attention_ref``: outputs, LSE and every
+gradient (dq, dk, dv, through the output and the LSE) at odd sizes, both tile kinds, GQA,
+Dv != D, padding, windows, strided key positions, empty rows; fp16 within twice PyTorch's own
+error; the ops pass ``torch.library.opcheck``. On CPU the kernel runs in Triton's interpreter."""
+
+import pytest
+import torch
+
+from sparsefocus.kernels.block_sparse import (
+    GROUP_TILE,
+    block_sparse_attention,
+    block_sparse_attention_ref,
+    block_sparse_fwd,
+    block_sparse_mask,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def random_lists(batch, heads, tiles, n_blocks, slots, unused=0.3):
+    """[B, H, T, S] distinct block ids per list, about ``unused`` of the last slot set to -1."""
+    ids = torch.rand(batch * heads * tiles, n_blocks, device=DEVICE).argsort(-1)[:, :slots]
+    ids = ids.view(batch, heads, tiles, slots).to(torch.int32)
+    ids[..., -1] = torch.where(torch.rand(batch, heads, tiles, device=DEVICE) < unused, -1, ids[..., -1])
+    return ids
+
+
+def make_case(n=75, block_size=16, tile=GROUP_TILE, group=2, kv_heads=2, dim=24, dim_v=20, slots=3, padded=True, batch=2):
+    q = torch.randn(batch, kv_heads * group, n, dim, device=DEVICE)
+    k = torch.randn(batch, kv_heads, n, dim, device=DEVICE)
+    v = torch.randn(batch, kv_heads, n, dim_v, device=DEVICE)
+    heads, tiles = (kv_heads, n) if tile == GROUP_TILE else (kv_heads * group, -(-n // tile))
+    blocks = random_lists(batch, heads, tiles, -(-n // block_size), slots)
+    padding = (torch.rand(batch, n, device=DEVICE) > 0.2) if padded else None
+    return q, k, v, blocks, padding
+
+
+def run(fn, q, k, v, blocks, dtype, grad_out, grad_lse, **kwargs):
+    leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    out, lse = fn(*leaves, blocks, **kwargs)
+    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    loss = (out.float() * grad_out).sum() + (finite_lse.float() * grad_lse).sum()
+    return [out, finite_lse] + list(torch.autograd.grad(loss, leaves))
+
+
+def compare(q, k, v, blocks, **kwargs):
+    grad_out = torch.randn(*q.shape[:3], v.shape[-1], device=DEVICE)
+    grad_lse = torch.randn(*q.shape[:3], device=DEVICE)
+    got = run(block_sparse_attention, q, k, v, blocks, torch.float32, grad_out, grad_lse, **kwargs)
+    want = run(block_sparse_attention_ref, q, k, v, blocks, torch.float32, grad_out, grad_lse, **kwargs)
+    for name, x, y in zip(["out", "lse", "dq", "dk", "dv"], got, want):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
+        assert rel_err(x, y) < 1e-5, f"{name}: relative error {rel_err(x, y):.2e}"
+    return got
+
+
+def test_group_tiles_match_reference_with_gqa_padding_and_causal():
+    q, k, v, blocks, padding = make_case(n=45, tile=GROUP_TILE, group=4, kv_heads=1)
+    compare(q, k, v, blocks, block_size=16, tile=GROUP_TILE, causal=True, key_padding_mask=padding)
+
+
+def test_query_tiles_match_reference_with_gqa_and_blocks_of_two_sub_tiles():
+    """block_size 80 > 64 keys: every block is read as two sub-tiles of 64, the second one cut."""
+    q, k, v, blocks, padding = make_case(n=170, block_size=80, tile=16, group=2, kv_heads=1, slots=2)
+    compare(q, k, v, blocks, block_size=80, tile=16, causal=True, key_padding_mask=padding)
+
+
+def test_window_and_strided_key_positions_match_reference():
+    """NSA's compressed keys: key j sits at position 2 j + 7; a window of 20 on top of causal."""
+    q, k, v, blocks, _ = make_case(n=37, tile=GROUP_TILE, group=1, kv_heads=1, padded=False, batch=1)
+    compare(q, k, v, blocks, block_size=16, tile=GROUP_TILE, causal=True, window=20, key_stride=2, key_offset=7)
+
+
+def test_rows_without_keys_are_zero_and_lse_minus_inf():
+    q, k, v, blocks, _ = make_case(n=40, tile=16, group=1, kv_heads=1, padded=False)
+    blocks[:, :, 0] = -1  # the first tile lists nothing
+    out, lse = block_sparse_attention(q, k, v, blocks, block_size=16, tile=16)
+    assert (out[:, :, :16] == 0).all() and torch.isinf(lse[:, :, :16]).all()
+    mask = block_sparse_mask(q, k, blocks, 16, 16, False, None, 0, 1, 0)
+    assert mask[:, :, :16].sum() == 0 and mask[:, :, 16:].any()
+
+
+@pytest.mark.parametrize("tile", [GROUP_TILE, 16])
+def test_fp16_within_twice_torch_error(tile):
+    """FlashAttention's rule: kernel error vs fp32 <= 2 x PyTorch's error at fp16 (+ eps)."""
+    q, k, v, blocks, padding = make_case(n=33, tile=tile, group=2, kv_heads=1, dim=32, dim_v=16, batch=1)
+    q, k, v = (x.half().float() for x in (q, k, v))  # the same rounded inputs for all three
+    kwargs = {"block_size": 16, "tile": tile, "causal": True, "key_padding_mask": padding}
+    grad_out = torch.randn(*q.shape[:3], v.shape[-1], device=DEVICE)
+    grad_lse = torch.zeros(*q.shape[:3], device=DEVICE)
+    truth = run(block_sparse_attention_ref, q, k, v, blocks, torch.float32, grad_out, grad_lse, **kwargs)
+    torch_low = run(dense_low_precision, q, k, v, blocks, torch.float16, grad_out, grad_lse, **kwargs)
+    kernel = run(block_sparse_attention, q, k, v, blocks, torch.float16, grad_out, grad_lse, **kwargs)
+    for name, x, y, t in zip(["out", "lse", "dq", "dk", "dv"], kernel, torch_low, truth):
+        if name == "lse":
+            continue
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+
+
+def dense_low_precision(q, k, v, blocks, *, block_size, tile, causal, key_padding_mask):
+    """The same masked attention done by PyTorch in the inputs' dtype (the error yardstick)."""
+    mask = block_sparse_mask(q, k, blocks, block_size, tile, causal, key_padding_mask, 0, 1, 0)
+    group = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    has_key = mask.any(-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")).masked_fill(~has_key, 0), -1) * has_key
+    return weights @ v.repeat_interleave(group, 1), torch.logsumexp(scores.masked_fill(~mask, -1e4), -1)
+
+
+def test_kernel_rejects_bad_lists_and_tiles():
+    q, k, v, blocks, _ = make_case(n=20, tile=16, group=1, kv_heads=1, padded=False, slots=2)
+    with pytest.raises(ValueError, match="blocks"):
+        block_sparse_attention(q, k, v, blocks.float(), block_size=16, tile=16)
+    with pytest.raises(ValueError, match="tile"):
+        block_sparse_attention(q, k, v, blocks, block_size=16, tile=24)
+
+
+def test_forward_op_passes_opcheck():
+    q, k, v, blocks, padding = make_case(n=20, tile=16, group=2, kv_heads=1, dim=16, dim_v=16, slots=2)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.library.opcheck(block_sparse_fwd, (q, k, v, blocks, padding, 16, 16, True, 0.25, 0, 1, 0))
+
+
+def test_backward_op_passes_opcheck():
+    from sparsefocus.kernels.block_sparse import block_sparse_bwd
+
+    q, k, v, blocks, padding = make_case(n=20, tile=16, group=2, kv_heads=1, dim=16, dim_v=16, slots=2, batch=1)
+    out, lse = block_sparse_attention(q, k, v, blocks, block_size=16, tile=16, causal=True, key_padding_mask=padding)
+    args = (torch.randn_like(out), q, k, v, out, lse, torch.zeros_like(lse), blocks, padding, 16, 16, True, 0.25, 0, 1, 0)
+    torch.library.opcheck(block_sparse_bwd, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_compiles_with_fullgraph_forward_and_backward():
+    q, k, v, blocks, _ = make_case(n=20, tile=16, group=1, kv_heads=1, dim=16, dim_v=16, slots=2, padded=False, batch=1)
+    q = q.requires_grad_()
+
+    def step(q, k, v, blocks):
+        return block_sparse_attention(q, k, v, blocks, block_size=16, tile=16, causal=True)[0].sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    grad = torch.autograd.grad(compiled(q, k, v, blocks), q)[0]
+    torch.testing.assert_close(grad, torch.autograd.grad(step(q, k, v, blocks), q)[0])
+
+
+def test_compressed_importance_matches_its_torch_twin():
+    from sparsefocus.attention.nsa import group_probabilities
+    from sparsefocus.kernels.block_sparse import compressed_importance
+
+    n, n_cmp, stride, cmp = 29, 12, 2, 6
+    q, ck = torch.randn(1, 4, n, 16, device=DEVICE), torch.randn(1, 2, n_cmp, 16, device=DEVICE)
+    lse = torch.randn(1, 4, n, device=DEVICE) + 3
+    lse[0, 1, 3] = float("-inf")  # a row without visible keys
+    real = torch.rand(1, n_cmp, device=DEVICE) > 0.3
+    rows = slice(5, 26)
+    got = compressed_importance(q, ck, lse, real, rows, scale=0.3, stride=stride, cmp=cmp, causal=True)
+    want = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], real, rows, cmp, stride, True, 0.3)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    from sparsefocus.kernels.block_sparse import nsa_importance
+
+    torch.library.opcheck(nsa_importance, (q, ck, lse, real, 5, 21, 0.3, stride, cmp, True))
