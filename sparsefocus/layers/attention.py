@@ -65,7 +65,7 @@ class SparseAttention(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)
-        params = dict(self.mechanism) or None
+        params = {name: value for name, value in self.mechanism.items()} or None  # dict(ParameterDict) does not trace
         out = sparse_attention(
             q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
         )  # [B, H, N, Dh]
