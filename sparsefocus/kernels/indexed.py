@@ -22,6 +22,10 @@ row's normaliser, its gradient is stored per row and summed.
 ``KEY_GRADS = "inverse"`` moves dk and dv of Cauchy lists out of this backward into
 ``indexed_csr`` (per-key sums over an inverse index, no float atomics).
 
+The launchers are ``torch.library`` ops (``sparsefocus::indexed_fwd``, ``indexed_bwd``,
+``indexed_causal_mean_fwd``; docs/kernels.md), so ``torch.compile`` treats each as one opaque
+call. The forward's row statistic is also the public ``return_lse``.
+
 Not done here: a tensor-core variant for lists made of contiguous runs (sorted keys, windows);
 every list is gathered row by row.
 """

@@ -17,7 +17,8 @@ its time followed the number of pairs whatever the lists' structure
 The query side (dq, d gamma, the extra slot) stays in the indexed backward kernel with its
 scatter switched off. Cauchy weights only (ZETA's score). The order of a key's entries depends
 on the atomics' order on a GPU, so its fp32 sums may differ in the last bits between runs, as
-the atomic backward's do.
+the atomic backward's do. Both steps are ``torch.library`` ops (``sparsefocus::build_inverse``,
+``sparsefocus::key_grads``), called from inside ``sparsefocus::indexed_bwd``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The slow twin that defines the result is ``sparsefocus.attention.zeta.curve_code
 sigmoid (torch: about 35 elementwise int64 passes over the points per curve). Here one program
 reads BLOCK points [BLOCK, D] in fp32, computes grid = clamp(floor((unit + shift) * levels), 0,
 top) with the same fp32 operations as torch (so the same cells), and interleaves the bits of
-the D coordinates, most significant first, coordinate 0 leading each group.
+the D coordinates, most significant first, coordinate 0 leading each group. The launcher is the
+``torch.library`` op ``sparsefocus::morton_codes``.
 """
 
 from __future__ import annotations

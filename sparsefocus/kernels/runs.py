@@ -18,6 +18,9 @@ queries, takes the union [lo, hi) of their runs and walks it in [BLOCK_N, D] key
 
 Work per tile is the union of its runs: W + BLOCK_M keys when starts grow by one per row (a band),
 up to all M keys when consecutive queries have unrelated starts (still correct, just slow).
+
+The launchers are the ``torch.library`` ops ``sparsefocus::runs_fwd`` and ``runs_bwd``
+(docs/kernels.md).
 """
 
 from __future__ import annotations

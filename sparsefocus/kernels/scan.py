@@ -13,6 +13,9 @@ blocks with a carried fp32 sum). Here the sum is two-level and every level is pa
 Forward of the mean: pre = real key (0/1), post = 1 / count, scan forward. Backward: pre = 1 /
 count, post = real key, scan reversed (dx_j = real_j * sum_{i >= j} g_i / count_i). Causal by
 construction: a forward scan's row i reads rows <= i only.
+
+The launcher is the ``torch.library`` op ``sparsefocus::scaled_scan``, differentiable in x (its
+gradient is the reversed scan with pre and post swapped).
 """
 
 from __future__ import annotations
