@@ -501,6 +501,18 @@ def _cached_random_keys(pattern: "FixedPattern", n_queries: int, n_keys: int, ca
     return pattern.draw_random_keys(n_queries, n_keys, causal)
 
 
+@lru_cache(maxsize=8)
+def _random_keys_on(pattern: "FixedPattern", n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
+    return _cached_random_keys(pattern, n_queries, n_keys, causal).to(device)
+
+
+@torch.compiler.assume_constant_result
+def random_keys_on(pattern: "FixedPattern", n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
+    """The cached draw on ``device`` (read-only): copied there once, so later calls make no
+    host-to-device copy (CUDA graphs can capture them) and torch.compile holds it as a constant."""
+    return _random_keys_on(pattern, n_queries, n_keys, causal, device)
+
+
 def _table_mask_mod(table: Tensor) -> MaskMod:
     """mask_mod reading a precomputed [N, M] bool table."""
 
@@ -536,7 +548,7 @@ class RandomKeys(FixedPattern):
         return sample_distinct(counts, self.k, torch.Generator().manual_seed(self.seed))
 
     def device_mask_mod(self, n_queries, n_keys, causal, device):
-        keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device)
+        keys = random_keys_on(self, n_queries, n_keys, causal, device)
         return _table_mask_mod(mask_from_indices(keys, n_keys))  # [N, M] table
 
     def mask_mod(self, n_queries, n_keys, causal):
@@ -544,7 +556,7 @@ class RandomKeys(FixedPattern):
 
     def position_indices(self, n_queries, n_keys, causal, device):
         # A copy, so that no caller can modify the cached draw in place.
-        return _cached_random_keys(self, n_queries, n_keys, causal).to(device, copy=True)[None, None]
+        return random_keys_on(self, n_queries, n_keys, causal, device).clone()[None, None]
 
 
 @register
@@ -626,7 +638,7 @@ class BigBird(FixedPattern):
 
     def device_mask_mod(self, n_queries, n_keys, causal, device):
         local = Band(self.window, self.g).mask_mod(n_queries, n_keys, causal)
-        keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device)
+        keys = random_keys_on(self, n_queries, n_keys, causal, device)
         table = mask_from_indices(keys, n_keys)  # [N, M]
 
         def bigbird(b, h, q_idx, kv_idx):
@@ -639,5 +651,5 @@ class BigBird(FixedPattern):
 
     def position_indices(self, n_queries, n_keys, causal, device):
         window = Band(self.window).position_indices(n_queries, n_keys, causal, device)
-        random_keys = _cached_random_keys(self, n_queries, n_keys, causal).to(device, copy=True)[None, None]
+        random_keys = random_keys_on(self, n_queries, n_keys, causal, device).clone()[None, None]
         return torch.cat([window, random_keys], dim=-1)  # [1, 1, N, w + r]

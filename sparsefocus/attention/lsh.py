@@ -12,6 +12,7 @@ boundary, which leaks the future under causality. Per-bucket chunks depend only 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,12 +23,27 @@ from sparsefocus.attention.common import causal_row_mask, row_slice, upcast
 from sparsefocus.attention.patterns import IndexedPattern, register, require
 
 
-def random_rotations(rounds: int, dim: int, buckets: int, seed: int, like: Tensor) -> Tensor:
-    """[rounds, D, buckets // 2] Gaussian rotations drawn from ``seed`` (CPU generator, so the
-    same seed gives the same rotations on every device)."""
+@functools.lru_cache(maxsize=64)
+def _rotations_on(rounds: int, dim: int, buckets: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
     rotations = torch.randn(rounds, dim, max(buckets // 2, 1), generator=gen, dtype=torch.float64)
-    return rotations.to(device=like.device, dtype=upcast(like).dtype)
+    return rotations.to(device=device, dtype=dtype)
+
+
+@torch.compiler.assume_constant_result
+def _constant_rotations(rounds: int, dim: int, buckets: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``_rotations_on`` as a constant of a compiled graph (torch.compile cannot create a Generator)."""
+    return _rotations_on(rounds, dim, buckets, seed, device, dtype)
+
+
+def random_rotations(rounds: int, dim: int, buckets: int, seed: int, like: Tensor) -> Tensor:
+    """[rounds, D, buckets // 2] Gaussian rotations drawn from ``seed`` (CPU generator, so the
+    same seed gives the same rotations on every device), in ``like``'s compute dtype.
+
+    Drawn once per device and cached (read-only): no host-to-device copy after the first call,
+    so a CUDA graph can capture the pattern, and torch.compile holds them as a graph constant."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32  # upcast's dtype
+    return _constant_rotations(rounds, dim, buckets, seed, like.device, dtype)
 
 
 def hash_buckets(x: Tensor, rotation: Tensor, buckets: int) -> Tensor:

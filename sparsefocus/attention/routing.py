@@ -10,6 +10,7 @@ training state this library does not keep).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -22,11 +23,24 @@ from sparsefocus.attention.lsh import dedupe_indices, own_position, repeat_heads
 from sparsefocus.attention.patterns import IndexedPattern, register, require
 
 
-def seeded_centroids(clusters: int, dim: int, seed: int, like: Tensor) -> Tensor:
-    """[C, D] unit vectors drawn from ``seed`` on a CPU generator (same on every device)."""
+@functools.lru_cache(maxsize=64)
+def _centroids_on(clusters: int, dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
     centroids = torch.randn(clusters, dim, generator=gen, dtype=torch.float64)
-    return F.normalize(centroids, dim=-1).to(device=like.device, dtype=upcast(like).dtype)
+    return F.normalize(centroids, dim=-1).to(device=device, dtype=dtype)
+
+
+@torch.compiler.assume_constant_result
+def _constant_centroids(clusters: int, dim: int, seed: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """``_centroids_on`` as a constant of a compiled graph (torch.compile cannot create a Generator)."""
+    return _centroids_on(clusters, dim, seed, device, dtype)
+
+
+def seeded_centroids(clusters: int, dim: int, seed: int, like: Tensor) -> Tensor:
+    """[C, D] unit vectors drawn from ``seed`` on a CPU generator (same on every device), in
+    ``like``'s compute dtype. Drawn once per device and cached (read-only), as LSH's rotations."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32  # upcast's dtype
+    return _constant_centroids(clusters, dim, seed, like.device, dtype)
 
 
 def lloyd_iterations(points: Tensor, weight: Tensor, centroids: Tensor, iters: int) -> Tensor:

@@ -22,6 +22,10 @@ row's normaliser, its gradient is stored per row and summed.
 ``KEY_GRADS = "inverse"`` moves dk and dv of Cauchy lists out of this backward into
 ``indexed_csr`` (per-key sums over an inverse index, no float atomics).
 
+The launchers are ``torch.library`` ops (``sparsefocus::indexed_fwd``, ``indexed_bwd``,
+``indexed_causal_mean_fwd``; docs/kernels.md), so ``torch.compile`` treats each as one opaque
+call. The forward's row statistic is also the public ``return_lse``.
+
 Not done here: a tensor-core variant for lists made of contiguous runs (sorted keys, windows);
 every list is gathered row by row.
 """
@@ -37,6 +41,7 @@ from torch import Tensor
 
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name
 from sparsefocus.kernels.scan import mean_scales, scaled_scan
 
 LOG2E = 1.4426950408889634
@@ -384,74 +389,162 @@ def _group_sum(grad: Tensor, heads: int) -> Tensor:
     return grad if heads == q_heads else grad.view(batch, heads, q_heads // heads, n, width).sum(2)
 
 
-def _parameter_grads(ctx, gamma: Tensor, dgamma_sq: Tensor, sink_key: Tensor | None, d_sink: Tensor | None) -> tuple:
-    """(d gamma [Hq] from d gamma^2, when gamma (input 4) needs it; d sink in the sink's dtype)."""
-    dgamma = (dgamma_sq * 2 * gamma.float()).to(gamma.dtype) if ctx.needs_input_grad[4] else None
-    return dgamma, None if d_sink is None else d_sink.to(sink_key.dtype)
+def _op_extra(q: Tensor, extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None) -> Extra | None:
+    """The extra slot as the kernels read it (last dim dense, mask int8 [B, Hq, N], every row if
+    None), or None without one."""
+    if extra_key is None or extra_value is None:
+        return None
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (extra_key, extra_value))
+    mask = torch.ones(q.shape[:3], dtype=torch.int8, device=q.device) if extra_mask is None else extra_mask.contiguous()
+    return Extra(key, value, mask)
 
 
-class IndexedAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of the two kernels; inputs are contiguous, index int32 [B, Hq, N, K];
-    extra_key/extra_value are strided [B, He, N, *] or None, extra_mask int8 [B, Hq, N] or None;
-    sink_key [Hq, D] contiguous or None (Cauchy only)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, extra_key=None, extra_value=None, extra_mask=None, sink_key=None):
-        gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
-        extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink_key)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key)
-        ctx.scale, ctx.score_code = scale, score_code
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, extra_key, extra_value, extra_mask, sink_key = ctx.saved_tensors
-        extra = None if extra_key is None else Extra(extra_key, extra_value, extra_mask)
-        gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
-        dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, extra, sink_key
-        )
-        dgamma, d_sink = _parameter_grads(ctx, gamma, dgamma_sq, sink_key, d_sink)
-        if extra is not None:
-            d_extra_k = _group_sum(d_extra_k, extra_key.shape[1]).to(extra_key.dtype)
-            d_extra_v = _group_sum(d_extra_v, extra_value.shape[1]).to(extra_value.dtype)
-        return dq, dk, dv, None, dgamma, None, None, d_extra_k, d_extra_v, None, d_sink
+def _dense(*tensors: Tensor | None) -> tuple:
+    return tuple(None if x is None else x.contiguous() for x in tensors)
 
 
-class CausalMeanIndexedFunction(torch.autograd.Function):
-    """``IndexedAttentionFunction`` whose extra slot is the causal mean of k and v over the real
-    keys (ZETA's mean token), computed inside by the Triton scan (``scan.scaled_scan``). The
-    mean's gradient scan adds straight into the fp32 dk, dv of the atomics and stores k's and
-    v's dtype once, instead of a separate mean gradient, a cast and an add (a separate mean
-    would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16; this, 1.5 GB).
-    Inputs as IndexedAttentionFunction's, N = M, plus real [B, M] bool."""
+@torch.library.custom_op(op_name("indexed_fwd"), mutates_args=())
+def indexed_fwd(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor,
+    extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None, sink: Tensor | None,
+    scale: float, score_code: int,
+) -> tuple[Tensor, Tensor]:
+    """``sparsefocus::indexed_fwd``: out [B, Hq, N, Dv] (q.dtype) and the row statistic stat
+    [B, Hq, N] fp32 (softmax kinds: base-2 log-sum-exp, +inf for a row with no key; Cauchy: the
+    sum of the weights). q, k, v in one dtype, index int32 [B, Hq, N, K], gamma_sq [Hq] fp32,
+    extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink [Hq, D] fp32.
+    Differentiable in q, k, v, gamma_sq, extra key/value and sink (backward: ``indexed_bwd``);
+    stat gets no gradient."""
+    q, k, v, index, gamma_sq, sink = _dense(q, k, v, index, gamma_sq, sink)
+    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, _op_extra(q, extra_key, extra_value, extra_mask), sink)
 
-    @staticmethod
-    def forward(ctx, q, k, v, index, gamma, scale, score_code, real, sink_key=None):
-        count = real.to(torch.float32).cumsum(-1)  # [B, M] real keys 0..i
-        realf, inverse = mean_scales(real, count)
-        mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, M, D], [B, Hk, M, Dv]
-        mean_k, mean_v, mask = _kernel_extras(q, mean_k, mean_v, (count > 0)[:, None, :])  # mask int8 [B, Hq, N]
-        gamma_sq = gamma.float().pow(2).contiguous()  # [Hq]
-        out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, Extra(mean_k, mean_v, mask), sink_key)
-        ctx.save_for_backward(q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse)
-        ctx.scale, ctx.score_code = scale, score_code
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, index, gamma, out, stat, mean_k, mean_v, mask, sink_key, realf, inverse = ctx.saved_tensors
-        gamma_sq, grad_out = gamma.float().pow(2).contiguous(), grad_out.contiguous()
-        dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = _indexed_backward(
-            q, k, v, index, gamma_sq, out, grad_out, stat, ctx.scale, ctx.score_code, Extra(mean_k, mean_v, mask), sink_key, cast=False
-        )
-        kv_heads = k.shape[1]
-        # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
-        dk = scaled_scan(_group_sum(d_mean_k, kv_heads), inverse, realf, reverse=True, base=dk, dtype=k.dtype)
-        dv = scaled_scan(_group_sum(d_mean_v, kv_heads), inverse, realf, reverse=True, base=dv, dtype=v.dtype)
-        dgamma, d_sink = _parameter_grads(ctx, gamma, dgamma_sq, sink_key, d_sink)
-        return dq, dk, dv, None, dgamma, None, None, None, d_sink
+@indexed_fwd.register_fake
+def _indexed_fwd_fake(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code):
+    return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(op_name("indexed_bwd"), mutates_args=())
+def indexed_bwd(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, out: Tensor, grad_out: Tensor, stat: Tensor,
+    extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None, sink: Tensor | None,
+    scale: float, score_code: int, cast: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq [Hq] fp32, d extra_key, d extra_value,
+    d sink [Hq, D] fp32), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
+    extra_key come in their inputs' dtypes, else fp32 as summed (for a caller that adds more
+    into them); d extra_value is always in its input's dtype. Reads ``KEY_GRADS``."""
+    q, k, v, index, gamma_sq, out, grad_out, stat, sink = _dense(q, k, v, index, gamma_sq, out, grad_out, stat, sink)
+    extra = _op_extra(q, extra_key, extra_value, extra_mask)
+    dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
+        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast=cast
+    )
+    key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
+    dk, dv = dk.to(key_dtypes[0]).contiguous(), dv.to(key_dtypes[1]).contiguous()
+    if extra is None:
+        d_extra_k, d_extra_v = absent(q), absent(q)
+    else:
+        d_extra_k = _group_sum(d_extra_k, extra.key.shape[1]).to(extra.key.dtype if cast else torch.float32)
+        d_extra_v = _group_sum(d_extra_v, extra.value.shape[1]).to(extra.value.dtype)
+    return dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, absent(q) if d_sink is None else d_sink
+
+
+@indexed_bwd.register_fake
+def _indexed_bwd_fake(q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, scale, score_code, cast):
+    key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
+    grads = [q.new_empty(q.shape), k.new_empty(k.shape, dtype=key_dtypes[0]), v.new_empty(v.shape, dtype=key_dtypes[1])]
+    grads.append(q.new_empty(q.shape[1], dtype=torch.float32))
+    if extra_key is None or extra_value is None:
+        grads += [q.new_empty(0), q.new_empty(0)]
+    else:
+        grads.append(q.new_empty(extra_key.shape, dtype=extra_key.dtype if cast else torch.float32))
+        grads.append(q.new_empty(extra_value.shape, dtype=extra_value.dtype))
+    grads.append(q.new_empty(0) if sink is None else q.new_empty(q.shape[1], q.shape[-1], dtype=torch.float32))
+    return tuple(grads)
+
+
+def _indexed_setup(ctx, inputs, output) -> None:
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code = inputs
+    out, stat = output
+    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink)
+    ctx.scale, ctx.score_code = scale, score_code
+
+
+def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
+    """Gradients of every differentiable input; stat is not differentiated (``grad_stat`` unused)."""
+    q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink = ctx.saved_tensors
+    dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = indexed_bwd(
+        q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, ctx.scale, ctx.score_code, True
+    )
+    has_extra = extra_key is not None
+    extra_grads = (d_extra_k, d_extra_v) if has_extra else (None, None)
+    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None
+
+
+indexed_fwd.register_autograd(_indexed_grads, setup_context=_indexed_setup)
+
+
+def _mean_rows(q: Tensor, real: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal mean's row scales (real fp32 [B, M], 1 / count [B, M]) and the extra slot's mask
+    int8 [B, Hq, N]: a row has a mean once a real key has been seen."""
+    count = real.to(torch.float32).cumsum(-1)  # [B, M] real keys 0..i
+    realf, inverse = mean_scales(real, count)
+    return realf, inverse, (count > 0)[:, None, :].expand(q.shape[:3]).to(torch.int8).contiguous()
+
+
+@torch.library.custom_op(op_name("indexed_causal_mean_fwd"), mutates_args=())
+def indexed_causal_mean_fwd(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, real: Tensor, sink: Tensor | None, scale: float, score_code: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``sparsefocus::indexed_causal_mean_fwd``: ``indexed_fwd`` whose extra slot is the causal
+    mean of the real keys and values (``scan.scaled_scan``). Returns (out, stat, mean_k
+    [B, Hk, N, D], mean_v [B, Hk, N, Dv]); the means are saved for the backward and get no
+    gradient of their own. Differentiable in q, k, v, gamma_sq and sink.
+
+    The backward adds the means' gradient scan straight into the fp32 dk, dv of the atomics and
+    stores k's and v's dtype once, instead of a separate mean gradient, a cast and an add (a
+    separate mean would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16;
+    this, 1.5 GB)."""
+    q, k, v, index, gamma_sq, sink = _dense(q, k, v, index, gamma_sq, sink)
+    realf, inverse, mask = _mean_rows(q, real)
+    mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, N, D], [B, Hk, N, Dv]
+    out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, Extra(mean_k, mean_v, mask), sink)
+    return out, stat, mean_k, mean_v
+
+
+@indexed_causal_mean_fwd.register_fake
+def _causal_mean_fake(q, k, v, index, gamma_sq, real, sink, scale, score_code):
+    out, stat = _indexed_fwd_fake(q, k, v, index, gamma_sq, None, None, None, sink, scale, score_code)
+    return out, stat, k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _causal_mean_setup(ctx, inputs, output) -> None:
+    q, k, v, index, gamma_sq, real, sink, scale, score_code = inputs
+    out, stat, mean_k, mean_v = output
+    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, real, sink)
+    ctx.scale, ctx.score_code = scale, score_code
+
+
+def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
+    """Gradients of q, k, v, gamma_sq and sink; stat and the means are not differentiated."""
+    q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, real, sink = ctx.saved_tensors
+    realf, inverse, mask = _mean_rows(q, real)
+    dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = indexed_bwd(
+        q, k, v, index, gamma_sq, out, grad_out, stat, mean_k, mean_v, mask, sink, ctx.scale, ctx.score_code, False
+    )
+    # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
+    dk = scaled_scan(d_mean_k, inverse, realf, reverse=True, base=dk, dtype=k.dtype)
+    dv = scaled_scan(d_mean_v, inverse, realf, reverse=True, base=dv, dtype=v.dtype)
+    return dq, dk, dv, None, dgamma_sq, None, None if sink is None else d_sink, None, None
+
+
+indexed_causal_mean_fwd.register_autograd(_causal_mean_grads, setup_context=_causal_mean_setup)
+
+
+def _natural_lse(stat: Tensor, score: str) -> Tensor:
+    """The public log-sum-exp [B, Hq, N] fp32 (natural log, -inf for empty rows), detached."""
+    stat = stat.detach()
+    return lse_from_weight_sum(stat) if score == "cauchy" else lse_from_log2(stat)
 
 
 def indexed_attention_causal_mean(
@@ -465,9 +558,10 @@ def indexed_attention_causal_mean(
     key_padding_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
     scale: float | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """``indexed_attention`` with one extra slot per query: the mean key and value of the real
-    keys 0..i (ZETA's causal mean token), fused (see ``CausalMeanIndexedFunction``).
+    keys 0..i (ZETA's causal mean token), fused (op ``sparsefocus::indexed_causal_mean_fwd``).
 
     The same result as ``indexed_attention_ref(q, k, v, index, extra_key=mean_k,
     extra_value=mean_v, extra_mask=present, ...)`` with ``mean_k, mean_v, present =
@@ -477,11 +571,12 @@ def indexed_attention_causal_mean(
     Args:
         q: [B, Hq, N, D]; k: [B, Hk, N, D]; v: [B, Hk, N, Dv] (as many keys as queries, N >= 1).
         index: [B, Hq, N, K] key positions, -1 unused; K >= 1.
-        score, gamma, sink_key, scale: as ``indexed_attention``.
+        score, gamma, sink_key, scale, return_lse: as ``indexed_attention``.
         key_padding_mask: [B, N] bool, True = real key; padded keys are left out of the means.
             Default: every key is real.
     Returns:
-        [B, Hq, N, Dv] in q.dtype.
+        [B, Hq, N, Dv] in q.dtype; with ``return_lse`` (out, lse [B, Hq, N] fp32), the mean
+        token counted in lse like a listed key.
     """
     index = _checked_index(q, k, v, index, score, sink_key)
     if k.shape[2] != q.shape[2] or q.shape[2] == 0 or index.shape[-1] == 0:
@@ -490,9 +585,10 @@ def indexed_attention_causal_mean(
     if tuple(real.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
+    gamma_sq = _gamma_per_head(gamma, q.shape[1], q.device).float().pow(2)  # [Hq]
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    return CausalMeanIndexedFunction.apply(q, k, v, index, gamma_heads, scale, SCORE_CODES[score], real, sink)
+    out, stat, _, _ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
+    return (out, _natural_lse(stat, score)) if return_lse else out
 
 
 def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
@@ -527,7 +623,8 @@ def indexed_attention(
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
     Same signature and result as ``indexed_attention_ref`` (fp32 accumulation inside)::
@@ -551,21 +648,42 @@ def indexed_attention(
         sink_key: optional [Hq, D] attention sink (Cauchy only): a key per query head with value
             0 in every row, adding only its weight to the normaliser; receives a gradient.
             Computed per row in the kernels, so k, v and index are not extended. Default: none.
+        return_lse: also return each row's log-sum-exp. Default: False.
     Returns:
-        [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero.
+        out [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero. With ``return_lse``,
+        (out, lse): lse [B, Hq, N] fp32 = log sum_j exp(s_ij) over the row's valid slots (the
+        extra slot and the sink included), natural log, -inf for a row with no key; s_ij is the
+        scaled score (dot: scale * q.k; neg_sqeuclid: -scale * ||q - k||^2; cauchy: log w_ij, so
+        lse = log sum_j w_ij). Detached: no gradient flows through lse.
     """
     index = _checked_index(q, k, v, index, score, sink_key)
     _check_extra(q, v, extra_key, extra_value, extra_mask)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_heads = _gamma_per_head(gamma, q.shape[1], q.device)
-    if q.shape[2] == 0 or (index.shape[-1] == 0 and extra_key is None) or k.shape[2] == 0:
-        return indexed_attention_ref(
+    gamma_sq = _gamma_per_head(gamma, q.shape[1], q.device).float().pow(2)  # [Hq]
+    if q.shape[2] == 0:  # no query: nothing to launch
+        out = indexed_attention_ref(
             q, k, v, index, scale=scale, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask,
             sink_key=sink_key,
         ).to(q.dtype)
+        return (out, q.new_zeros(q.shape[:3], dtype=torch.float32)) if return_lse else out
+    k, v, index = _nonempty_lists(k, v, index)
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    return IndexedAttentionFunction.apply(q, k, v, index, gamma_heads, scale, SCORE_CODES[score], *extras, sink)
+    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score])
+    return (out, _natural_lse(stat, score)) if return_lse else out
+
+
+def _nonempty_lists(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Without slots (K = 0) or without keys (M = 0): one unused slot per query, and one zero key
+    and value row appended when M = 0, so that the kernels run (the extra slot and the sink still
+    count) and give the same result; otherwise the inputs unchanged."""
+    if index.shape[-1] > 0 and k.shape[2] > 0:
+        return k, v, index
+    index = index.new_full((*index.shape[:3], 1), -1)
+    if k.shape[2] == 0:
+        k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[-1])], dim=2)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], dim=2)
+    return k, v, index
 
 
 def _checked_index(q: Tensor, k: Tensor, v: Tensor, index: Tensor, score: str, sink_key: Tensor | None) -> Tensor:

@@ -17,7 +17,8 @@ its time followed the number of pairs whatever the lists' structure
 The query side (dq, d gamma, the extra slot) stays in the indexed backward kernel with its
 scatter switched off. Cauchy weights only (ZETA's score). The order of a key's entries depends
 on the atomics' order on a GPU, so its fp32 sums may differ in the last bits between runs, as
-the atomic backward's do.
+the atomic backward's do. Both steps are ``torch.library`` ops (``sparsefocus::build_inverse``,
+``sparsefocus::key_grads``), called from inside ``sparsefocus::indexed_bwd``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import op_name
 
 TILES = {"BLOCK_N": 16, "BLOCK_E": 8, "num_warps": 4}
 """Tile of ``_key_grads_kernel``: BLOCK_N keys, BLOCK_E of their entries at a time ([BN, BE, Dv]
@@ -67,20 +69,31 @@ def _fill_kernel(IDX, CURSOR, ENTRIES, N, M, NUM_SLOTS, HQ, GROUP, BLOCK_M: tl.c
 
 
 def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Tensor]:
-    """The queries listing each key.
+    """The queries listing each key (op ``sparsefocus::build_inverse``).
 
     Args:
-        index: [B, Hq, N, K] int32 contiguous key positions (-1 unused); n_keys: M; kv_heads: Hk
+        index: [B, Hq, N, K] int32 key positions (-1 unused); n_keys: M; kv_heads: Hk
             (query head h lists keys of kv head h // (Hq // Hk)).
     Returns:
         offsets [B * Hk * M + 1] int32 and entries [B * Hq * N * K] int32 (those past
         offsets[-1] unused): the flat query rows
         (b * Hq + h) * N + i listing key (b, kv head, j) are entries[offsets[l] : offsets[l + 1]]
-        with l = (b * Hk + kv head) * M + j.
+        with l = (b * Hk + kv head) * M + j. On a GPU the order of a key's entries follows the
+        atomics' order, so it may change between runs.
     """
     batch, q_heads, n_queries, slots = index.shape
     if batch * q_heads * n_queries * slots >= 2**31:
         raise ValueError(f"the inverse index holds at most 2**31 - 1 (query, slot) pairs; got {batch * q_heads * n_queries * slots}")
+    if q_heads % kv_heads:
+        raise ValueError(f"kv_heads must divide the query heads {q_heads}, got {kv_heads}")
+    return build_inverse_op(index, n_keys, kv_heads)
+
+
+@torch.library.custom_op(op_name("build_inverse"), mutates_args=())
+def build_inverse_op(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Tensor]:
+    """``sparsefocus::build_inverse``: ``build_inverse`` without its argument checks."""
+    index = index.to(torch.int32).contiguous()
+    batch, q_heads, n_queries, slots = index.shape
     count = torch.zeros(batch * kv_heads * n_keys, dtype=torch.int32, device=index.device)
     grid = (triton.cdiv(n_queries, 16), batch * q_heads)
     sizes = (n_queries, n_keys, slots, q_heads, q_heads // kv_heads)
@@ -93,6 +106,13 @@ def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Te
     cursor = offsets[:-1].clone()
     _fill_kernel[grid](index, cursor, entries, *sizes, BLOCK_M=16, BLOCK_K=block_k)
     return offsets, entries
+
+
+@build_inverse_op.register_fake
+def _build_inverse_fake(index, n_keys, kv_heads):
+    batch, q_heads, n_queries, slots = index.shape
+    offsets = index.new_empty(batch * kv_heads * n_keys + 1, dtype=torch.int32)
+    return offsets, index.new_empty(batch * q_heads * n_queries * slots, dtype=torch.int32)
 
 
 @triton.jit
@@ -134,14 +154,22 @@ def _key_grads_kernel(
 
 
 def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
-    """dk [B, Hk, M, D] and dv [B, Hk, M, Dv] (input dtypes) of indexed Cauchy attention.
+    """dk [B, Hk, M, D] and dv [B, Hk, M, Dv] (input dtypes) of indexed Cauchy attention (op
+    ``sparsefocus::key_grads``, not differentiable).
 
     Args: q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], index [B, Hq, N, K] int32 and
-    grad_out [B, Hq, N, Dv], all contiguous; gamma_sq [Hq] fp32; stat [B, Hq, N] fp32 (each
-    query's sum of Cauchy weights, extra slot included, from the forward); delta [B, Hq, N] fp32
+    grad_out [B, Hq, N, Dv]; gamma_sq [Hq] fp32; stat [B, Hq, N] fp32 (each query's sum of
+    Cauchy weights, extra slot included, from the forward); delta [B, Hq, N] fp32
     = sum(out * grad_out) per query (stored by the query pass, so no fp32 copy of out is made).
     """
-    offsets, entries = build_inverse(index, k.shape[2], k.shape[1])
+    return key_grads_op(q, k, v, index, gamma_sq, grad_out, stat, delta)
+
+
+@torch.library.custom_op(op_name("key_grads"), mutates_args=())
+def key_grads_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+    """``sparsefocus::key_grads``: see ``key_grads``."""
+    q, k, v, index, gamma_sq, grad_out, stat, delta = (x.contiguous() for x in (q, k, v, index, gamma_sq, grad_out, stat, delta))
+    offsets, entries = build_inverse_op(index, k.shape[2], k.shape[1])
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     batch, kv_heads, n_keys, dim = k.shape
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(v.shape[-1])
@@ -151,3 +179,8 @@ def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, 
         D=dim, DV=v.shape[-1], BLOCK_D=block_d, BLOCK_DV=block_dv, **TILES,
     )
     return dk, dv
+
+
+@key_grads_op.register_fake
+def _key_grads_fake(q, k, v, index, gamma_sq, grad_out, stat, delta):
+    return k.new_empty(k.shape), v.new_empty(v.shape)

@@ -4,7 +4,8 @@ The slow twin that defines the result is ``sparsefocus.attention.zeta.curve_code
 sigmoid (torch: about 35 elementwise int64 passes over the points per curve). Here one program
 reads BLOCK points [BLOCK, D] in fp32, computes grid = clamp(floor((unit + shift) * levels), 0,
 top) with the same fp32 operations as torch (so the same cells), and interleaves the bits of
-the D coordinates, most significant first, coordinate 0 leading each group.
+the D coordinates, most significant first, coordinate 0 leading each group. The launcher is the
+``torch.library`` op ``sparsefocus::morton_codes``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import op_name
 
 BLOCK = 256
 
@@ -37,7 +39,8 @@ def _morton_kernel(UNIT, OUT, P, shift, levels, top, row_len, first_row, D: tl.c
 
 def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top: int, tag_rows: tuple[int, int] | None = None) -> Tensor:
     """Codes of points ``unit`` [..., D] fp32 in [0, 1]: cell = clamp(floor((unit + shift) * levels),
-    0, top) per coordinate, then ``bits`` bits of each interleaved. Returns [...] int64.
+    0, top) per coordinate, then ``bits`` bits of each interleaved. Returns [...] int64 (op
+    ``sparsefocus::morton_codes``, not differentiable).
 
     tag_rows: (row length L, first row r0): point p's code gets r0 + p // L (p the flat index
     over ``unit``'s leading dims) in the bits from D * bits up, so that one flat sort of several
@@ -45,10 +48,22 @@ def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top:
     below 2**63. Default: no tag."""
     if unit.dtype != torch.float32:
         raise ValueError(f"morton_codes_triton: unit must be float32, got {unit.dtype}")
-    dims = unit.shape[-1]
-    flat = unit.contiguous().reshape(-1, dims)  # [P, D]
+    row_len, first_row = tag_rows or (1, 0)
+    flat = unit.reshape(-1, unit.shape[-1])  # [P, D]
+    return morton_codes_op(flat, bits, float(shift), levels, top, row_len, first_row, tag_rows is not None).view(unit.shape[:-1])
+
+
+@torch.library.custom_op(op_name("morton_codes"), mutates_args=())
+def morton_codes_op(unit: Tensor, bits: int, shift: float, levels: int, top: int, row_len: int, first_row: int, tag: bool) -> Tensor:
+    """``sparsefocus::morton_codes``: codes [P] int64 of points unit [P, D] fp32 (see
+    ``morton_codes_triton``; row_len and first_row are read only when ``tag``)."""
+    flat = unit.contiguous()
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=unit.device)
     grid = (triton.cdiv(flat.shape[0], BLOCK),)
-    row_len, first_row = tag_rows or (1, 0)
-    _morton_kernel[grid](flat, out, flat.shape[0], float(shift), float(levels), top, row_len, first_row, D=dims, BITS=bits, BLOCK=BLOCK, TAG=tag_rows is not None)
-    return out.view(unit.shape[:-1])
+    _morton_kernel[grid](flat, out, flat.shape[0], shift, float(levels), top, row_len, first_row, D=flat.shape[-1], BITS=bits, BLOCK=BLOCK, TAG=tag)
+    return out
+
+
+@morton_codes_op.register_fake
+def _morton_codes_fake(unit, bits, shift, levels, top, row_len, first_row, tag):
+    return unit.new_empty(unit.shape[0], dtype=torch.int64)

@@ -18,6 +18,9 @@ queries, takes the union [lo, hi) of their runs and walks it in [BLOCK_N, D] key
 
 Work per tile is the union of its runs: W + BLOCK_M keys when starts grow by one per row (a band),
 up to all M keys when consecutive queries have unrelated starts (still correct, just slow).
+
+The launchers are the ``torch.library`` ops ``sparsefocus::runs_fwd`` and ``runs_bwd``
+(docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from torch import Tensor
 
 from sparsefocus.attention.common import run_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import lse_from_log2, op_name
 
 
 @triton.jit
@@ -180,22 +184,48 @@ def _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal) ->
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
-class RunAttentionFunction(torch.autograd.Function):
-    """Autograd wrapper of the two kernels; q, k, v contiguous in one dtype; start and length
-    contiguous int32 [B, Hq, N]."""
+@torch.library.custom_op(op_name("runs_fwd"), mutates_args=())
+def runs_fwd(q: Tensor, k: Tensor, v: Tensor, start: Tensor, length: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """``sparsefocus::runs_fwd``: out [B, Hq, N, Dv] (q.dtype) and the base-2 log-sum-exp
+    [B, Hq, N] fp32 (+inf for an empty run). q, k, v in one dtype; start, length int32 [B, Hq, N].
+    Differentiable in q, k, v (backward: ``runs_bwd``); the log-sum-exp output gets no gradient."""
+    return _runs_forward(q.contiguous(), k.contiguous(), v.contiguous(), start.contiguous(), length.contiguous(), scale, causal)
 
-    @staticmethod
-    def forward(ctx, q, k, v, start, length, scale, causal):
-        out, lse = _runs_forward(q, k, v, start, length, scale, causal)
-        ctx.save_for_backward(q, k, v, start, length, out, lse)
-        ctx.scale, ctx.causal = scale, causal
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, start, length, out, lse = ctx.saved_tensors
-        dq, dk, dv = _runs_backward(q, k, v, start, length, out, grad_out.contiguous(), lse, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None, None, None
+@runs_fwd.register_fake
+def _runs_fwd_fake(q, k, v, start, length, scale, causal):
+    return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(op_name("runs_bwd"), mutates_args=())
+def runs_bwd(
+    q: Tensor, k: Tensor, v: Tensor, start: Tensor, length: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, scale: float, causal: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsefocus::runs_bwd``: dq, dk, dv (input dtypes) from ``runs_fwd``'s out and log-sum-exp."""
+    tensors = (q, k, v, start, length, out, grad_out, lse)
+    return _runs_backward(*(x.contiguous() for x in tensors), scale, causal)
+
+
+@runs_bwd.register_fake
+def _runs_bwd_fake(q, k, v, start, length, out, grad_out, lse, scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _runs_setup(ctx, inputs, output) -> None:
+    q, k, v, start, length, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, start, length, out, lse)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _runs_grads(ctx, grad_out: Tensor, grad_lse: Tensor | None):
+    """Gradients of q, k, v; the log-sum-exp output is not differentiated (``grad_lse`` unused)."""
+    q, k, v, start, length, out, lse = ctx.saved_tensors
+    dq, dk, dv = runs_bwd(q, k, v, start, length, out, grad_out, lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None, None
+
+
+runs_fwd.register_autograd(_runs_grads, setup_context=_runs_setup)
 
 
 def _check_runs(q: Tensor, k: Tensor, v: Tensor, start: Tensor, width: int | Tensor) -> None:
@@ -221,7 +251,8 @@ def run_attention(
     *,
     scale: float | None = None,
     causal: bool = False,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Softmax attention of each query over a contiguous run of keys, fused in Triton (fwd and bwd).
 
     Same signature and result as ``run_attention_ref``::
@@ -238,18 +269,26 @@ def run_attention(
         width: W >= 0 keys per run, or an integer tensor [B or 1, Hq or 1, N] of per-query lengths.
         scale: multiplies q.k. Default: 1/sqrt(D).
         causal: also drop keys j > i.
+        return_lse: also return each row's log-sum-exp. Default: False.
     Returns:
-        [B, Hq, N, Dv] in q.dtype; rows whose run is empty are zero.
+        out [B, Hq, N, Dv] in q.dtype; rows whose run is empty are zero. With ``return_lse``,
+        (out, lse): lse [B, Hq, N] fp32 = log sum_j exp(scale * q_i . k_j) over the row's keys
+        (natural log, -inf for an empty run), detached: no gradient flows through it.
     """
     _check_runs(q, k, v, start, width)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     rows = (q.shape[0], q.shape[1], q.shape[2])
-    if q.shape[2] == 0 or k.shape[2] == 0:
-        return run_attention_ref(q, k, v, start, width, scale=scale, causal=causal).to(q.dtype)
-    start32 = start.expand(*rows).to(torch.int32).contiguous()
+    if q.shape[2] == 0:  # no query: nothing to launch
+        out = run_attention_ref(q, k, v, start, width, scale=scale, causal=causal).to(q.dtype)
+        return (out, q.new_zeros(rows, dtype=torch.float32)) if return_lse else out
+    start32 = start.expand(*rows).to(torch.int32)
     if isinstance(width, Tensor):
-        length = width.expand(*rows).to(torch.int32).contiguous()
+        length = width.expand(*rows).to(torch.int32)
     else:
         length = torch.full(rows, int(width), dtype=torch.int32, device=q.device)
-    k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
-    return RunAttentionFunction.apply(q.contiguous(), k, v, start32, length, scale, causal)
+    if k.shape[2] == 0:  # no key: one zero key row that no run reaches, so every row is empty
+        k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[-1])], dim=2)
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], dim=2)
+        length = torch.zeros_like(length)
+    out, lse = runs_fwd(q, k.to(q.dtype), v.to(q.dtype), start32, length, scale, causal)
+    return (out, lse_from_log2(lse.detach())) if return_lse else out

@@ -13,6 +13,9 @@ blocks with a carried fp32 sum). Here the sum is two-level and every level is pa
 Forward of the mean: pre = real key (0/1), post = 1 / count, scan forward. Backward: pre = 1 /
 count, post = real key, scan reversed (dx_j = real_j * sum_{i >= j} g_i / count_i). Causal by
 construction: a forward scan's row i reads rows <= i only.
+
+The launcher is the ``torch.library`` op ``sparsefocus::scaled_scan``, differentiable in x (its
+gradient is the reversed scan with pre and post swapped).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import op_name
 
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"BLOCK_N": rows per tile, "num_warps": ...} replacing ``_tiles``' choice."""
@@ -71,24 +75,9 @@ def _tile_scan_kernel(
     tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
 
 
-def scaled_scan(
-    x: Tensor, pre: Tensor, post: Tensor, reverse: bool = False, base: Tensor | None = None, dtype: torch.dtype | None = None
-) -> Tensor:
-    """out[b, h, i] = post[b, i] * sum_{j <= i} pre[b, j] * x[b, h, j] (j >= i when ``reverse``),
-    plus base[b, h, i] when given.
-
-    Args:
-        x: [B, H, N, X] any float dtype; pre, post: [B, N] fp32 row scales.
-        reverse: sum over the rows at and after i instead of at and before.
-        base: optional [B, H, N, X] tensor (any float dtype) added in fp32 before the one store.
-            Default: none.
-        dtype: the output's dtype. Default: x's.
-    Returns:
-        [B, H, N, X]; sums are fp32 (tile sums, then a scan of the T = N / BLOCK_N tile totals).
-    """
+def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """Tile sums, their carries, then the tile scans (see the module docstring)."""
     batch, heads, n, width = x.shape
-    if base is not None and base.shape != x.shape:
-        raise ValueError(f"base must have x's shape {tuple(x.shape)}, got {tuple(base.shape)}")
     x = x.contiguous()
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
     blocks = _tiles(width)
@@ -98,10 +87,64 @@ def scaled_scan(
     sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
     _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
     carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
-    out = torch.empty_like(x, dtype=dtype or x.dtype)
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
     base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
     _tile_scan_kernel[grid](x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks)
     return out
+
+
+@torch.library.custom_op(op_name("scaled_scan"), mutates_args=())
+def scaled_scan_op(x: Tensor, pre: Tensor, post: Tensor, base: Tensor | None, reverse: bool, dtype: torch.dtype) -> Tensor:
+    """``sparsefocus::scaled_scan``: ``scaled_scan`` with every argument given (the public
+    function fills in the defaults). Differentiable in x and base; pre and post get no gradient."""
+    return _launch_scan(x, pre, post, reverse, base, dtype)
+
+
+@scaled_scan_op.register_fake
+def _scaled_scan_fake(x, pre, post, base, reverse, dtype):
+    return x.new_empty(x.shape, dtype=dtype)
+
+
+def _scan_setup(ctx, inputs, output) -> None:
+    x, pre, post, base, reverse, _ = inputs
+    ctx.save_for_backward(pre, post)
+    ctx.reverse, ctx.x_dtype = reverse, x.dtype
+    ctx.base_dtype = None if base is None else base.dtype
+
+
+def _scan_backward(ctx, grad: Tensor):
+    """d x_j = pre_j * sum over the rows i that summed j of post_i g_i: the same scan with pre and
+    post swapped, in the other direction. d base = g."""
+    pre, post = ctx.saved_tensors
+    dx = scaled_scan_op(grad, post, pre, None, not ctx.reverse, ctx.x_dtype)
+    dbase = None if ctx.base_dtype is None else grad.to(ctx.base_dtype)
+    return dx, None, None, dbase, None, None
+
+
+scaled_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup)
+
+
+def scaled_scan(
+    x: Tensor, pre: Tensor, post: Tensor, reverse: bool = False, base: Tensor | None = None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """out[b, h, i] = post[b, i] * sum_{j <= i} pre[b, j] * x[b, h, j] (j >= i when ``reverse``),
+    plus base[b, h, i] when given.
+
+    Args:
+        x: [B, H, N, X] any float dtype; pre, post: [B, N] fp32 row scales (no gradient).
+        reverse: sum over the rows at and after i instead of at and before.
+        base: optional [B, H, N, X] tensor (any float dtype) added in fp32 before the one store.
+            Default: none.
+        dtype: the output's dtype. Default: x's.
+    Returns:
+        [B, H, N, X]; sums are fp32 (tile sums, then a scan of the T = N / BLOCK_N tile totals).
+        Differentiable in x and base (op ``sparsefocus::scaled_scan``).
+    """
+    if base is not None and base.shape != x.shape:
+        raise ValueError(f"base must have x's shape {tuple(x.shape)}, got {tuple(base.shape)}")
+    if x.dim() != 4 or tuple(pre.shape) != (x.shape[0], x.shape[2]) or pre.shape != post.shape:
+        raise ValueError(f"scaled_scan needs x [B, H, N, X] and pre, post [B, N], got {tuple(x.shape)}, {tuple(pre.shape)}, {tuple(post.shape)}")
+    return scaled_scan_op(x, pre, post, base, reverse, dtype or x.dtype)
 
 
 def exclusive_cumsum(x: Tensor, reverse: bool = False) -> Tensor:
@@ -122,17 +165,17 @@ def mean_scales(real: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tens
     return realf, (1.0 / count.clamp_min(1.0)).contiguous()
 
 
-class CausalMeanScan(torch.autograd.Function):
-    """``CausalMean`` (sparsefocus.attention.zeta) through ``scaled_scan``: same signature
-    (x [B, H, M, X], real [B, M] bool, count [B, M] real keys in 0..i), same result."""
+def causal_mean_scan(x: Tensor, real: Tensor, count: Tensor) -> Tensor:
+    """``CausalMean`` (sparsefocus.attention.zeta) through ``scaled_scan``: x [B, H, M, X], real
+    [B, M] bool, count [B, M] the real keys in 0..i; returns the mean of the real x_0..x_i
+    [B, H, M, X] in x's dtype. Its gradient is the op's (the reversed scan)."""
+    realf, inverse = mean_scales(real, count)
+    return scaled_scan(x, realf, inverse)
 
-    @staticmethod
-    def forward(ctx, x: Tensor, real: Tensor, count: Tensor) -> Tensor:
-        realf, inverse = mean_scales(real, count)
-        ctx.save_for_backward(real, inverse)
-        return scaled_scan(x, realf, inverse)
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        real, inverse = ctx.saved_tensors
-        return scaled_scan(grad, inverse, real.to(torch.float32), reverse=True), None, None
+class CausalMeanScan:
+    """``causal_mean_scan`` under ``CausalMean``'s calling convention (``.apply(x, real, count)``),
+    so that the torch twin and this one are interchangeable. Autograd is the op's, not a
+    ``torch.autograd.Function``'s."""
+
+    apply = staticmethod(causal_mean_scan)

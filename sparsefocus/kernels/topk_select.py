@@ -18,16 +18,26 @@ diagonal, the end of the keys or a padding mask pay for masks:
    and the gathered keys, and keeps the kk best by kk rounds of row maxima over packed
    (score, position) keys, best first.
 
-A row with more than CAP keys at or above t (ties or crowding, e.g. constant inputs) is
-recomputed exactly by a chunked PyTorch selection. Memory: O(N kk) scratch.
+4. exact (BLOCK_M rows; a tile without an overflowing row exits at once): a row with more than
+   CAP keys at or above t (ties or crowding, e.g. constant inputs) gets its exact kk-th score T
+   by bisection on the order-preserving int32 bits of its fp32 scores (one sweep of the keys
+   per step, a row stops when exactly kk keys score >= mid, at most 33 sweeps), then one sweep
+   keeps the keys above T and the first ties at T by position. No host synchronisation: the
+   rows are found and redone on the device, so the selection is capturable in a CUDA graph.
 
-Ties: equal scores are ordered by smaller key position first, in the kernels and in the
-fallback. Exactness: the ranking uses the fp32 scores recomputed in step 3; t is lowered by a
+``topk_select`` is the custom op ``sparsefocus::topk_select`` (fixed output shape, no gradient):
+torch.compile treats it as one opaque call and never traces or recompiles the kernels.
+Memory: O(N kk) scratch.
+
+Ties: equal scores are ordered by smaller key position first, in every kernel and in
+``topk_select_torch``. Exactness: the ranking uses the fp32 scores recomputed in step 3; t is lowered by a
 relative 2^-16 so that the tensor-core scores of steps 1-2, summed in another order, cannot drop
 one of the kk best keys (keys closer than rounding to the kk-th score are ties in any case).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -39,6 +49,9 @@ from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpret
 MAX_KERNEL_K = 128
 FALLBACK_ROW_CHUNK = 1024
 BISECTION_STEPS = 16
+INT32_MIN = tl.constexpr(-(2**31))
+INT32_MAX = tl.constexpr(2**31 - 1)
+INT64_MIN = tl.constexpr(-(2**63))
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"bound" | "collect" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages}}
 replacing the launcher's choice for that kernel."""
@@ -260,11 +273,99 @@ def _finish_kernel(
     count = tl.where(nent > CAP, CAP + 1, count)  # the list itself overflowed
     tl.store(COUNT + row_offs, count, mask=row_ok)
     packed = _expand(q, k_ptr, ent, tl.minimum(nent, CAP), tl.max(tl.minimum(count, CAP)), D, CAP, BLOCK_M, BLOCK_D)
+    _store_ranked(packed, OUT, row_offs, row_ok, KK)
+
+
+@triton.jit
+def _store_ranked(packed, OUT, row_offs, store_ok, KK: tl.constexpr):
+    """Store the positions of each row's KK largest packed keys [BM, C], best first; -1 where a
+    row has fewer. KK rounds of row maxima (keys are distinct: they carry the position)."""
     for rank in tl.static_range(KK):
         top = tl.max(packed, axis=1)  # [BM]: the rank-th best key of each row
-        packed = tl.where(packed == top[:, None], -9223372036854775807 - 1, packed)
-        chosen = tl.where(top == -9223372036854775807 - 1, -1, 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32))
-        tl.store(OUT + row_offs * KK + rank, chosen, mask=row_ok)
+        packed = tl.where(packed == top[:, None], INT64_MIN, packed)
+        chosen = tl.where(top == INT64_MIN, -1, 0x7FFFFFFF - (top & 0xFFFFFFFF).to(tl.int32))
+        tl.store(OUT + row_offs * KK + rank, chosen, mask=store_ok)
+
+
+@triton.jit
+def _ordered_tile(q, k_ptr, pad_ptr, rows, start, M, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """(fp32 scores [BM, BN], int32 keys ordered like them, INT32_MIN where the key is not allowed)."""
+    s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
+    bits = s.to(tl.int32, bitcast=True)
+    return s, tl.where(allowed, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT32_MIN)
+
+
+@triton.jit
+def _count_above(q, k_ptr, pad_ptr, rows, hi, M, cut, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """For cut [BM]: the number of allowed keys with ordered score >= cut, the smallest such score
+    and the largest allowed score below cut (INT32_MAX / INT32_MIN where there is none)."""
+    count = tl.zeros([q.shape[0]], tl.int32)
+    at_or_above = tl.full([q.shape[0]], INT32_MAX, tl.int32)
+    below = tl.full([q.shape[0]], INT32_MIN, tl.int32)
+    for start in range(0, hi, BLOCK_N):
+        _, ordered = _ordered_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
+        over = ordered >= cut[:, None]
+        count += tl.sum(over.to(tl.int32), axis=1)
+        at_or_above = tl.minimum(at_or_above, tl.min(tl.where(over, ordered, INT32_MAX), axis=1))
+        below = tl.maximum(below, tl.max(tl.where(over, INT32_MIN, ordered), axis=1))
+    return count, at_or_above, below
+
+
+@triton.jit
+def _kth_score(q, k_ptr, pad_ptr, rows, redo, hi, M, KK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """[BM] ordered cut T of the rows in ``redo`` (each has more than KK allowed keys): the
+    largest value with at least KK keys >= T, or a smaller value with exactly KK keys >= it (the
+    same kept set). Bisection on [lo, top] keeping count(>= lo) >= KK > count(> top); each
+    sweep also moves the ends onto the nearest scores at or above / below mid, so rows whose
+    scores take few values (ties) converge in a few sweeps. At most 33 sweeps."""
+    _, lo, _ = _count_above(q, k_ptr, pad_ptr, rows, hi, M, tl.full([q.shape[0]], INT32_MIN + 1, tl.int32),
+                            D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)  # the smallest allowed score
+    _, _, top = _count_above(q, k_ptr, pad_ptr, rows, hi, M, tl.full([q.shape[0]], INT32_MAX, tl.int32),
+                             D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)  # the largest (below INT32_MAX: NaN bits only)
+    lo = tl.where(redo, lo, 0)  # rows not redone start converged
+    top = tl.where(redo, top, 0)
+    while tl.max((lo < top).to(tl.int32), axis=0) > 0:
+        mid = (lo.to(tl.int64) + ((top.to(tl.int64) - lo.to(tl.int64) + 1) >> 1)).to(tl.int32)  # lo < mid <= top
+        count, at_or_above, below = _count_above(q, k_ptr, pad_ptr, rows, hi, M, mid, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
+        active = lo < top
+        new_lo = tl.where(active & (count >= KK), at_or_above, lo)
+        top = tl.where(active, tl.where(count == KK, at_or_above, tl.where(count >= KK, top, below)), top)
+        lo = new_lo
+    return lo
+
+
+@triton.jit
+def _exact_kernel(
+    Q, K, PAD, COUNT, ENT, OUT, N, M, HQ, GROUP,
+    D: tl.constexpr, KK: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Redo the rows whose candidate list overflowed (COUNT > CAP) exactly; others untouched."""
+    rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
+    redo = (rows < N) & (tl.load(COUNT + row_offs, mask=rows < N, other=0) > CAP)
+    if tl.max(redo.to(tl.int32), axis=0) > 0:
+        _, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
+        cut = _kth_score(q, k_ptr, pad_ptr, rows, redo, hi, M, KK, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
+        above, _, _ = _count_above(q, k_ptr, pad_ptr, rows, hi, M, cut + 1, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)  # > cut
+        ent = ENT + row_offs * CAP
+        ties = tl.zeros([BLOCK_M], tl.int32)
+        taken = tl.zeros([BLOCK_M], tl.int32)
+        for start in range(0, hi, BLOCK_N):  # keys above the cut, then ties at it by position: KK in all
+            s, ordered = _ordered_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
+            tie = ordered == cut[:, None]
+            tie_rank = ties[:, None] + tl.cumsum(tie.to(tl.int32), axis=1) - 1
+            take = redo[:, None] & ((ordered > cut[:, None]) | (tie & (tie_rank < (KK - above)[:, None])))
+            slot = taken[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1
+            cols = start + tl.arange(0, BLOCK_N)
+            tl.store(ent[:, None] + slot, _pack(s, cols[None, :]), mask=take)
+            ties += tl.sum(tie.to(tl.int32), axis=1)
+            taken += tl.sum(take.to(tl.int32), axis=1)
+        slots = tl.arange(0, CAP)
+        packed = tl.load(ent[:, None] + slots[None, :], mask=redo[:, None] & (slots[None, :] < taken[:, None]), other=INT64_MIN)
+        _store_ranked(packed, OUT, row_offs, redo, KK)
 
 
 def _tiles(q: Tensor, kk_pow2: int) -> dict:
@@ -273,9 +374,11 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
         # the fastest of three tile choices per kernel on the H200 (N=16K, kk=32, causal; benchmarks/topk_probe.py)
         tiles = {"bound": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
                  "collect": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                 "finish": dict(BLOCK_M=8, num_warps=2)}
+                 "finish": dict(BLOCK_M=8, num_warps=2),
+                 "exact": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4)}  # rare rows: not tuned
     else:  # interpreter: small tiles so that tiny test sizes still cross several tiles
-        tiles = {"bound": dict(BLOCK_M=32, BLOCK_N=16), "collect": dict(BLOCK_M=32, BLOCK_N=32), "finish": dict(BLOCK_M=32)}
+        tiles = {"bound": dict(BLOCK_M=32, BLOCK_N=16), "collect": dict(BLOCK_M=32, BLOCK_N=32), "finish": dict(BLOCK_M=32),
+                 "exact": dict(BLOCK_M=32, BLOCK_N=64)}  # up to 33 sweeps per tile: few, wide tiles
     tiles = {name: tiles[name] | TILE_OVERRIDES.get(name, {}) for name in tiles}
     bound = tiles["bound"]
     bound["BLOCK_N"] = max(bound["BLOCK_N"], kk_pow2)
@@ -284,7 +387,8 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
 
 
 def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None):
-    """Run the three kernels; returns out [B, Hq, N, kk] int32 and candidate counts [B, Hq, N] int32."""
+    """Run the four kernels; returns out [B, Hq, N, kk] int32 (exact on every row) and the
+    candidate counts [B, Hq, N] int32 (CAP + 1 or more: the row was redone by the exact kernel)."""
     batch, q_heads, n_queries, dim = q.shape
     rows = batch * q_heads * n_queries
     cap = 2 * triton.next_power_of_2(kk)
@@ -305,6 +409,7 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
     _collect_kernel[grid("collect")](q, k, pad, bound, nent, ent, *sizes, CAP=cap, **common, **masks, **tiles["collect"])
     _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
+    _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
     return out, count
 
 
@@ -333,28 +438,63 @@ def topk_select_torch(
 
     q: [B, Hq, N, D]; k: [B, Hk, M, D]. ``rows`` optionally limits the work to the flat row
     numbers (b * Hq + h) * N + n listed. Returns [B, Hq, N, kk] int32 (-1 unused), or [R, kk]
-    for the listed rows. Memory O(chunk * M): one head and a chunk of rows at a time.
+    for the listed rows. Memory O(chunk * M): one head and a chunk of rows at a time. Without
+    ``rows`` the loops run over shapes only (no host synchronisation); with them the listed
+    rows are grouped by head on the host.
     """
+    if rows is not None:
+        return _select_listed_rows(q, k, kk, causal, key_padding_mask, rows)
     batch, q_heads, n_queries, _ = q.shape
-    flat_rows = torch.arange(batch * q_heads * n_queries, device=q.device) if rows is None else rows
-    out = torch.full((flat_rows.numel(), kk), -1, dtype=torch.int32, device=q.device)
-    head_of_row = flat_rows // n_queries  # b * Hq + h
+    out = torch.full((batch, q_heads, n_queries, kk), -1, dtype=torch.int32, device=q.device)
+    key_pos = torch.arange(k.shape[2], device=q.device)
+    chunk = max(1, min(FALLBACK_ROW_CHUNK, 2**24 // max(1, k.shape[2])))
+    for b in range(batch):
+        for h in range(q_heads):
+            keys = k[b, h // (q_heads // k.shape[1])].float()  # [M, D]
+            for start in range(0, n_queries, chunk):
+                n = torch.arange(start, min(start + chunk, n_queries), device=q.device)
+                out[b, h, start : start + chunk] = _select_rows(q[b, h, n].float() @ keys.T, _allowed(n, key_pos, b, causal, key_padding_mask), kk)
+    return out
+
+
+def _allowed(n: Tensor, key_pos: Tensor, b: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    """[R, M] bool: the keys query positions n [R] of batch b may select."""
+    allowed = torch.ones(n.shape[0], key_pos.shape[0], dtype=torch.bool, device=n.device)
+    if causal:
+        allowed &= key_pos[None, :] <= n[:, None]
+    if key_padding_mask is not None:
+        allowed &= key_padding_mask[b][None, :]
+    return allowed
+
+
+def _select_listed_rows(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, rows: Tensor) -> Tensor:
+    """``topk_select_torch`` for the flat rows listed in ``rows`` [R] -> [R, kk] int32."""
+    batch, q_heads, n_queries, _ = q.shape
+    out = torch.full((rows.numel(), kk), -1, dtype=torch.int32, device=q.device)
+    head_of_row = rows // n_queries  # b * Hq + h
     key_pos = torch.arange(k.shape[2], device=q.device)
     chunk = max(1, min(FALLBACK_ROW_CHUNK, 2**24 // max(1, k.shape[2])))
     for head in torch.unique(head_of_row).tolist():
         b, h = divmod(head, q_heads)
         keys = k[b, h // (q_heads // k.shape[1])].float()  # [M, D]
-        where = torch.nonzero(head_of_row == head).flatten()
-        for part in where.split(chunk):
-            n = flat_rows[part] % n_queries
-            scores = q[b, h, n].float() @ keys.T  # [R, M]
-            allowed = torch.ones_like(scores, dtype=torch.bool)
-            if causal:
-                allowed &= key_pos[None, :] <= n[:, None]
-            if key_padding_mask is not None:
-                allowed &= key_padding_mask[b][None, :]
-            out[part] = _select_rows(scores, allowed, kk)
-    return out if rows is not None else out.reshape(batch, q_heads, n_queries, kk)
+        for part in torch.nonzero(head_of_row == head).flatten().split(chunk):
+            n = rows[part] % n_queries
+            out[part] = _select_rows(q[b, h, n].float() @ keys.T, _allowed(n, key_pos, b, causal, key_padding_mask), kk)
+    return out
+
+
+@torch.library.custom_op("sparsefocus::topk_select", mutates_args=())
+def _topk_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """The selection as one opaque op: the four kernels, or the PyTorch selection above
+    ``MAX_KERNEL_K`` and for empty inputs. q: [B, Hq, N, D]; k: [B, Hk, M, D] in q's dtype."""
+    if kk > MAX_KERNEL_K or q.shape[2] == 0 or k.shape[2] == 0:
+        return topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+    return _launch(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask)[0]
+
+
+@_topk_select_op.register_fake
+def _topk_select_fake(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], kk, dtype=torch.int32)
 
 
 def topk_select(
@@ -376,7 +516,8 @@ def topk_select(
         scale: positive factor on the scores; it does not change the choice (the kernel ignores it). Default: 1.
     Returns:
         [B, Hq, N, kk] int32 key positions, best first (ties: smaller position first); -1 where a
-        row has fewer than kk allowed keys.
+        row has fewer than kk allowed keys. No gradient. The op ``sparsefocus::topk_select``:
+        no host synchronisation, fixed output shape (torch.compile and CUDA graphs take it whole).
     """
     if kk < 1:
         raise ValueError(f"topk_select: kk must be >= 1, got {kk}")
@@ -384,12 +525,4 @@ def topk_select(
         raise ValueError(f"topk_select: scale must be positive, got {scale}")
     if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"topk_select: incompatible q {tuple(q.shape)} and k {tuple(k.shape)}")
-    if kk > MAX_KERNEL_K or q.shape[2] == 0 or k.shape[2] == 0:
-        return topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
-    q, k = q.detach().contiguous(), k.detach().to(q.dtype).contiguous()
-    out, count = _launch(q, k, kk, causal, key_padding_mask)
-    overflow = torch.nonzero(count.reshape(-1) > 2 * triton.next_power_of_2(kk)).flatten()
-    if overflow.numel() > 0:
-        exact = topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask, rows=overflow)
-        out.view(-1, kk)[overflow] = exact
-    return out
+    return torch.ops.sparsefocus.topk_select(q.detach(), k.detach().to(q.dtype), kk, causal, key_padding_mask)

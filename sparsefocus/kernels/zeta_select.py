@@ -21,11 +21,16 @@ searchsorted, gathers and topk over row blocks). Here:
   proposed twice, so they are taken by ``width`` rounds of "smallest value above the last
   one", nearest first, which also drops repeats. (A bitonic ``tl.topk`` on the packed values
   measured 4x slower than the rounds on the H200.)
+
+The two kernels are the custom ops ``sparsefocus::zeta_prefix_filter`` and
+``sparsefocus::zeta_select`` (fixed output shapes, no gradient): torch.compile keeps each as one
+opaque call and never traces the kernels; neither synchronises with the host.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -335,16 +340,39 @@ def _filter_prefixes_fused(
     sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
+    code_mask = (1 << (tag_shift or 0)) - 1
+    return torch.ops.sparsefocus.zeta_prefix_filter(sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None)
+
+
+@torch.library.custom_op("sparsefocus::zeta_prefix_filter", mutates_args=())
+def _prefix_filter_op(
+    sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, code_mask: int, tagged: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """sorted_codes [S, B, Hk, M] int64, order [S, B, Hk, M] int64 -> codes [P, S, B, Hk, M] int64,
+    positions [P, S, B, Hk, M] int32, counts [P, B] int32 (``sorted_prefixes``' outputs)."""
     curves, batch, kv_heads, n_keys = sorted_codes.shape
     rows = curves * batch * kv_heads
-    out_codes = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int64, device=order.device)
-    out_pos = torch.empty(prefixes, curves, batch, kv_heads, n_keys, dtype=torch.int32, device=order.device)
-    count = torch.empty(prefixes, batch, dtype=torch.int32, device=order.device)
+    out_codes, out_pos, count = _prefix_filter_outputs(sorted_codes, prefixes)
     _prefix_filter_kernel[(prefixes * rows,)](
         sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, n_keys, rows, batch, kv_heads, step, sentinel,
-        (1 << (tag_shift or 0)) - 1, BLOCK=1024, TAGGED=tag_shift is not None,
+        code_mask, BLOCK=1024, TAGGED=tagged,
     )
     return out_codes, out_pos, count
+
+
+@_prefix_filter_op.register_fake
+def _prefix_filter_fake(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged):
+    return _prefix_filter_outputs(sorted_codes, prefixes)
+
+
+def _prefix_filter_outputs(sorted_codes: Tensor, prefixes: int) -> tuple[Tensor, Tensor, Tensor]:
+    curves, batch, kv_heads, n_keys = sorted_codes.shape
+    shape = (prefixes, curves, batch, kv_heads, n_keys)
+    return (
+        sorted_codes.new_empty(shape, dtype=torch.int64),
+        sorted_codes.new_empty(shape, dtype=torch.int32),
+        sorted_codes.new_empty((prefixes, batch), dtype=torch.int32),
+    )
 
 
 def key_prefixes(
@@ -418,10 +446,22 @@ def zeta_select(
         order with one curve, nearest first with several. Ties at the cut go to the smaller
         positions.
     """
-    curves, batch, q_heads, n_queries = codes_q.shape
-    kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     scodes, spos, count = prefixes
-    insert = _insertion_points(codes_q, scodes, chunk, kv_heads)
+    insert = _insertion_points(codes_q, scodes, chunk, k.shape[1])
+    return torch.ops.sparsefocus.zeta_select(
+        q, k, insert, spos, count, key_padding_mask, width, window, local, chunk, codes_q.shape[0]
+    )
+
+
+@torch.library.custom_op("sparsefocus::zeta_select", mutates_args=())
+def _zeta_select_op(
+    q: Tensor, k: Tensor, insert: Tensor, spos: Tensor, count: Tensor, key_padding_mask: Optional[Tensor],
+    width: int, window: int, local: int, chunk: Optional[int], curves: int,
+) -> Tensor:
+    """``zeta_select``'s kernel: insert [P, S, B, Hk, G * span] int32 (``_insertion_points``), spos
+    [P, S, B, Hk, M] int32 and count [P, B] int32 (``key_prefixes``) -> [B, Hq, N, width] int32."""
+    batch, q_heads, n_queries, dim = q.shape
+    kv_heads, n_keys = k.shape[1], k.shape[2]
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     band = local if chunk is not None else 0
     block_c = triton.next_power_of_2(curves * window + band)
@@ -439,7 +479,7 @@ def zeta_select(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k.contiguous(), insert, spos, count,
+        q.contiguous(), k.contiguous(), insert.contiguous(), spos.contiguous(), count.contiguous(),
         out if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous(), out,  # out: a dummy pointer without a mask
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
@@ -449,3 +489,7 @@ def zeta_select(
     )
     return out
 
+
+@_zeta_select_op.register_fake
+def _zeta_select_fake(q, k, insert, spos, count, key_padding_mask, width, window, local, chunk, curves):
+    return q.new_empty(q.shape[0], q.shape[1], q.shape[2], width, dtype=torch.int32)

@@ -99,7 +99,7 @@ class SparseAttention(nn.Module):
     def mechanism_params(self, x: Tensor) -> dict | None:
         """The ``params`` of ``sparse_attention``: the mechanism's parameters, plus the input x for
         patterns that read it and an empty dict that mechanisms fill with auxiliary losses."""
-        params = dict(self.mechanism)
+        params = {name: value for name, value in self.mechanism.items()}  # dict(ParameterDict) does not trace
         if self.pattern.needs_hidden:
             params[HIDDEN_KEY] = x
         if self.pattern.has_aux_loss:

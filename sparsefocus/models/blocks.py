@@ -155,11 +155,14 @@ def init_weights(model: nn.Module, std: float) -> None:
 
 
 def padding_mask(idx: Tensor, pad_id: int | None, num_prefix: int, num_suffix: int = 0) -> Tensor | None:
-    """[B, P+L+S] bool, True = real token (prefix and suffix tokens are real), or None when nothing is padded."""
+    """[B, P+L+S] bool, True = real token (prefix and suffix tokens are real), or None without
+    ``pad_id`` (and, on the CPU outside torch.compile, when nothing is padded)."""
     if pad_id is None:
         return None
     real = idx != pad_id  # [B, L]
-    if bool(real.all()):
+    # the shortcut reads a tensor on the host: CPU eager only (on a GPU it would synchronise every
+    # step, and torch.compile would break the graph); a mask of all True gives the same result
+    if idx.device.type == "cpu" and not torch.compiler.is_compiling() and bool(real.all()):
         return None
     prefix = torch.ones(idx.shape[0], num_prefix, dtype=torch.bool, device=idx.device)
     suffix = torch.ones(idx.shape[0], num_suffix, dtype=torch.bool, device=idx.device)

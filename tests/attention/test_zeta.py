@@ -416,3 +416,23 @@ def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch
     padded = select_keys_fused(spec, q, k, True, padding)
     assert torch.equal(split, padded)
     assert torch.equal(mask_from_indices(split, 61), mask_from_indices(select_keys(spec, q, k, True, padding), 61))
+
+
+def test_zeta_selection_ops_pass_opcheck():
+    """Schema, fake implementations and dispatch of the two selection ops (causal, padded)."""
+    from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits
+    from sparsefocus.kernels import zeta_select
+
+    q, k, _ = _qkv(11, batch=1, seed=5)
+    padding = torch.rand(1, 11, generator=torch.Generator().manual_seed(6)) > 0.2
+    spec = sf.parse_pattern("zeta:k=4,window=6,chunks=3,local=3")
+    bits = code_bits(spec.bits, q.shape[-1], spec.curves)
+    codes_k = _codes(spec, k, bits).masked_fill(~padding[None, :, None, :], SENTINEL)
+    sorted_codes, order = torch.sort(codes_k, dim=-1, stable=True)
+    chunk = spec.chunk_size(11)
+    filter_args = (sorted_codes, order, chunk, 2, SENTINEL, 0, False)
+    torch.library.opcheck(torch.ops.sparsefocus.zeta_prefix_filter.default, filter_args)
+    scodes, spos, count = torch.ops.sparsefocus.zeta_prefix_filter(*filter_args)
+    insert = zeta_select._insertion_points(_codes(spec, q, bits), scodes, chunk, k.shape[1])
+    select_args = (q, k, insert, spos, count, padding, 4, 6, 3, chunk, 1)
+    torch.library.opcheck(torch.ops.sparsefocus.zeta_select.default, select_args)

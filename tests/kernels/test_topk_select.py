@@ -1,5 +1,6 @@
 """The fused top-k selection kernel against the PyTorch selections: exact positions (same tie
-rule), causal and padded keys never chosen, -1 fill for short rows, the overflow fallback."""
+rule), causal and padded keys never chosen, -1 fill for short rows, overflowing rows redone on
+the device, the op's registration (opcheck)."""
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def test_topk_select_never_picks_future_or_padded_keys_and_fills_minus_one():
 
 
 def test_topk_select_ties_take_smaller_positions_via_overflow_fallback():
-    """Constant inputs: every key ties, the candidate list overflows and the fallback runs."""
+    """Constant inputs: every key ties, the candidate list overflows and the exact kernel runs."""
     q, k = torch.ones(1, 1, 80, 4, device=DEVICE), torch.ones(1, 1, 80, 4, device=DEVICE)
     got = topk_select(q, k, 3, causal=False)
     assert (got == torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)).all()
@@ -98,3 +99,34 @@ def test_topk_select_reports_overflow_rows_and_the_bound_never_exceeds_the_kth_s
     assert (count >= torch.clamp(rows + 1, max=8)).all() and (count <= 16).all()
     _, count = topk_select_module._launch(torch.ones_like(q), torch.ones_like(k), 8, False, None)
     assert (count > 16).all()
+
+
+@pytest.mark.parametrize("causal,padded", [(False, False), (True, True)])
+def test_overflowing_rows_are_redone_exactly_on_the_device(causal, padded):
+    """Small integer inputs (exact scores in every path) with 50 copies of one key: rows that
+    rank the copy high list more than CAP candidates and the exact kernel redoes them (tiles mix
+    such rows with others); every row equals PyTorch's selection, ties at the kk-th score going
+    to the smaller positions."""
+    q = torch.randint(-2, 3, (1, 2, 70, 6), device=DEVICE).float()
+    k = torch.randint(-2, 3, (1, 1, 70, 6), device=DEVICE).float()
+    k[:, :, 20:] = k[:, :, 20:21]
+    key_padding_mask = torch.rand(1, 70, device=DEVICE) > 0.2 if padded else None
+    _, count = topk_select_module._launch(q, k, 8, causal, key_padding_mask)
+    overflow = count > 16  # CAP = 2 * next_pow2(8)
+    assert overflow.any() and (~overflow).any()
+    got = topk_select(q, k, 8, causal=causal, key_padding_mask=key_padding_mask)
+    assert torch.equal(got, topk_select_torch(q, k, 8, causal=causal, key_padding_mask=key_padding_mask))
+
+
+def test_topk_select_torch_listed_rows_equal_the_full_selection():
+    q, k = torch.randn(2, 2, 30, 4, device=DEVICE), torch.randn(2, 1, 30, 4, device=DEVICE)
+    rows = torch.tensor([0, 7, 31, 100, 119], device=DEVICE)
+    full = topk_select_torch(q, k, 4, causal=True)
+    assert torch.equal(topk_select_torch(q, k, 4, causal=True, rows=rows), full.reshape(-1, 4)[rows])
+
+
+def test_topk_select_op_passes_opcheck():
+    """Schema, fake (meta) implementation and dispatch of the registered op agree with the kernel."""
+    q, k = torch.randn(1, 2, 20, 4, device=DEVICE), torch.randn(1, 1, 20, 4, device=DEVICE)
+    key_padding_mask = torch.rand(1, 20, device=DEVICE) > 0.3
+    torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask))
