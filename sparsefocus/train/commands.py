@@ -4,26 +4,30 @@ from __future__ import annotations
 
 import argparse
 
+from sparsefocus.clitools import HelpFormatter, fail
 from sparsefocus.train.checkpoint import CheckpointError
 from sparsefocus.train.config import load_config, to_yaml
-from sparsefocus.train.experiment import check_experiment, plan, run_experiment
+from sparsefocus.train.experiment import TrainingInterrupted, check_experiment, plan, run_experiment
 from sparsefocus.train.report import write_report
+from sparsefocus.train.workers import RunLocked
 
+PROG = "sparsefocus train"
 EPILOG = """examples:
   sparsefocus train experiments/nnch_parity.yaml
   sparsefocus train experiments/listops.yaml train.epochs=20 'mechanisms=[FULL,TOPK:5]' seeds=[1,2,3]
   sparsefocus train experiments/nnch_even_pairs.yaml model.blocks=2 train.jobs=2 --dry-run
-Values are read as YAML; quote arguments with brackets or parentheses for your shell."""
+Values are read as YAML; quote arguments with brackets or parentheses for your shell.
+Ctrl-C stops every run at once; the same command resumes from the last checkpoints."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="sparsefocus train",
+        prog=PROG,
         description="Train mechanisms x seeds x settings of an experiment config (resumes where it stopped).",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("config", help="YAML experiment config (see experiments/); 'defaults' for none")
+    parser.add_argument("config", help="YAML experiment config (see experiments/), or 'defaults' for none")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.blocks=4")
     parser.add_argument("--dry-run", action="store_true", help="check the config, print it and the runs, train nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md and the curves at the end")
@@ -42,9 +46,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {spec.run_dir}")
             return 0
         root = run_experiment(config)
-    except (ValueError, CheckpointError, FileNotFoundError) as error:
-        print(f"error: {error}")
-        return 2
+    except TrainingInterrupted as stop:
+        return fail(PROG, stop, 130)
+    except KeyboardInterrupt:
+        return fail(PROG, "interrupted before training started", 130)
+    except (ValueError, CheckpointError, RunLocked) as error:
+        return fail(PROG, error)
+    except OSError as error:
+        return fail(PROG, f"{error.strerror}: {error.filename}" if error.filename else error)
     print(f"runs: {root}")
     if not args.no_report:
         report, pictures = write_report(root)
