@@ -7,6 +7,7 @@ trains the rest, in this process or in a pool of ``train.jobs`` processes.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -179,7 +180,7 @@ def _train_here(todo: list[tuple[RunSpec, int]], threads: int, context: dict[str
     torch.set_num_threads(threads)
     for spec, epochs in todo:
         bar.set_postfix_str(f"{spec.label} seed {spec.seed}")
-        train_timed(spec, epochs, context, on_epoch=lambda: on_message("epoch", spec), train=train_run)
+        train_timed(spec, epochs, context, on_epoch=functools.partial(on_message, "epoch", spec), train=train_run)
         on_message("done", spec)
 
 

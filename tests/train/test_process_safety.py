@@ -89,7 +89,7 @@ def test_one_ctrl_c_stops_the_pool_with_one_line_and_the_same_command_resumes(tm
     resumed = start_training(tmp_path, epochs=30)
     _, stderr = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, stderr
-    for run_dir, lines in metrics_lines(tmp_path).items():
+    for run_dir in metrics_lines(tmp_path):
         epochs = [json.loads(line)["epoch"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
         assert epochs == list(range(1, 31)), run_dir
     assert len(metrics_lines(tmp_path)) == 4
