@@ -35,7 +35,13 @@ def fitting(n):
     return [pattern for pattern in EXAMPLES if _fits(pattern, n)]
 
 
+def own_size(pattern):
+    """The smallest length a pattern accepts, for the grid patterns that fit none of SIZES."""
+    return next(n for n in range(1, 257) if _fits(pattern, n))
+
+
 LEAN_CASES = [(pattern, n) for n in SIZES for pattern in fitting(n)]
+LEAN_CASES += [(pattern, own_size(pattern)) for pattern in EXAMPLES if not any(_fits(pattern, n) for n in SIZES)]
 
 
 def _grads(pattern, impl, q, k, v, causal):
