@@ -16,7 +16,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
         return super()._get_help_string(action) or ""
 
 
-def fail(prog: str, message: object, code: int = 2) -> int:
-    """Print ``prog: error: message`` (the first line of it) to stderr; returns the exit code."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
+def fail(prog: str, message: object, code: int = 2, kind: str = "error") -> int:
+    """Print ``prog: error: message`` to stderr; returns the exit code. ``kind`` replaces "error"
+    (e.g. "stopped" for Ctrl-C, which is not an error)."""
+    print(f"{prog}: {kind}: {message}", file=sys.stderr)
     return code

@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         root = run_experiment(config)
     except TrainingInterrupted as stop:
-        return fail(PROG, stop, 130)
+        return fail(PROG, stop, 130, kind="stopped")
     except KeyboardInterrupt:
-        return fail(PROG, "interrupted before training started", 130)
+        return fail(PROG, "interrupted before training started", 130, kind="stopped")
     except (ValueError, CheckpointError, RunLocked) as error:
         return fail(PROG, error)
     except OSError as error:

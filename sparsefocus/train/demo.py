@@ -76,9 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root)
         run_experiment(config)
     except TrainingInterrupted as stop:
-        return fail(PROG, stop, 130)
+        return fail(PROG, stop, 130, kind="stopped")
     except KeyboardInterrupt:
-        return fail(PROG, "interrupted before training started", 130)
+        return fail(PROG, "interrupted before training started", 130, kind="stopped")
     except (ValueError, CheckpointError, RunLocked) as error:
         return fail(PROG, f"{error}; `sparsefocus demo --fresh` deletes the previous demo folder and starts over")
     report, pictures = write_report(root)

@@ -168,7 +168,7 @@ def _train(config: ExperimentConfig, root: Path, specs: list[RunSpec], states: l
     except KeyboardInterrupt:
         done = len(specs) - len(todo) + progress["runs"]
         raise TrainingInterrupted(
-            f"interrupted: {done} of {len(specs)} runs finished, the others keep their last checkpoint; "
+            f"Ctrl-C: {done} of {len(specs)} runs finished, the others keep their last checkpoint; "
             f"run the same command again to resume"
         ) from None
     finally:

@@ -75,8 +75,9 @@ def test_one_ctrl_c_stops_the_pool_with_one_line_and_the_same_command_resumes(tm
     os.killpg(training.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
     _, stderr = training.communicate(timeout=60)
     assert training.returncode == 130, stderr
-    messages = [line for line in stderr.splitlines() if "error" in line or "interrupted" in line]
-    assert len(messages) == 1 and "of 4 runs finished" in messages[0] and "run the same command again" in messages[0]
+    messages = [line for line in stderr.splitlines() if "sparsefocus" in line or "rror" in line]
+    assert len(messages) == 1 and messages[0].startswith("sparsefocus train: stopped: Ctrl-C: "), stderr
+    assert "of 4 runs finished" in messages[0] and "run the same command again" in messages[0]
     assert "Traceback" not in stderr and "leaked" not in stderr, stderr
     wait_for(lambda: all_gone(children), 10, "the workers to exit")
 
