@@ -22,8 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def usage() -> str:
-    lines = ["usage: sparsefocus COMMAND [args]", "", "commands:"]
+    lines = ["usage: sparsefocus [--version] COMMAND [args]", "", "commands:"]
     lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "sparsefocus COMMAND --help shows the options of a command (with their defaults)."]
     return "\n".join(lines)
 
 
@@ -32,12 +33,32 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"sparsefocus {version()}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
-        print(f"unknown command {command!r}\n\n{usage()}", file=sys.stderr)
+        print(f"sparsefocus: error: unknown command {command!r}; one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[command][0])
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(COMMANDS[command][0])
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:
+        print(f"sparsefocus {command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def version() -> str:
+    """The installed distribution's version, else the package's own (a source checkout)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed_version
+
+    try:
+        return installed_version("sparsefocus")
+    except PackageNotFoundError:
+        from sparsefocus import __version__
+
+        return __version__
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from sparsefocus.analysis.landscape import (
 from sparsefocus.analysis.recall import RecallStatistics
 from sparsefocus.analysis.runs import LoadedRun, find_runs, group_runs, load_run, read_record
 from sparsefocus.analysis.statistics import ScoreStatistics
+from sparsefocus.clitools import HelpFormatter, fail
 from sparsefocus.train.checkpoint import write_text_atomic
 
 
@@ -335,15 +336,23 @@ def analyze(run_dir: str | Path, options: AnalyzeOptions, out_dir: str | Path | 
     return report
 
 
+LANDSCAPE_OPTIONS = {"grid": 11, "radius": 1.0, "landscape_samples": 500}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="sparsefocus analyze",
-        description="Dispersion, separation, sinks, bound check, top-k recall and (optionally) loss landscapes of trained runs.",
+        description=(
+            "Dispersion, separation, sinks, bound check, top-k recall and (with --landscape) loss\n"
+            "landscapes of trained runs; writes analysis.md and analysis.json."
+        ),
+        epilog="example: sparsefocus analyze runs/demo --landscape --grid 21",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("run_dir", nargs="?", help="a run folder or an experiment folder holding run folders")
-    parser.add_argument("--out", default=None, help="output folder (default RUN_DIR/analysis)")
-    parser.add_argument("--batches", type=int, default=10, help="training batches per model (default 10)")
-    parser.add_argument("--batch-size", type=int, default=100, help="examples per batch (default 100)")
+    parser.add_argument("--out", default=None, help="output folder (default: RUN_DIR/analysis)")
+    parser.add_argument("--batches", type=int, default=10, help="training batches fed to each model")
+    parser.add_argument("--batch-size", type=int, default=100, help="examples per batch")
     parser.add_argument("--all-seeds", action="store_true", help="pool every seed (default: one seed, see --seed)")
     parser.add_argument(
         "--seed", default="smallest",
@@ -354,17 +363,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="'centred' (closed [-r, r], default) or 'paper' (lgrads.py's half-open window, shifted by one step)",
     )
     parser.add_argument("--landscape", action="store_true", help="also compute loss landscapes and Lipschitz estimates")
-    parser.add_argument("--grid", type=int, default=11, help="landscape points per axis (default 11; paper 200)")
-    parser.add_argument("--radius", type=float, default=1.0, help="landscape half-width (default 1.0)")
-    parser.add_argument("--landscape-samples", type=int, default=500, help="training examples per loss (default 500)")
+    parser.add_argument("--grid", type=int, help="landscape points per axis, with --landscape (default: 11; the paper: 200)")
+    parser.add_argument("--radius", type=float, help="landscape half-width, with --landscape (default: 1.0)")
+    parser.add_argument("--landscape-samples", type=int, help="training examples per loss, with --landscape (default: 500)")
     parser.add_argument("--paper-bounds", action="store_true", help="print the bound check on the paper's own table and exit")
     args = parser.parse_args(argv)
     if not args.paper_bounds and args.run_dir is None:
         parser.error("give RUN_DIR (or --paper-bounds)")
+    for name, default in LANDSCAPE_OPTIONS.items():
+        if getattr(args, name) is not None and not args.landscape:
+            parser.error(f"--{name.replace('_', '-')} only applies with --landscape")
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     for name in ("batches", "batch_size", "grid", "landscape_samples"):
         if getattr(args, name) < 1 or (name == "grid" and args.grid < 2):
             parser.error(f"--{name.replace('_', '-')} is too small: {getattr(args, name)}")
     args.seed = parse_seed(args.seed, parser)
+    if args.radius <= 0:
+        parser.error(f"--radius must be > 0, got {args.radius}")
     return args
 
 
@@ -393,9 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         analyze(args.run_dir, options, args.out)
-    except ValueError as error:
-        print(f"sparsefocus analyze: {error}")
-        return 2
+    except (ValueError, OSError) as error:
+        return fail("sparsefocus analyze", error)
     out_dir = Path(args.out) if args.out else Path(args.run_dir) / "analysis"
     print((out_dir / "analysis.md").read_text())
     print(f"wrote {out_dir / 'analysis.md'} and {out_dir / 'analysis.json'}")

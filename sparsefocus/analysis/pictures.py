@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from sparsefocus.analysis.files import save_figure
 from sparsefocus.analysis.hooks import AttentionCall, capture_attention
 from sparsefocus.attention import parse_pattern, selection_mask, sparse_attention
 from sparsefocus.attention.patterns import Pattern
+from sparsefocus.clitools import HelpFormatter, fail
 
 
 def pattern_params(pattern: Pattern) -> dict[str, Tensor] | None:
@@ -70,7 +72,7 @@ def draw_masks(masks: dict[str, np.ndarray], path: str, title: str = "") -> None
         raise ValueError("draw_masks needs at least one pattern")
     plt, fig, axes = _grid(len(masks))
     for axis, (label, mask) in zip(axes, masks.items()):
-        axis.imshow(mask, cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        axis.imshow(mask, cmap="Greys", vmin=0, vmax=1, interpolation="nearest")  # black = kept, white = dropped
         axis.set_title(f"{textwrap.fill(label, 32)}\n{100 * mask.mean():.1f}% kept", fontsize=9)
         axis.set_xlabel("key", fontsize=8)
         axis.set_ylabel("query", fontsize=8)
@@ -93,7 +95,7 @@ def draw_maps(maps: dict[str, np.ndarray], path: str, title: str = "") -> None:
         axis.set_xlabel("key", fontsize=8)
         axis.set_ylabel("query", fontsize=8)
         axis.tick_params(labelsize=7)
-        fig.colorbar(shown, ax=axis, fraction=0.046)
+        fig.colorbar(shown, ax=axis, fraction=0.046).set_label("attention weight", fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
@@ -169,17 +171,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="sparsefocus patterns",
         description="Draw the selection masks of patterns, or the attention maps of a trained run.",
+        epilog='example: sparsefocus patterns TOPK:5 "BAND:5(1)" zeta:k=8 --n 48 --out masks.png',
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("patterns", nargs="*", help='pattern specs, e.g. TOPK:5 "BAND:5(1)" zeta:k=8')
-    parser.add_argument("--n", type=int, default=64, help="sequence length (default 64)")
+    parser.add_argument("--n", type=int, default=64, help="sequence length")
     parser.add_argument("--causal", action="store_true", help="draw causal masks")
-    parser.add_argument("--out", default=None, help="PNG path (default patterns.png, or attention.png)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random q, k (default 0)")
+    parser.add_argument("--out", default=None, help="PNG path (default: patterns.png, or attention.png with --attention)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random q, k")
     parser.add_argument("--run", default=None, help="run folder: draw on its model's q, k instead of random ones")
     parser.add_argument("--attention", action="store_true", help="draw the run's attention maps (needs --run)")
-    parser.add_argument("--example", type=int, default=0, help="training example of the run (default 0)")
-    parser.add_argument("--layer", type=int, default=0, help="attention layer of the run (default 0)")
-    parser.add_argument("--head", type=int, default=0, help="head of the attention maps (default 0)")
+    parser.add_argument("--example", type=int, default=0, help="training example of the run")
+    parser.add_argument("--layer", type=int, default=0, help="attention layer of the run")
+    parser.add_argument("--head", type=int, default=0, help="head of the attention maps")
     args = parser.parse_args(argv)
     if args.attention and args.run is None:
         parser.error("--attention needs --run RUN_DIR")
@@ -187,6 +191,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("give at least one pattern (or --attention --run RUN_DIR)")
     if args.n < 1:
         parser.error(f"--n must be >= 1, got {args.n}")
+    if args.out is not None and not Path(args.out).resolve().parent.is_dir():
+        parser.error(f"--out {args.out}: the folder {Path(args.out).parent} does not exist")
     return args
 
 
@@ -220,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
             masks, title = masks_for(args)
             draw_masks(masks, out, title)
     except ValueError as error:
-        print(f"sparsefocus patterns: {error}")
-        return 2
+        return fail("sparsefocus patterns", error)
     print(f"wrote {out}")
     return 0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
+import sys
 
 import torch
 from torch import Tensor
@@ -62,7 +65,28 @@ def resolve_impl(pattern: Pattern, impl: str, q: Tensor, decoding: bool = False)
         return "triton" if q.is_cuda and "triton" in pattern.impls and not decoding else "lean"
     if impl not in pattern.impls:
         raise ValueError(f"pattern {pattern.name} has no {impl!r} implementation; it has: {', '.join(pattern.impls)}")
+    if impl == "triton" and not q.is_cuda:
+        use_triton_interpreter()
     return impl
+
+
+def use_triton_interpreter() -> None:
+    """Make impl="triton" on a CPU tensor run in Triton's interpreter, or say in one line why it cannot.
+
+    The interpreter is chosen by TRITON_INTERPRET=1 when the kernels are defined, so it is set here
+    when triton is not imported yet and there is no CUDA device (where it would slow the GPU
+    kernels down too); once triton is imported without it, only a restart helps.
+    """
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError('impl="triton" needs the triton package (pip install triton); use impl="lean" on a CPU')
+    if "triton" in sys.modules or torch.cuda.is_available():  # with CUDA, the GPU kernels must stay compiled
+        raise RuntimeError(
+            'impl="triton" on a CPU tensor runs in Triton\'s interpreter, which needs TRITON_INTERPRET=1 set before '
+            'triton is imported (e.g. TRITON_INTERPRET=1 python script.py); or use impl="lean"'
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def sparse_attention(
@@ -92,7 +116,8 @@ def sparse_attention(
         key_padding_mask: [B, M] bool, True = a real key; padded keys are never attended. Default: None.
         impl: "auto" (Triton kernel on CUDA where one exists, else "lean"; "lean" while
             decoding), "reference" (dense fp32 definition), "lean" (no N x M tensor where the
-            mechanism allows), "triton" (on CPU runs in Triton's interpreter), "flex"
+            mechanism allows), "triton" (on a CPU tensor: Triton's interpreter, slow, switched on
+            here unless triton was already imported without TRITON_INTERPRET=1), "flex"
             (FlexAttention, fixed patterns). Default: "auto".
         params: trainable mechanism parameters (ZETA's ``gamma``, a gate's ``gate_weight``...),
             as made by ``pattern.make_parameters``. Default: the pattern's fixed defaults.

@@ -46,8 +46,12 @@ def catalogue_markdown() -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="sparsefocus list", description="List every registered pattern.")
-    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser = argparse.ArgumentParser(
+        prog="sparsefocus list",
+        description="List every registered pattern: name, family, parameters with defaults, cost.",
+        epilog="A pattern is named by a spec such as TOPK:5, BAND:5(1) or zeta:k=32,dk=3.",
+    )
+    parser.add_argument("--markdown", action="store_true", help="print the table of the documentation (Markdown)")
     args = parser.parse_args(argv)
     if args.markdown:
         print(catalogue_markdown())

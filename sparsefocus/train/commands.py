@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from sparsefocus.clitools import HelpFormatter, fail
 from sparsefocus.train.checkpoint import CheckpointError
 from sparsefocus.train.config import load_config, to_yaml
 from sparsefocus.train.driver import Budget
-from sparsefocus.train.experiment import check_experiment, plan, progress_line, run_experiment
+from sparsefocus.train.experiment import TrainingInterrupted, check_experiment, plan, progress_line, run_experiment
 from sparsefocus.train.report import write_report
+from sparsefocus.train.workers import RunLocked
 
+PROG = "sparsefocus train"
 EPILOG = """examples:
   sparsefocus train experiments/nnch_parity.yaml
   sparsefocus train experiments/listops.yaml train.epochs=20 'mechanisms=[FULL,TOPK:5]' seeds=[1,2,3]
@@ -18,17 +21,18 @@ EPILOG = """examples:
   sparsefocus train experiments/listops.yaml train.num_gpus=1 --ray          (a local Ray)
   sparsefocus train experiments/listops.yaml --ray=auto                      (a running cluster)
   sparsefocus train experiments/listops.yaml train.device=cuda train.batched=true train.batched_mode=fast --budget 540
-Values are read as YAML; quote arguments with brackets or parentheses for your shell."""
+Values are read as YAML; quote arguments with brackets or parentheses for your shell.
+Ctrl-C stops every run at once; the same command resumes from the last checkpoints."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="sparsefocus train",
+        prog=PROG,
         description="Train mechanisms x seeds x settings of an experiment config (resumes where it stopped).",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    parser.add_argument("config", help="YAML experiment config (see experiments/); 'defaults' for none")
+    parser.add_argument("config", help="YAML experiment config (see experiments/), or 'defaults' for none")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. model.blocks=4")
     parser.add_argument("--dry-run", action="store_true", help="check the config, print it and the runs, train nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md and the curves at the end")
@@ -68,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
             budget = Budget(args.budget) if args.budget is not None else None
             root = run_experiment(config, budget=budget)
         summary, complete = progress_line(config)
-    except (ValueError, CheckpointError, FileNotFoundError) as error:
-        print(f"error: {error}")
-        return 2
+    except TrainingInterrupted as stop:
+        return fail(PROG, stop, 130, kind="stopped")
+    except KeyboardInterrupt:
+        return fail(PROG, "interrupted before training started", 130, kind="stopped")
+    except (ValueError, CheckpointError, RunLocked) as error:
+        return fail(PROG, error)
+    except OSError as error:
+        return fail(PROG, f"{error.strerror}: {error.filename}" if error.filename else error)
     print(f"runs: {root}")
     print(summary)
     if not args.no_report and complete:

@@ -298,7 +298,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ValueError(f"an override must look like key=value, got {text!r}")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as error:
+        raise ValueError(f"override {text!r}: the value is not valid YAML ({getattr(error, 'problem', None) or error})") from None
 
 
 def load_dict(path: "str | Path | None" = None, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -306,7 +309,12 @@ def load_dict(path: "str | Path | None" = None, overrides: list[str] | None = No
     data = ExperimentConfig().to_dict()
     if path is not None:
         text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
+        try:
+            loaded = yaml.safe_load(text) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"{path}: not valid YAML{where}: {getattr(error, 'problem', None) or error}") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{path}: a config file must be a mapping of keys, got {type(loaded).__name__}")
         data = merge(data, loaded)

@@ -1,6 +1,6 @@
 """``sparsefocus demo``: FULL, TOPK:5, BAND:5(1) and BLOC:5(1) over three seeds on a small task,
-then the report and the picture. Sized to finish within 5 minutes on a 2-core CPU (measured: see
-docs/readme/laboratory.md); it reports the wall-clock time it measured, whatever the curves show.
+then the report and the picture. Sized to finish within a few minutes on a 2-core CPU; the report
+states the wall-clock time the trainer measured, whatever the curves show.
 """
 
 from __future__ import annotations
@@ -11,13 +11,18 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
+from sparsefocus.clitools import HelpFormatter, fail
 from sparsefocus.train.checkpoint import CheckpointError
 from sparsefocus.train.config import PAPER_SEEDS, load_config
-from sparsefocus.train.experiment import check_experiment, plan, run_experiment
-from sparsefocus.train.loop import check_run_folder
+from sparsefocus.train.experiment import TrainingInterrupted, run_experiment
 from sparsefocus.train.report import write_report
+from sparsefocus.train.workers import RunLocked
+
+PROG = "sparsefocus demo"
+DESCRIPTION = (
+    "Train FULL, TOPK:5, BAND:5(1) and BLOC:5(1) on the even-pairs task over a few seeds, then\n"
+    "write the report and the curves. Run again, it resumes (or does nothing if finished)."
+)
 
 MECHANISMS = "[FULL, TOPK:5, BAND:5(1), BLOC:5(1)]"
 # Even pairs at L=20 learns within a few epochs on a CPU. The dense reference attention is faster
@@ -39,30 +44,26 @@ DEMO_OVERRIDES = [
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="sparsefocus demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="runs", help="parent folder of the demo's run folder. Default: runs")
-    parser.add_argument("--seeds", type=int, default=3, help="number of seeds (the paper's, in order). Default: 3")
-    parser.add_argument("--jobs", type=int, default=None, help="runs at once. Default: 2 on 2+ cores, else 1")
-    parser.add_argument("--fresh", action="store_true", help="delete a previous runs/demo first instead of resuming it")
+    parser = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION, formatter_class=HelpFormatter)
+    parser.add_argument("--out", default="runs", help="parent folder of the demo's run folder")
+    parser.add_argument(
+        "--seeds", type=int, default=3, help=f"number of seeds, 1 to {len(PAPER_SEEDS)} (the paper's seeds, in order)"
+    )
+    parser.add_argument("--jobs", type=int, default=None, help="runs at once (default: 2 on 2+ cores, else 1)")
+    parser.add_argument("--fresh", action="store_true", help="delete a previous demo folder first instead of resuming it")
     parser.add_argument("overrides", nargs="*", help="extra dotted key=value overrides (e.g. train.epochs=5)")
-    return parser.parse_intermixed_args(argv)
+    args = parser.parse_intermixed_args(argv)
+    if not 1 <= args.seeds <= len(PAPER_SEEDS):
+        parser.error(f"--seeds must be between 1 and {len(PAPER_SEEDS)} (the paper's seeds), got {args.seeds}")
+    if args.jobs is not None and args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
+    return args
 
 
 def demo_overrides(args: argparse.Namespace) -> list[str]:
     jobs = args.jobs if args.jobs is not None else min(2, os.cpu_count() or 1)
     seeds = ",".join(str(seed) for seed in PAPER_SEEDS[: args.seeds])
     return [*DEMO_OVERRIDES, f"out_dir={args.out}", f"seeds=[{seeds}]", f"train.jobs={jobs}", *args.overrides]
-
-
-def seconds_since_process_start() -> float | None:
-    """Wall-clock seconds since this process started (Python start-up and imports included), from
-    /proc on Linux; None elsewhere."""
-    try:
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,21 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(config.out_dir) / config.name
         if args.fresh and (root / "experiment.yaml").exists():
             shutil.rmtree(root)
-        specs = plan(config, check_experiment(config))
-        already = sum(check_run_folder(spec)[0] == "done" for spec in specs)
         run_experiment(config)
-    except (ValueError, CheckpointError) as error:
-        print(f"error: {error}\n`sparsefocus demo --fresh` deletes the previous demo folder and starts over")
-        return 2
-    since_start = seconds_since_process_start()
-    seconds = f"{since_start:.0f} s" if since_start is not None else f"{time.perf_counter() - began:.0f} s (after imports)"
-    preface = [
-        f"Measured by `sparsefocus demo`: this invocation trained {len(specs) - already} of {len(specs)} runs "
-        f"({already} were already finished) in {seconds} wall-clock since the process started, "
-        f"on {os.cpu_count()} CPU cores, {config.train.jobs} runs at once, torch {torch.__version__}.",
-        "",
-    ]
-    report, pictures = write_report(root, preface=preface)
+    except TrainingInterrupted as stop:
+        return fail(PROG, stop, 130, kind="stopped")
+    except KeyboardInterrupt:
+        return fail(PROG, "interrupted before training started", 130, kind="stopped")
+    except (ValueError, CheckpointError, RunLocked) as error:
+        return fail(PROG, f"{error}; `sparsefocus demo --fresh` deletes the previous demo folder and starts over")
+    report, pictures = write_report(root)
     print(f"demo finished in {time.perf_counter() - began:.0f} s")
     print(f"report: {report}")
     for picture in pictures:

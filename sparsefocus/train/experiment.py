@@ -9,11 +9,11 @@ stops every path at an epoch boundary; calling again continues.
 
 from __future__ import annotations
 
-import multiprocessing
+import functools
+import json
 import os
-import queue as queue_module
 import re
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,12 @@ from sparsefocus.models.config import block_patterns, mechanism_label
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, expand_settings, make_task_config, to_yaml
 from sparsefocus.train.driver import Budget, check_batched, group_specs, train_group
-from sparsefocus.train.loop import RunSpec, check_run_folder, train_run
+from sparsefocus.train.loop import RunSpec, check_run_folder, resolve_device, train_run
+from sparsefocus.train.workers import TIMING_NAME, WorkerPool, append_timing, lock_runs, machine, train_timed
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped an experiment; the message says what finished and how to resume."""
 
 
 def slug(text: str) -> str:
@@ -82,6 +87,7 @@ def check_experiment(config: ExperimentConfig) -> list[tuple[str, ExperimentConf
         try:
             for section in (setting.model, setting.optim, setting.train):
                 section.validate()
+            resolve_device(setting.train.device)
             task_key = repr(sorted(setting.task.items()))
             if task_key not in lengths:
                 data = make_task_config(setting.task).build(setting.seeds[0])
@@ -117,78 +123,128 @@ def _states(specs: list[RunSpec]) -> list[tuple[str, int]]:
     return states
 
 
-def _worker(spec: RunSpec, threads: int, progress: Any, budget: Budget | None) -> str:
-    torch.set_num_threads(threads)
-    train_run(spec, on_epoch=lambda: progress.put(1), budget=budget)
-    return str(spec.run_dir)
-
-
-def _run_pool(todo: list[RunSpec], jobs: int, threads: int, bar: tqdm, budget: Budget | None) -> None:
-    """Train ``todo`` in ``jobs`` spawned processes, feeding the progress bar from a queue."""
-    context = multiprocessing.get_context("spawn")
-    with context.Manager() as manager, ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        progress = manager.Queue()
-        pending: set[Future] = {pool.submit(_worker, spec, threads, progress, budget) for spec in todo}
-        while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            _drain(progress, bar)
-            for future in done:
-                future.result()  # re-raises a failed run's error; finished runs stay on disk
-        _drain(progress, bar)
-
-
-def _drain(progress: Any, bar: tqdm) -> None:
-    while True:
-        try:
-            bar.update(progress.get_nowait())
-        except queue_module.Empty:
-            return
-
-
 def run_experiment(config: ExperimentConfig, *, quiet: bool = False, budget: Budget | None = None) -> Path:
     """Check, then train every unfinished run of ``config``; returns the experiment folder.
 
     Finished runs are skipped, partial runs resume from their checkpoint, a missing or corrupt
-    checkpoint stops everything before training with the folder's path. With a ``budget``,
-    training stops at the first epoch boundary where the next epoch would not fit (every run
-    checkpointed where it is); ``progress_line`` says what is finished.
+    checkpoint stops everything before training with the folder's path. The run folders to train
+    are locked while this runs; the wall-clock time of an invocation that trains anything is added
+    to the experiment's ``timing.json`` (and each run's to its own). With a ``budget``, training
+    stops at the first epoch boundary where the next epoch would not fit (every run checkpointed
+    where it is); ``progress_line`` says what is finished.
+
+    Raises:
+        RunLocked: another trainer holds one of the run folders.
+        TrainingInterrupted: Ctrl-C; finished runs and the last checkpoints of the others stay.
     """
     settings = check_experiment(config)
     if config.train.batched:
         check_batched(settings)
     specs = plan(config, settings)
-    states = _states(specs)
     root = Path(config.out_dir) / config.name
-    root.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(root / "experiment.yaml", to_yaml(config))
-    todo = [spec for spec, (state, _) in zip(specs, states) if state != "done"]
-    jobs = min(config.train.jobs, max(len(todo), 1))
-    threads = config.train.threads or max(1, (os.cpu_count() or 1) // jobs)
-    total = sum(spec.config.train.epochs for spec in specs)
-    finished = sum(epochs for _, epochs in states)
-    with tqdm(total=total, initial=finished, desc=f"{config.name}: {len(specs)} runs", unit="epoch", disable=quiet) as bar:
-        if config.train.batched:
-            torch.set_num_threads(threads)
-            _run_batched(specs, states, budget, bar)
-        elif jobs <= 1:
-            torch.set_num_threads(threads)
-            for spec in todo:
-                if budget is not None and not budget.allows():
-                    break
-                bar.set_postfix_str(f"{spec.label} seed {spec.seed}")
-                limits = {} if budget is None else {"budget": budget}  # without a budget: train_run's plain call
-                train_run(spec, on_epoch=lambda: bar.update(1), **limits)
-        else:
-            _run_pool(todo, jobs, threads, bar, budget)
+    with lock_runs([spec.run_dir for spec in specs]):
+        states = _states(specs)
+        root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(root / "experiment.yaml", to_yaml(config))
+        _train(config, root, specs, states, quiet, budget)
     return root
 
 
-def _run_batched(specs: list[RunSpec], states: list[tuple[str, int]], budget: Budget | None, bar: tqdm) -> None:
-    """Unfinished runs grouped by (setting, mechanism, epoch reached), each group one folded model."""
+def _train(
+    config: ExperimentConfig, root: Path, specs: list[RunSpec], states: list[tuple[str, int]], quiet: bool, budget: Budget | None
+) -> None:
     todo = [(spec, epochs) for spec, (state, epochs) in zip(specs, states) if state != "done"]
+    jobs = min(config.train.jobs, max(len(todo), 1))
+    threads = config.train.threads or max(1, (os.cpu_count() or 1) // jobs)
+    context = {"jobs": jobs, "threads": threads, **machine()}
+    progress = {"runs": 0, "epochs": 0}
+    total = sum(spec.config.train.epochs for spec in specs)
+    began = time.perf_counter()
+    bar = tqdm(total=total, initial=sum(e for _, e in states), desc=f"{config.name}: {len(specs)} runs", unit="epoch", disable=quiet)
+
+    def on_message(kind: str, spec: RunSpec) -> None:
+        if kind == "epoch":
+            bar.update(1)
+            progress["epochs"] += 1
+        else:
+            progress["runs"] += 1
+
+    try:
+        if config.train.batched:
+            torch.set_num_threads(threads)
+            _run_batched(todo, budget, bar, progress, context)
+        elif jobs <= 1:
+            _train_here(todo, threads, context, bar, on_message, budget)
+        else:
+            _train_in_pool(todo, jobs, threads, context, on_message, budget)
+    except KeyboardInterrupt:
+        done = len(specs) - len(todo) + progress["runs"]
+        raise TrainingInterrupted(
+            f"Ctrl-C: {done} of {len(specs)} runs finished, the others keep their last checkpoint; "
+            f"run the same command again to resume"
+        ) from None
+    finally:
+        bar.close()
+        _add_timing(root, progress, time.perf_counter() - began, context)
+
+
+def _train_here(
+    todo: list[tuple[RunSpec, int]], threads: int, context: dict[str, Any], bar: tqdm, on_message: Any, budget: Budget | None
+) -> None:
+    torch.set_num_threads(threads)
+    train = train_run if budget is None else functools.partial(train_run, budget=budget)
+    for spec, epochs in todo:
+        if budget is not None and not budget.allows():
+            return
+        bar.set_postfix_str(f"{spec.label} seed {spec.seed}")
+        metrics = train_timed(spec, epochs, context, on_epoch=functools.partial(on_message, "epoch", spec), train=train)
+        if metrics is None or len(metrics) >= spec.config.train.epochs:
+            on_message("done", spec)
+
+
+def _train_in_pool(
+    todo: list[tuple[RunSpec, int]], jobs: int, threads: int, context: dict[str, Any], on_message: Any, budget: Budget | None
+) -> None:
+    pool = WorkerPool(jobs, threads)
+    try:
+        pool.run(todo, context, on_message, budget)
+    finally:
+        pool.stop()
+
+
+def _add_timing(root: Path, progress: dict[str, int], seconds: float, context: dict[str, Any]) -> None:
+    """Append this invocation's wall-clock time to ``root/timing.json``, if it trained anything."""
+    if progress["epochs"] == 0:
+        return
+    path = root / TIMING_NAME
+    history = json.loads(path.read_text()) if path.exists() else []
+    entry = {"seconds": round(seconds, 1), "runs_finished": progress["runs"], "epochs": progress["epochs"], **context}
+    write_text_atomic(path, json.dumps([*history, entry], indent=1))
+
+
+def _run_batched(
+    todo: list[tuple[RunSpec, int]], budget: Budget | None, bar: tqdm, progress: dict[str, int], context: dict[str, Any]
+) -> None:
+    """Unfinished runs grouped by (setting, mechanism, epoch reached), each group one folded model.
+    Each run's ``timing.json`` gets the group's wall-clock time (shared by the runs folded together)."""
+    start = {spec.run_dir: epochs for spec, epochs in todo}
     for group in group_specs([spec for spec, _ in todo], [epochs for _, epochs in todo]):
         bar.set_postfix_str(f"{group[0].label} x {len(group)} seeds")
-        if not train_group(group, budget, on_epoch=bar.update):
+        began, trained = time.perf_counter(), [0]
+
+        def on_epoch(count: int = 1) -> None:
+            bar.update(count)
+            progress["epochs"] += count
+            trained[0] += count
+
+        allowed = train_group(group, budget, on_epoch=on_epoch)
+        epochs = trained[0] // len(group)
+        if epochs:
+            segment = {"seconds": round(time.perf_counter() - began, 3), "folded_runs": len(group), **context}
+            for spec in group:
+                first = start[spec.run_dir]
+                append_timing(spec.run_dir, {"from_epoch": first + 1, "to_epoch": first + epochs} | segment)
+        if not allowed:
             return
 
 

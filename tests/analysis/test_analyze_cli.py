@@ -55,6 +55,6 @@ def test_patterns_on_a_run_and_its_attention_maps(tiny_run, tmp_path):
 
 def test_analyze_errors_and_paper_bounds(tmp_path, capsys):
     assert main([str(tmp_path / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().out
+    assert "does not exist" in capsys.readouterr().err
     assert main(["--paper-bounds"]) == 0
     assert "ListOps" in capsys.readouterr().out

@@ -41,7 +41,7 @@ def test_cli_writes_a_png_of_the_masks(tmp_path, capsys):
     assert main(["TOPK:4", "BAND:5(1)", "BLOC:8", "FULL", "--n", "32", "--causal", "--out", str(out)]) == 0
     assert is_png(out)
     assert main(["NOPE:3", "--out", str(tmp_path / "bad.png")]) == 2
-    assert "unknown pattern" in capsys.readouterr().out
+    assert "unknown pattern" in capsys.readouterr().err
 
 
 def test_attention_maps_figure(tmp_path):

@@ -29,10 +29,19 @@ def _fits(pattern, n):
         return False
 
 
-def _skip_unless_fits(pattern, n):
-    """Skip sizes the pattern's check_sizes refuses (test_image.py and test_api.py test that refusal)."""
-    if not _fits(pattern, n):
-        pytest.skip(f"{pattern} does not fit N={n} (grid patterns need N = H x W, top-k needs k <= N): its check_sizes refuses it, as test_image.py and test_api.py check")
+def fitting(n):
+    """The examples whose check_sizes accepts length ``n`` (grid patterns need N = H x W, top-k needs
+    k <= N); the refusal itself is tested in test_image.py and test_api.py. Only these are generated."""
+    return [pattern for pattern in EXAMPLES if _fits(pattern, n)]
+
+
+def own_size(pattern):
+    """The smallest length a pattern accepts, for the grid patterns that fit none of SIZES."""
+    return next(n for n in range(1, 257) if _fits(pattern, n))
+
+
+LEAN_CASES = [(pattern, n) for n in SIZES for pattern in fitting(n)]
+LEAN_CASES += [(pattern, own_size(pattern)) for pattern in EXAMPLES if not any(_fits(pattern, n) for n in SIZES)]
 
 
 def _grads(pattern, impl, q, k, v, causal):
@@ -46,11 +55,14 @@ def test_every_pattern_has_examples():
     assert all(cls.examples for cls in PATTERNS.values()), [n for n, c in PATTERNS.items() if not c.examples]
 
 
-@pytest.mark.parametrize("pattern", EXAMPLES)
-@pytest.mark.parametrize("n", SIZES)
+def test_every_example_is_checked_at_some_size():
+    covered = {pattern for pattern, _ in LEAN_CASES}
+    assert covered == set(EXAMPLES), sorted(set(EXAMPLES) - covered)
+
+
+@pytest.mark.parametrize("pattern,n", LEAN_CASES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_lean_matches_reference_outputs_and_gradients(pattern, n, causal):
-    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n)
     ref = _grads(pattern, "reference", q, k, v, causal)
     lean = _grads(pattern, "lean", q, k, v, causal)
@@ -59,11 +71,10 @@ def test_lean_matches_reference_outputs_and_gradients(pattern, n, causal):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"{pattern} {name}")
 
 
-@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("pattern", fitting(40))
 @pytest.mark.parametrize("impl", ["reference", "lean"])
 def test_causal_output_ignores_future_keys_and_values(pattern, impl):
     n, cut = 40, 23
-    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n, seed=1)
     before = sf.sparse_attention(q, k, v, pattern, causal=True, impl=impl)
     k2, v2 = k.clone(), v.clone()
@@ -73,10 +84,9 @@ def test_causal_output_ignores_future_keys_and_values(pattern, impl):
     torch.testing.assert_close(after[:, :, :cut], before[:, :, :cut], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("pattern", fitting(30))
 def test_padded_keys_are_never_read(pattern):
     n = 30
-    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n, seed=2)
     padding = torch.ones(2, n, dtype=torch.bool)
     padding[1, 20:] = False
@@ -89,11 +99,10 @@ def test_padded_keys_are_never_read(pattern):
     assert not mask[1, :, :, 20:].any()
 
 
-@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("pattern", fitting(12))
 @pytest.mark.parametrize("impl", ["reference", "lean"])
 def test_rows_without_keys_are_zero_and_finite(pattern, impl):
     n = 12
-    _skip_unless_fits(pattern, n)
     q, k, v = (x.requires_grad_() for x in _inputs(n, seed=3))
     padding = torch.zeros(2, n, dtype=torch.bool)
     padding[0] = True
@@ -103,11 +112,10 @@ def test_rows_without_keys_are_zero_and_finite(pattern, impl):
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
-@pytest.mark.parametrize("pattern", EXAMPLES)
+@pytest.mark.parametrize("pattern", fitting(33))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_give_close_outputs_in_their_dtype(pattern, dtype):
     n = 33
-    _skip_unless_fits(pattern, n)
     q, k, v = _inputs(n, seed=4)
     # Scale q so that low-precision rounding cannot flip an input-dependent selection tie.
     expected = sf.sparse_attention(q.to(dtype).float(), k.to(dtype).float(), v.to(dtype).float(), pattern)
