@@ -18,7 +18,6 @@ from torch import Tensor
 from sparsefocus.attention.common import (
     DEFAULT_ROW_CHUNK,
     causal_row_mask,
-    drop_padded_keys,
     mask_from_indices,
     row_slice,
     upcast,
@@ -95,8 +94,8 @@ class TopK(_ScoreSelection):
         from sparsefocus.kernels.indexed import indexed_attention
         from sparsefocus.kernels.topk_select import topk_select
 
+        # the selection never lists a padded key (-1 instead), so no drop_padded_keys pass here
         index = topk_select(q, k, self.k, causal=causal, key_padding_mask=key_padding_mask)
-        index = drop_padded_keys(index, key_padding_mask)
         return indexed_attention(q, k, v, index, scale=scale, score="dot")
 
     def label(self) -> str:

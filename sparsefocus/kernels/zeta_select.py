@@ -447,21 +447,21 @@ def zeta_select(
         positions.
     """
     scodes, spos, count = prefixes
-    insert = _insertion_points(codes_q, scodes, chunk, k.shape[1])
-    return torch.ops.sparsefocus.zeta_select(
-        q, k, insert, spos, count, key_padding_mask, width, window, local, chunk, codes_q.shape[0]
-    )
+    return torch.ops.sparsefocus.zeta_select(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk)
 
 
 @torch.library.custom_op("sparsefocus::zeta_select", mutates_args=())
 def _zeta_select_op(
-    q: Tensor, k: Tensor, insert: Tensor, spos: Tensor, count: Tensor, key_padding_mask: Optional[Tensor],
-    width: int, window: int, local: int, chunk: Optional[int], curves: int,
+    q: Tensor, k: Tensor, codes_q: Tensor, scodes: Tensor, spos: Tensor, count: Tensor, key_padding_mask: Optional[Tensor],
+    width: int, window: int, local: int, chunk: Optional[int],
 ) -> Tensor:
-    """``zeta_select``'s kernel: insert [P, S, B, Hk, G * span] int32 (``_insertion_points``), spos
-    [P, S, B, Hk, M] int32 and count [P, B] int32 (``key_prefixes``) -> [B, Hq, N, width] int32."""
-    batch, q_heads, n_queries, dim = q.shape
-    kv_heads, n_keys = k.shape[1], k.shape[2]
+    """``zeta_select`` as one op: the queries' search (``_insertion_points``, inside the op so that
+    its layout is the one searchsorted wants under Inductor too) and the kernel. codes_q [S, B,
+    Hq, N] int64; scodes [P, S, B, Hk, M] int64, spos [P, S, B, Hk, M] int32 and count [P, B]
+    int32 from ``key_prefixes`` -> [B, Hq, N, width] int32."""
+    curves, batch, q_heads, n_queries = codes_q.shape
+    kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
+    insert = _insertion_points(codes_q.contiguous(), scodes.contiguous(), chunk, kv_heads)
     out = torch.empty(batch, q_heads, n_queries, width, dtype=torch.int32, device=q.device)
     band = local if chunk is not None else 0
     block_c = triton.next_power_of_2(curves * window + band)
@@ -479,7 +479,7 @@ def _zeta_select_op(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k.contiguous(), insert.contiguous(), spos.contiguous(), count.contiguous(),
+        q.contiguous(), k.contiguous(), insert, spos.contiguous(), count.contiguous(),
         out if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous(), out,  # out: a dummy pointer without a mask
         n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
         D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
@@ -491,5 +491,5 @@ def _zeta_select_op(
 
 
 @_zeta_select_op.register_fake
-def _zeta_select_fake(q, k, insert, spos, count, key_padding_mask, width, window, local, chunk, curves):
+def _zeta_select_fake(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], width, dtype=torch.int32)

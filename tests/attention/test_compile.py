@@ -1,7 +1,8 @@
 """Every registered pattern under ``torch.compile(fullgraph=True)``: the compiled ``SparseAttention``
-gives the eager outputs and gradients (input and every parameter), causal and not, for the lean,
-reference and (where the pattern has one) Triton paths, without a graph break and without
-recompiling on a second call of the same shapes. The sweep uses the "aot_eager" backend (it
+gives the eager outputs and gradients (input and every parameter) for the lean, reference and
+(where the pattern has one) Triton paths, without a graph break and without recompiling on a
+second call of the same shapes. Each pattern is compiled causal and not (the paths alternate the
+setting, so the sweep stays small). The sweep uses the "aot_eager" backend (it
 traces exactly what Inductor would get, forward and backward, and compiles in seconds);
 "inductor" runs on FULL, BAND, TOPK, ZETA and block_topk. On CPU the Triton paths run in
 Triton's interpreter (tests/conftest.py), so sizes are tiny and odd (N = 37, head dim 16, 2 heads).
@@ -15,8 +16,15 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from sparsefocus.attention import PATTERNS, parse_pattern
 from sparsefocus.layers.attention import SparseAttention
 
-N, HEADS, HEAD_DIM, BATCH = 37, 2, 16, 2
+N, HEADS, HEAD_DIM = 37, 2, 16
 EXAMPLES = [cls.examples[0] for _, cls in sorted(PATTERNS.items())]
+TRITON_EXAMPLES = [e for e in EXAMPLES if "triton" in parse_pattern(e).impls]
+
+
+def _causal(example: str, impl: str) -> bool:
+    """One causal setting per pattern and path, alternating over the registry so that every
+    pattern is compiled causal and not: lean takes one, reference and Triton the other."""
+    return (EXAMPLES.index(example) + (impl != "lean")) % 2 == 1
 
 
 def _length(spec) -> int:
@@ -25,24 +33,27 @@ def _length(spec) -> int:
 
 
 def _case(example: str, impl: str, causal: bool, key_padding: bool = False):
-    """A layer with random weights, its input x [B, N, dim] and an upstream gradient."""
+    """A layer with random weights, its input x [B, N, dim] (B = 2 with padding, else 1) and an
+    upstream gradient."""
     spec = parse_pattern(example)
     torch.manual_seed(0)
     layer = SparseAttention(HEADS * HEAD_DIM, HEADS, spec, causal=causal, impl=impl)
     for parameter in layer.mechanism.values():  # trained-looking values, not the constant init
         parameter.data.add_(0.1 * torch.randn_like(parameter))
-    n = _length(spec)
-    x = torch.randn(BATCH, n, HEADS * HEAD_DIM)
+    n, batch = _length(spec), 2 if key_padding else 1
+    x = torch.randn(batch, n, HEADS * HEAD_DIM)
     mask = None
     if key_padding:
-        mask = torch.ones(BATCH, n, dtype=torch.bool)
+        mask = torch.ones(batch, n, dtype=torch.bool)
         mask[1, n - 5 :] = False
-    return layer, x, mask, torch.randn(BATCH, n, HEADS * HEAD_DIM)
+    return layer, x, mask, torch.randn(batch, n, HEADS * HEAD_DIM)
 
 
 def _outputs_and_grads(fn, layer, x, mask, grad_out):
     x = x.clone().requires_grad_()
     out = fn(x, mask) if mask is not None else fn(x)
+    if grad_out is None:  # forward only
+        return out.detach(), ()
     params = [p for p in layer.parameters()]
     grads = torch.autograd.grad(out, [x, *params], grad_out, allow_unused=True)
     return out.detach(), grads
@@ -63,29 +74,29 @@ def assert_compiled_equals_eager(example: str, impl: str, causal: bool, backend:
         if want is not None:
             torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{example} {impl} causal={causal}: d{name} {m}")
     frames = counter.frame_count
-    _outputs_and_grads(compiled, layer, torch.randn_like(x), mask, grad_out)  # same shapes, new values
+    _outputs_and_grads(compiled, layer, torch.randn_like(x), mask, None)  # same shapes, new values
     assert counter.frame_count == frames == 1, f"{example} {impl}: recompiled ({counter.frame_count} frames)"
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_every_pattern_compiles_fullgraph_lean(example):
-    for causal in (False, True):
-        assert_compiled_equals_eager(example, "lean", causal, "aot_eager")
+    assert_compiled_equals_eager(example, "lean", _causal(example, "lean"), "aot_eager")
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_every_pattern_compiles_fullgraph_reference(example):
-    causal = EXAMPLES.index(example) % 2 == 1  # one setting per pattern: the lean sweep covers both
-    assert_compiled_equals_eager(example, "reference", causal, "aot_eager")
-
-
-TRITON_EXAMPLES = [e for e in EXAMPLES if "triton" in parse_pattern(e).impls]
+    assert_compiled_equals_eager(example, "reference", _causal(example, "reference"), "aot_eager")
 
 
 @pytest.mark.parametrize("example", TRITON_EXAMPLES)
 def test_every_triton_pattern_compiles_fullgraph(example):
-    for causal in (False, True):
-        assert_compiled_equals_eager(example, "triton", causal, "aot_eager")
+    assert_compiled_equals_eager(example, "triton", _causal(example, "triton"), "aot_eager")
+
+
+@pytest.mark.parametrize("example", ["TOPK:5", "zeta:k=4,window=6,chunks=3,local=3"])
+def test_triton_selections_compile_causal_and_not(example):
+    """The two selection ops, in the setting the sweep above does not take."""
+    assert_compiled_equals_eager(example, "triton", not _causal(example, "triton"), "aot_eager")
 
 
 @pytest.mark.parametrize("example", ["TOPK:5", "zeta:k=4,window=6,chunks=3,local=3"])

@@ -421,7 +421,6 @@ def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch
 def test_zeta_selection_ops_pass_opcheck():
     """Schema, fake implementations and dispatch of the two selection ops (causal, padded)."""
     from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits
-    from sparsefocus.kernels import zeta_select
 
     q, k, _ = _qkv(11, batch=1, seed=5)
     padding = torch.rand(1, 11, generator=torch.Generator().manual_seed(6)) > 0.2
@@ -433,6 +432,5 @@ def test_zeta_selection_ops_pass_opcheck():
     filter_args = (sorted_codes, order, chunk, 2, SENTINEL, 0, False)
     torch.library.opcheck(torch.ops.sparsefocus.zeta_prefix_filter.default, filter_args)
     scodes, spos, count = torch.ops.sparsefocus.zeta_prefix_filter(*filter_args)
-    insert = zeta_select._insertion_points(_codes(spec, q, bits), scodes, chunk, k.shape[1])
-    select_args = (q, k, insert, spos, count, padding, 4, 6, 3, chunk, 1)
+    select_args = (q, k, _codes(spec, q, bits), scodes, spos, count, padding, 4, 6, 3, chunk)
     torch.library.opcheck(torch.ops.sparsefocus.zeta_select.default, select_args)
