@@ -16,6 +16,7 @@ blocks run over the N - g regular positions only (``band:k=5,g=1,globals_at=end`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,7 +32,7 @@ from sparsefocus.attention.common import (
     mask_from_indices,
     row_slice,
 )
-from sparsefocus.attention.patterns import IndexedPattern, register, require
+from sparsefocus.attention.patterns import PATTERNS, IndexedPattern, register, require
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
@@ -496,21 +497,36 @@ def sample_distinct(counts: Tensor, k: int, generator: torch.Generator) -> Tenso
     return chosen
 
 
+PatternKey = tuple  # (class name, ((field, value), ...)): a pattern as plain constants
+
+
+def pattern_key(pattern: "FixedPattern") -> PatternKey:
+    """The pattern as a tuple of plain values, which torch.compile can hold as a constant (a frozen
+    dataclass instance cannot be rebuilt inside a graph by every torch version)."""
+    return type(pattern).__name__, tuple((field.name, getattr(pattern, field.name)) for field in dataclasses.fields(pattern))
+
+
 @lru_cache(maxsize=8)
-def _cached_random_keys(pattern: "FixedPattern", n_queries: int, n_keys: int, causal: bool) -> Tensor:
+def _cached_random_keys(key: PatternKey, n_queries: int, n_keys: int, causal: bool) -> Tensor:
+    classes = {cls.__name__: cls for cls in PATTERNS.values()}
+    pattern = classes[key[0]](**dict(key[1]))
     return pattern.draw_random_keys(n_queries, n_keys, causal)
 
 
 @lru_cache(maxsize=8)
-def _random_keys_on(pattern: "FixedPattern", n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
-    return _cached_random_keys(pattern, n_queries, n_keys, causal).to(device)
+def _random_keys_on(key: PatternKey, n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
+    return _cached_random_keys(key, n_queries, n_keys, causal).to(device)
 
 
 @torch.compiler.assume_constant_result
+def _constant_random_keys(key: PatternKey, n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
+    return _random_keys_on(key, n_queries, n_keys, causal, device)
+
+
 def random_keys_on(pattern: "FixedPattern", n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
     """The cached draw on ``device`` (read-only): copied there once, so later calls make no
     host-to-device copy (CUDA graphs can capture them) and torch.compile holds it as a constant."""
-    return _random_keys_on(pattern, n_queries, n_keys, causal, device)
+    return _constant_random_keys(pattern_key(pattern), n_queries, n_keys, causal, device)
 
 
 def _table_mask_mod(table: Tensor) -> MaskMod:

@@ -94,7 +94,10 @@ def expand_cases(cases: list[str]) -> list[str]:
 
 
 def git_commit() -> str:
-    """HEAD of the working tree, else $SPARSEFOCUS_COMMIT (set when the tree travels without .git)."""
+    """$SPARSEFOCUS_COMMIT when set (a tree copied to another machine may carry stale git
+    metadata), else HEAD of the working tree."""
+    if os.environ.get("SPARSEFOCUS_COMMIT"):
+        return os.environ["SPARSEFOCUS_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, timeout=10)
         return out.stdout.strip()
