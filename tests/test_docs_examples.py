@@ -3,7 +3,9 @@
 An example is a ```python block. A comment on the line before it changes how it is run:
 ``<!-- example: slow -->`` runs it only with SPARSEFOCUS_SLOW_EXAMPLES=1 (it takes minutes on a
 CPU), ``<!-- example: skip REASON -->`` never runs it (it needs data or hardware CI lacks) and says
-why. Any other example runs in a fresh namespace, so an unmarked example that breaks fails here.
+why, ``<!-- example: needs MODULE [MODULE ...] -->`` runs it only where those modules import (an
+optional extra such as ``[hf]`` or ``[ray]``) and skips it, naming the module, elsewhere. Any other
+example runs in a fresh namespace, so an unmarked example that breaks fails here.
 """
 
 import os
@@ -15,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-MARK = re.compile(r"<!-- example: (slow|skip)\s*(.*?)\s*-->\s*$")
+MARK = re.compile(r"<!-- example: (slow|skip|needs)\s*(.*?)\s*-->\s*$")
 
 
 def examples() -> list:
@@ -40,5 +42,8 @@ def test_example_runs_as_written(code, mark, tmp_path, monkeypatch):
         pytest.skip(mark.group(2) or "marked skip")
     if mark is not None and mark.group(1) == "slow" and os.environ.get("SPARSEFOCUS_SLOW_EXAMPLES") != "1":
         pytest.skip("slow example (minutes on a CPU); SPARSEFOCUS_SLOW_EXAMPLES=1 runs it")
+    if mark is not None and mark.group(1) == "needs":
+        for module in mark.group(2).split():
+            pytest.importorskip(module, reason=f"needs {module} (an optional extra)")
     monkeypatch.chdir(tmp_path)  # examples that write files write them here
     exec(compile(code, "<example>", "exec"), {"__name__": "__example__"})
