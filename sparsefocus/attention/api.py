@@ -6,6 +6,7 @@ import importlib.util
 import itertools
 import os
 import sys
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -89,6 +90,58 @@ def use_triton_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+# The return type follows return_lse: out alone, or (out, lse).
+@overload
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: str | Pattern,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    key_padding_mask: Tensor | None = ...,
+    impl: str = ...,
+    params: dict[str, Tensor] | None = ...,
+    return_lse: Literal[False] = ...,
+    cu_seqlens: Tensor | None = ...,
+) -> Tensor: ...
+
+
+@overload
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: str | Pattern,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    key_padding_mask: Tensor | None = ...,
+    impl: str = ...,
+    params: dict[str, Tensor] | None = ...,
+    return_lse: Literal[True],
+    cu_seqlens: Tensor | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: str | Pattern,
+    *,
+    causal: bool = ...,
+    scale: float | None = ...,
+    key_padding_mask: Tensor | None = ...,
+    impl: str = ...,
+    params: dict[str, Tensor] | None = ...,
+    return_lse: bool = ...,
+    cu_seqlens: Tensor | None = ...,
+) -> Tensor | tuple[Tensor, Tensor]: ...
+
+
 def sparse_attention(
     q: Tensor,
     k: Tensor,
@@ -144,7 +197,7 @@ def sparse_attention(
         return _triton_with_lse(spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
     if chosen != "triton" and spec.expands_kv:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
-    kwargs = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}
+    kwargs: dict[str, Any] = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}
     if decoding:
         out = decode_attention(spec, chosen, q, k, v, **kwargs)
     else:

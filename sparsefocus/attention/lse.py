@@ -15,6 +15,7 @@ weights, a gate) have no such quantity and are refused.
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -84,7 +85,7 @@ def attention_lse(
     """
     n_rows = q.shape[2]
     step = n_rows if chunk is None else chunk
-    kwargs = {"causal": causal, "scale": scale, "key_padding_mask": key_padding_mask, "params": params}
+    kwargs: dict[str, Any] = {"causal": causal, "scale": scale, "key_padding_mask": key_padding_mask, "params": params}
     parts = []
     for start in range(first_row, n_rows, max(step, 1)):
         rows = slice(start, min(start + step, n_rows))
@@ -131,7 +132,7 @@ def triton_with_lse(
     out = spec._global_rows_dense(q, k, v, out, causal, scale, key_padding_mask)
     g = min(spec.num_global_tokens, q.shape[2])
     if g:
-        kwargs = {"causal": causal, "scale": scale, "key_padding_mask": key_padding_mask, "params": params}
+        kwargs: dict[str, Any] = {"causal": causal, "scale": scale, "key_padding_mask": key_padding_mask, "params": params}
         lse = torch.cat([rows_lse(spec, q, k_full, slice(0, g), **kwargs), lse[:, :, g:].float()], dim=2)
     return out, lse.float()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -54,6 +55,8 @@ def packed_attention(
     or (out, lse [1, Hq, L]); so does this, over T.
     """
     parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in itertools.pairwise(cuts)]
+    # One attend, one kind of result: every part is a tuple when the first is.
     if isinstance(parts[0], tuple):
-        return torch.cat([p[0] for p in parts], dim=2), torch.cat([p[1] for p in parts], dim=2)
-    return torch.cat(parts, dim=2)
+        pairs = cast(list[tuple[Tensor, Tensor]], parts)
+        return torch.cat([p[0] for p in pairs], dim=2), torch.cat([p[1] for p in pairs], dim=2)
+    return torch.cat(cast(list[Tensor], parts), dim=2)

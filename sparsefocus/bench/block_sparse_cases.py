@@ -8,10 +8,13 @@ state, so the indexer's projections, its chunked scores and the KL loss are all 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
 from sparsefocus.attention import parse_pattern, sparse_attention
+from sparsefocus.attention.block_topk import TileBlockTopK
 from sparsefocus.attention.dsa import DSA
 from sparsefocus.attention.nsa import NSA
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, Pattern
@@ -30,7 +33,9 @@ def kept_keys(pattern: Pattern, shape: BenchShape) -> float:
         return pattern.top * pattern.block + shape.n / pattern.stride / (2 if shape.causal else 1) + pattern.window
     if isinstance(pattern, DSA):
         return pattern.k
-    return (pattern.top + pattern.tile // pattern.block + 1) * pattern.block
+    if isinstance(pattern, TileBlockTopK):  # moba, quest
+        return (pattern.top + pattern.tile // pattern.block + 1) * pattern.block
+    raise ValueError(f"kept_keys: {pattern.label()} is not a block-sparse pattern (nsa, moba, quest, dsa)")
 
 
 def block_sparse_case(name: str):
@@ -46,9 +51,12 @@ def block_sparse_case(name: str):
             params[HIDDEN_KEY] = torch.randn(shape.batch, shape.n, width, device=shape.device, dtype=shape.dtype)
 
         def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            call = None if params is None else {**params, AUX_KEY: {}}
+            if params is None:
+                return sparse_attention(q, k, v, pattern, causal=causal)
+            aux: dict[str, Tensor] = {}  # the mechanism writes its auxiliary losses here
+            call = cast(dict[str, Tensor], {**params, AUX_KEY: aux})  # params carry this dict beside tensors
             out = sparse_attention(q, k, v, pattern, causal=causal, params=call)
-            return out if call is None else out + 0 * sum(call[AUX_KEY].values())
+            return out + 0 * sum(aux.values())
 
         flops = attention_flops(shape, kept_keys(pattern, shape))
         return Workload(forward=forward, flops=flops, bytes=io_bytes(shape), notes={"pattern": str(pattern)})

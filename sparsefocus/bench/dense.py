@@ -38,13 +38,12 @@ def attach_dense_ratios(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         dense = best.get((row["n"], row["mode"]))
-        ok = dense is not None and row.get("status") == "ok"
         out.append(
             row
             | {
                 "dense_ms": dense["ms"] if dense else None,
                 "dense_backend_used": dense["backend"] if dense else None,
-                "speedup_vs_dense": dense["ms"] / row["ms"] if ok else None,
+                "speedup_vs_dense": dense["ms"] / row["ms"] if dense is not None and row.get("status") == "ok" else None,
             }
         )
     return out

@@ -234,11 +234,10 @@ def attach_full_ratios(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         full = best.get((row["n"], row["mode"]))
-        ok = full is not None and row["status"] == "ok"
         out.append(row | {
             "full_ms": full["ms"] if full else None,
             "full_backend": full["backend"] if full else None,
-            "vs_full": full["ms"] / row["ms"] if ok else None,
+            "vs_full": full["ms"] / row["ms"] if full is not None and row["status"] == "ok" else None,
         })
     return out
 
@@ -255,7 +254,8 @@ def headline_rows(rows: list[dict]) -> list[dict]:
 
 def sweep(args: argparse.Namespace, device: torch.device) -> list[dict]:
     """Measure every case; after an OOM the larger N of the same (pattern, backend, mode) are skipped."""
-    rows, failed_at = [], {}
+    rows: list[dict] = []
+    failed_at: dict[tuple[str, str | None, str], int] = {}  # (pattern, backend, mode) -> N of the OOM
     for case in model_cases(args, device):
         key = (case.pattern, case.sdpa_backend, case.mode)
         if key in failed_at:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from sparsefocus.bench.dense import fastest_dense
 
@@ -83,7 +84,7 @@ def plot_results(payload: dict, path: Path) -> None:
     if memory:
         _plot_lines(axes[0][-1], memory, colours)
         _log_axes(axes[0][-1], "peak memory (MB, inputs included)", "peak memory, " + MODE_TITLES["fwd+bwd" if "fwd+bwd" in modes else "fwd"], lengths)
-    handles, labels = {}, []
+    handles: dict[str, Any] = {}  # label -> the first artist drawn with it
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)

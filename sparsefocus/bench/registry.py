@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -257,10 +258,11 @@ def _indexed_case(argument: str, shape: BenchShape) -> Workload:
 
     keys = int(argument or 32)
     index = random_indices(shape, keys)
+    attend: Callable[..., Tensor] = indexed_attention_ref
     if shape.device.type == "cuda":
-        from sparsefocus.kernels.indexed import indexed_attention as attend
-    else:
-        attend = indexed_attention_ref
+        from sparsefocus.kernels.indexed import indexed_attention
+
+        attend = cast(Callable[..., Tensor], indexed_attention)  # without return_lse: out alone
 
     def forward(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         return attend(q, k, v, index)

@@ -202,8 +202,8 @@ def runs_bwd(
     q: Tensor, k: Tensor, v: Tensor, start: Tensor, length: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, scale: float, causal: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sparsefocus::runs_bwd``: dq, dk, dv (input dtypes) from ``runs_fwd``'s out and log-sum-exp."""
-    tensors = (q, k, v, start, length, out, grad_out, lse)
-    return _runs_backward(*(x.contiguous() for x in tensors), scale, causal)
+    q, k, v, start, length, out, grad_out, lse = (x.contiguous() for x in (q, k, v, start, length, out, grad_out, lse))
+    return _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal)
 
 
 @runs_bwd.register_fake

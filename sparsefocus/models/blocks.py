@@ -39,7 +39,16 @@ class PaperAttention(SparseAttention):
             raise ValueError(f"paper_mode needs a softmax-over-kept-keys pattern, {self.pattern.label()} is not one")
         self.attention_dropout = attention_dropout
 
-    def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        key_padding_mask: Tensor | None = None,
+        past_kv: tuple[Tensor, Tensor] | None = None,
+        use_cache: bool = False,
+    ) -> Tensor:
+        """SparseAttention's signature; the paper's attention has no KV cache (past_kv, use_cache)."""
+        if past_kv is not None or use_cache:
+            raise ValueError("PaperAttention (paper_mode) has no KV cache: past_kv and use_cache are not supported")
         q, k, v = self.project(x)
         params = dict(self.mechanism) or None
         keep = selection_mask(self.pattern, q, k, causal=self.causal, key_padding_mask=key_padding_mask, params=params)

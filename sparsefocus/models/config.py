@@ -127,13 +127,14 @@ def place_global_tokens(patterns: list[Pattern], global_tokens: str) -> list[Pat
                 f"model.global_tokens=append_paper: {pattern.label()} cannot put its global tokens at the end "
                 f"(BAND, BLOC, global and longformer can)"
             )
-    return [dataclasses.replace(p, globals_at="end") if p.num_global_tokens else p for p in patterns]
+    # Every pattern with globals has the field (hasattr above), which mypy cannot see on Pattern.
+    return [dataclasses.replace(p, globals_at="end") if p.num_global_tokens else p for p in patterns]  # type: ignore[call-arg]
 
 
 def padding_multiple(patterns: list[Pattern]) -> int:
     """The length the Semantic Focus code pads to a multiple of: the patterns' k (the least common
     multiple if blocks differ); 1 when no pattern has a field ``k`` (FULL)."""
-    ks = [p.k for p in patterns if isinstance(getattr(p, "k", None), int) and p.k >= 1]
+    ks = [k for k in (getattr(p, "k", None) for p in patterns) if isinstance(k, int) and k >= 1]
     return math.lcm(*ks) if ks else 1
 
 

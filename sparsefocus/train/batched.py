@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -177,11 +178,12 @@ class FoldedEmbedding(nn.Module):
         first = embeddings[0]
         self.dim, self.num_prefix, self.kind, self.scale = first.dim, first.num_prefix, first.kind, first.scale
         self.tokens = RunTable([e.tokens for e in embeddings])
-        self.prefix = RunTable([e.prefix for e in embeddings]) if first.prefix is not None else None
+        # The runs share one config: each has a table wherever the first has one.
+        self.prefix = RunTable([cast(nn.Embedding, e.prefix) for e in embeddings]) if first.prefix is not None else None
         suffix = getattr(first, "suffix", None)
-        self.suffix = RunTable([e.suffix for e in embeddings]) if suffix is not None else None
+        self.suffix = RunTable([cast(nn.Embedding, e.suffix) for e in embeddings]) if suffix is not None else None
         learned = first.learned_positions is not None
-        self.learned_positions = RunTable([e.learned_positions for e in embeddings]) if learned else None
+        self.learned_positions = RunTable([cast(nn.Embedding, e.learned_positions) for e in embeddings]) if learned else None
         self.dropout = RunDropout(first.dropout.p, len(embeddings), rng)
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -211,6 +213,11 @@ class RunAttention(nn.Module):
     folded batch in both modes.
     """
 
+    q_proj: RunLinear
+    k_proj: RunLinear
+    v_proj: RunLinear
+    out_proj: RunLinear
+
     def __init__(self, modules: list[SparseAttention], exact: bool, rng: RunRandomness | None, topk_select: str) -> None:
         super().__init__()
         first = modules[0]
@@ -222,13 +229,14 @@ class RunAttention(nn.Module):
         self.paper = isinstance(first, PaperAttention)
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
             setattr(self, name, RunLinear([getattr(m, name) for m in modules], exact))
-        p = first.attention_dropout if self.paper else first.dropout.p
+        p = first.attention_dropout if isinstance(first, PaperAttention) else first.dropout.p
         self.dropout = RunDropout(p, self.runs, rng, always=self.paper)
 
+    # Borrowed: it reads only the projections and head sizes, which RunAttention has too.
     project = SparseAttention.project
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        q, k, v = self.project(x)  # [R*B, H, N, D]
+        q, k, v = self.project(x)  # type: ignore[misc]  # [R*B, H, N, D]; a borrowed method (see project)
         if not self.paper:
             out = sparse_attention(
                 q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl
@@ -250,6 +258,7 @@ class RunAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.qk_dim)  # [B, H, N, N]
         weights = scores.masked_fill(~keep, PAPER_FILL).softmax(dim=-1)
         if self.dropout.p > 0:
+            assert self.rng is not None, "exact mode with dropout has the runs' generator states (fold_models checks)"
             weights = self.rng.call(run, F.dropout, weights, self.dropout.p, training=True)
         return torch.matmul(weights, v)  # [B, H, N, Dh]
 
@@ -330,14 +339,15 @@ def fused_paper_attention(
 
 def _fold_leaf(module: nn.Module, parts: list[nn.Module], exact: bool, rng: RunRandomness | None, topk_select: str):
     """The run-folded twin of one module, or None when its children are folded instead."""
+    # parts are the runs' copies of module (one config), so they have its type.
     if isinstance(module, SparseAttention):
-        return RunAttention(parts, exact, rng, topk_select)
+        return RunAttention(cast(list[SparseAttention], parts), exact, rng, topk_select)
     if isinstance(module, Embedding):
-        return FoldedEmbedding(parts, exact, rng)
+        return FoldedEmbedding(cast(list[Embedding], parts), exact, rng)
     if isinstance(module, nn.Linear):
-        return RunLinear(parts, exact)
+        return RunLinear(cast(list[nn.Linear], parts), exact)
     if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
-        return RunLayerNorm(parts, exact)
+        return RunLayerNorm(cast(list[nn.LayerNorm], parts), exact)
     if isinstance(module, nn.Dropout):
         return RunDropout(module.p, len(parts), rng)
     return None

@@ -98,7 +98,10 @@ def task_cache_path(config: ExperimentConfig, seed: int) -> Path:
     """Where the task cache keeps ``seed``'s data: keyed by the task config and the source of the
     module that generates it, so an edited generator never serves stale data."""
     task = make_task_config(config.task)
-    source = Path(inspect.getsourcefile(type(task))).read_bytes()
+    source_file = inspect.getsourcefile(type(task))
+    if source_file is None:
+        raise ValueError(f"task cache: the source of {type(task).__name__} is not in a file, so it cannot key the cache")
+    source = Path(source_file).read_bytes()
     key = hashlib.sha256(json.dumps(config.task, sort_keys=True, default=str).encode() + source).hexdigest()[:16]
     return Path(config.out_dir) / ".task-cache" / key / f"seed-{seed}.pt"
 
@@ -201,7 +204,7 @@ class GroupTrainer:
         )
         self.generators = [torch.Generator().manual_seed(spec.seed) for spec in specs]
         self.forward = self._make_forward()
-        self.clip = functools.partial(clip_per_run_, exact=self.exact)
+        self.clip: Callable[..., Tensor] = functools.partial(clip_per_run_, exact=self.exact)
         if _compile_mode(self.train_cfg, device) is not None:
             self.clip = torch.compile(self.clip)  # ~2 kernels instead of ~3 per parameter
 
@@ -304,11 +307,11 @@ class GroupTrainer:
             "model": run_state(self.model, run),
             "optimizer": run_optimizer_state(self.optimizer.state_dict(), run),
             "scheduler": self.scheduler.state_dict(),
-            "torch_rng": self.rng.states[run] if (self.exact and on_cpu) else self.cpu_states[run],
+            "torch_rng": self.rng.states[run] if (self.rng is not None and on_cpu) else self.cpu_states[run],
             "generator": self.generators[run].get_state(),
             "metrics": metrics,
         }
-        if self.exact and not on_cpu:
+        if self.rng is not None and not on_cpu:  # exact mode
             state["device_rng"] = self.rng.states[run]
         return state
 
@@ -320,7 +323,7 @@ class GroupTrainer:
         for r, state in enumerate(states):
             self.generators[r].set_state(state["generator"])
             self.cpu_states[r] = state["torch_rng"]
-            if self.exact:
+            if self.rng is not None:  # exact mode
                 on_cpu = self.device.type == "cpu"
                 self.rng.states[r] = state["torch_rng"] if on_cpu else state.get("device_rng", self.rng.states[r])
 

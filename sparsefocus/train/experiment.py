@@ -235,7 +235,7 @@ def _run_batched(
         def on_epoch(count: int = 1) -> None:
             bar.update(count)
             progress["epochs"] += count
-            trained[0] += count
+            trained[0] += count  # noqa: B023  (train_group calls it within this iteration only)
 
         allowed = train_group(group, budget, on_epoch=on_epoch)
         epochs = trained[0] // len(group)

@@ -70,9 +70,13 @@ def assert_compiled_equals_eager(example: str, impl: str, causal: bool, backend:
     torch.testing.assert_close(out, ref_out, **tol, msg=lambda m: f"{example} {impl} causal={causal}: output {m}")
     names = ["x"] + [name for name, _ in layer.named_parameters()]
     for name, got, want in zip(names, grads, ref_grads):
-        assert (got is None) == (want is None), f"{example} {impl}: gradient of {name} missing in one path"
-        if want is not None:
-            torch.testing.assert_close(got, want, **tol, msg=lambda m: f"{example} {impl} causal={causal}: d{name} {m}")
+        if got is None or want is None:
+            # a parameter the loss does not reach (dsa's indexer trains on its aux loss only) has no
+            # gradient eagerly and may get zeros compiled: both mean zero, anything else is a bug
+            present = want if got is None else got
+            assert present is None or not present.abs().any(), f"{example} {impl}: d{name} is nonzero in one path only"
+            continue
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, name=name: f"{example} {impl} causal={causal}: d{name} {m}")
     frames = counter.frame_count
     _outputs_and_grads(compiled, layer, torch.randn_like(x), mask, None)  # same shapes, new values
     assert counter.frame_count == frames == 1, f"{example} {impl}: recompiled ({counter.frame_count} frames)"

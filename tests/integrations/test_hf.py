@@ -9,9 +9,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, LlamaConfig
+# Both follow importorskip: without transformers the module is skipped before they run.
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
-import sparsefocus.hf as sfhf
+import sparsefocus.hf as sfhf  # noqa: E402
 
 VOCAB = 61
 
