@@ -50,8 +50,18 @@ from sparsefocus.bench.runner import (
     release_memory,
 )
 
-KERNEL_CASES = ("sdpa:cudnn", "sdpa:flash", "sdpa:efficient", "sdpa:math", "flex", "flex:64",
-                "TOPK:32", "zeta", "BAND:64", "block_topk:block=64,top=15")
+KERNEL_CASES = (
+    "sdpa:cudnn",
+    "sdpa:flash",
+    "sdpa:efficient",
+    "sdpa:math",
+    "flex",
+    "flex:64",
+    "TOPK:32",
+    "zeta",
+    "BAND:64",
+    "block_topk:block=64,top=15",
+)
 KERNEL_LENGTHS = (4096, 8192, 16384, 32768, 65536)
 MODEL_PATTERNS = ("FULL", "BAND:64", "TOPK:32", "zeta")
 MODEL_LENGTHS = (4096, 8192, 16384, 65536)
@@ -61,19 +71,37 @@ PROGRESS = "gpu_bench_progress.json"
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) if "OUT" in os.environ else None, help="folder for every file this script writes (default: $OUT)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(os.environ["OUT"]) if "OUT" in os.environ else None,
+        help="folder for every file this script writes (default: $OUT)",
+    )
     parser.add_argument("--resume", action="store_true", help="continue the run in --out, skipping the units already there")
-    parser.add_argument("--resume-from", type=Path, default=None, help="continue the run saved in this progress file (e.g. one brought back from an earlier machine), writing to --out")
-    parser.add_argument("--tables", nargs="+", choices=("kernel", "model"), default=["kernel", "model"], help="which tables to measure")
+    parser.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="continue the run saved in this progress file (e.g. one brought back from an earlier machine), writing to --out",
+    )
+    parser.add_argument(
+        "--tables", nargs="+", choices=("kernel", "model"), default=["kernel", "model"], help="which tables to measure"
+    )
     parser.add_argument("--budget-s", type=float, default=480.0, help="start no new unit after this many seconds")
     parser.add_argument("--kernel-lengths", type=int, nargs="+", default=list(KERNEL_LENGTHS), help="N of the kernel table")
     parser.add_argument("--model-lengths", type=int, nargs="+", default=list(MODEL_LENGTHS), help="N of the model table")
     parser.add_argument("--warmup", type=int, default=2, help="kernel table: untimed runs")
     parser.add_argument("--repeats", type=int, default=5, help="kernel table: timed runs (median)")
-    parser.add_argument("--max-ms", type=float, default=5000.0, help="kernel table: skip a case's larger N once a run took longer")
+    parser.add_argument(
+        "--max-ms", type=float, default=5000.0, help="kernel table: skip a case's larger N once a run took longer"
+    )
     parser.add_argument("--model-steps", type=int, default=10, help="model table: timed steps (median)")
     parser.add_argument("--model-warmup", type=int, default=3, help="model table: untimed steps (the first compiles)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (B=1, H=2, D=16, N=64 and 128, a 1-block d=32 model, 1 step) to check the script end to end; runs on CPU too (eager only there)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (B=1, H=2, D=16, N=64 and 128, a 1-block d=32 model, 1 step) to check the script end to end; runs on CPU too (eager only there)",
+    )
     args = parser.parse_args(argv)
     if args.out is None:
         parser.error("--out is required when $OUT is not set")
@@ -83,7 +111,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.smoke:
         args.kernel_lengths, args.model_lengths, args.warmup, args.repeats = [64, 128], [64, 128], 1, 1
         args.kernel_shape = {"batch": 1, "heads": 2, "head_dim": 16}
-        args.model_options = ["--batch", "1", "--blocks", "1", "--dim", "32", "--heads", "2", "--mlp", "64", "--steps", "1", "--warmup", "1"]
+        args.model_options = [
+            "--batch",
+            "1",
+            "--blocks",
+            "1",
+            "--dim",
+            "32",
+            "--heads",
+            "2",
+            "--mlp",
+            "64",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+        ]
         if args.device.type == "cpu":
             args.model_options += ["--compile", "both", "--device", "cpu"]  # "both" on CPU: compiled entries are "off"
     return args
@@ -101,7 +144,9 @@ class Progress:
             raise SystemExit(f"gpu_bench: error: --resume-from {resume_from} does not exist")
         state = json.loads(source.read_text()) if source.exists() else {"meta": meta, "invocations": [], "units": {}}
         if state["meta"]["git_commit"] != meta["git_commit"]:
-            raise SystemExit(f"gpu_bench: error: {source} was made at commit {state['meta']['git_commit']}, this is {meta['git_commit']}; use another --out")
+            raise SystemExit(
+                f"gpu_bench: error: {source} was made at commit {state['meta']['git_commit']}, this is {meta['git_commit']}; use another --out"
+            )
         self.state = state
         self.invocation = len(state["invocations"])
         state["invocations"].append({"started": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)})
@@ -187,7 +232,10 @@ def kernel_units(args: argparse.Namespace, progress: Progress, deadline: float) 
             if any(r.get("ms", 0) > args.max_ms for r in rows):
                 slow.add(case)
             for row in rows:
-                print(f"kernel {case:<28} N={n:<6} {row['mode']:<8} {row['status']:<11} {row.get('ms', row.get('error', ''))}", flush=True)
+                print(
+                    f"kernel {case:<28} N={n:<6} {row['mode']:<8} {row['status']:<11} {row.get('ms', row.get('error', ''))}",
+                    flush=True,
+                )
             progress.add(key, rows)
     return True
 
@@ -221,21 +269,40 @@ def write_tables(args: argparse.Namespace, progress: Progress) -> None:
     kernel_rows = attach_dense_ratios(progress.rows("kernel"))
     if kernel_rows:
         size = args.kernel_shape
-        shape = size | {"kv_heads": size["heads"], "dtype": "bf16", "causal": True, "warmup": args.warmup, "repeats": args.repeats}
+        shape = size | {
+            "kv_heads": size["heads"],
+            "dtype": "bf16",
+            "causal": True,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+        }
         ceilings = ceilings_for(meta["device"]) if args.device.type == "cuda" else None
-        payload = meta | {"shape": shape, "ceilings": ceilings, "dense": dense_table(kernel_rows), "results": kernel_rows,
-                          "checks": progress.rows("check"), "invocations": progress.state["invocations"]}
+        payload = meta | {
+            "shape": shape,
+            "ceilings": ceilings,
+            "dense": dense_table(kernel_rows),
+            "results": kernel_rows,
+            "checks": progress.rows("check"),
+            "invocations": progress.state["invocations"],
+        }
         write_json_atomic(args.out / "kernels.json", payload)
         plot_results(payload, args.out / "kernels.png")
         print_kernel_summary(kernel_rows)
     model_rows = model_bench.attach_full_ratios(progress.rows("model"))
     if model_rows:
         options = model_bench.build_parser().parse_args(args.model_options)
-        config = {k: getattr(options, k) for k in ("blocks", "dim", "heads", "mlp", "vocab", "dropout", "batch", "dtype", "warmup", "steps", "lr")}
+        config = {
+            k: getattr(options, k)
+            for k in ("blocks", "dim", "heads", "mlp", "vocab", "dropout", "batch", "dtype", "warmup", "steps", "lr")
+        }
         config |= {"optimizer": "AdamW", "activation": "gelu"}
         baseline = model_bench.full_baseline(model_rows)
-        payload = meta | {"config": config, "full_baseline": [{"n": n, "mode": m} | baseline[(n, m)] for n, m in sorted(baseline)],
-                          "results": model_rows, "invocations": progress.state["invocations"]}
+        payload = meta | {
+            "config": config,
+            "full_baseline": [{"n": n, "mode": m} | baseline[(n, m)] for n, m in sorted(baseline)],
+            "results": model_rows,
+            "invocations": progress.state["invocations"],
+        }
         write_json_atomic(args.out / "model.json", payload)
         plot_model_results(payload, args.out / "model.png")
         print_model_summary(model_rows)
@@ -261,7 +328,9 @@ def print_model_summary(rows: list[dict]) -> None:
         if row["status"] == "ok":
             peak = "" if row["peak_mb"] is None else f"  peak {row['peak_mb']:.0f} MB"
             share = "" if row["attention_share"] is None else f"  attention {100 * row['attention_share']:.0f}%"
-            print(f"{row['pattern']:<12} {row['mode']:<9} N={row['n']:<6} {row['ms']:9.2f} ms  {row['vs_full']:.2f}x{peak}{share}")
+            print(
+                f"{row['pattern']:<12} {row['mode']:<9} N={row['n']:<6} {row['ms']:9.2f} ms  {row['vs_full']:.2f}x{peak}{share}"
+            )
     for row in rows:
         if row["status"] not in ("ok", "off"):
             label = model_bench.ModelCase(row["pattern"], row["n"], row["mode"], row["sdpa_backend"]).label()

@@ -106,8 +106,10 @@ def correctness() -> dict:
     for tile, group in ((GROUP_TILE, 16), (GROUP_TILE, 4), (64, 1), (64, 4)):
         report[f"kernel tile={tile} group={group}"] = check_kernel(tile, group)
     for pattern, group in (
-        ("moba:block=32,top=3,tile=64", 2), ("quest:block=32,top=3,tile=32", 1),
-        ("nsa:block=32,top=4,cmp=32,stride=16,window=64,pool=mlp", 4), ("nsa:block=64,top=3,cmp=64,stride=64,window=0", 16),
+        ("moba:block=32,top=3,tile=64", 2),
+        ("quest:block=32,top=3,tile=32", 1),
+        ("nsa:block=32,top=4,cmp=32,stride=16,window=64,pool=mlp", 4),
+        ("nsa:block=64,top=3,cmp=64,stride=64,window=0", 16),
         ("dsa:k=40,heads=4,dim=16", 2),
     ):
         report[f"{pattern} group={group}"] = check_pattern(pattern, group, kv=1 if group == 16 else 2)
@@ -145,9 +147,11 @@ def sdpa_best(batch, heads, n, d) -> dict:
     best = None
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
+
             def fn(q, k, v, backend=backend):
                 with sdpa_kernel([backend]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
             row = measure(fn, leaves) | {"backend": backend.name}
         except Exception as error:  # noqa: BLE001  (a backend that refuses the shape is skipped)
             row = {"error": repr(error)[:200], "backend": backend.name}
@@ -248,10 +252,24 @@ def main() -> None:
     start = time.time()
     lengths = [int(n) for n in args.lengths.split(",")]
     record = {
-        "machine": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("SPARSEFOCUS_COMMIT", ""),
-        "shape": {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "dtype": "bf16", "causal": True, "mode": "fwd+bwd"},
-        "patterns": {"nsa": NSA, "moba": MOBA, "quest": QUEST, "dsa": DSA}, "lengths": lengths, "correctness": {}, "timing": {},
+        "machine": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": os.environ.get("SPARSEFOCUS_COMMIT", ""),
+        "shape": {
+            "batch": args.batch,
+            "heads": args.heads,
+            "head_dim": args.head_dim,
+            "dtype": "bf16",
+            "causal": True,
+            "mode": "fwd+bwd",
+        },
+        "patterns": {"nsa": NSA, "moba": MOBA, "quest": QUEST, "dsa": DSA},
+        "lengths": lengths,
+        "correctness": {},
+        "timing": {},
     }
     if not args.skip_check:
         try:

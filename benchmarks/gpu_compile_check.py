@@ -208,7 +208,7 @@ def check_layer(spec, batch, heads, n, dim, causal, result: dict) -> None:
     grad_out = torch.randn_like(x)
     eager = layer_step(layer, layer, x, grad_out)  # also the warm-up (kernel JIT, cached constants)
     on_gpu = DEVICE == "cuda"  # graphs, the profiler's kernels, sync checks and timings need CUDA
-    step = lambda fn: (lambda: fn(x).backward(grad_out))  # noqa: E731
+    step = lambda fn: lambda: fn(x).backward(grad_out)  # noqa: E731
 
     def record(key, fn):
         try:
@@ -255,8 +255,12 @@ def check_layer(spec, batch, heads, n, dim, causal, result: dict) -> None:
     def explain():
         torch._dynamo.reset()
         explanation = torch._dynamo.explain(layer)(x)
-        return {"graph_breaks": explanation.graph_break_count, "graphs": explanation.graph_count,
-                "ok": explanation.graph_break_count == 0, "reasons": [str(r.reason)[:200] for r in explanation.break_reasons]}
+        return {
+            "graph_breaks": explanation.graph_break_count,
+            "graphs": explanation.graph_count,
+            "ok": explanation.graph_break_count == 0,
+            "reasons": [str(r.reason)[:200] for r in explanation.break_reasons],
+        }
 
     def timings():
         out = {"eager_ms": time_ms(step(layer))}
@@ -275,7 +279,11 @@ def run_case(spec_text: str, args) -> dict:
     try:
         result["accuracy"] = check_accuracy(spec, args.batch, args.heads, args.n, args.dim, True)
     except Exception as error:
-        result["accuracy"] = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:400]}", "trace": traceback.format_exc()[-1500:]}
+        result["accuracy"] = {
+            "ok": False,
+            "error": f"{type(error).__name__}: {str(error)[:400]}",
+            "trace": traceback.format_exc()[-1500:],
+        }
     try:
         check_layer(spec, args.batch, args.heads, args.n, args.dim, True, result)
     except Exception as error:
@@ -321,7 +329,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=4096)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke run of (a), (b), (e) in Triton's interpreter (fp16, tiny N)")
+    parser.add_argument(
+        "--device", default="cuda", help="cpu: a smoke run of (a), (b), (e) in Triton's interpreter (fp16, tiny N)"
+    )
     args = parser.parse_args()
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, DTYPES[args.dtype]
@@ -330,9 +340,15 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch._dynamo.config.cache_size_limit = 64  # one module per pattern: each compiles once
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "shape": [args.batch, args.heads, args.n, args.dim], "dtype": args.dtype, "causal": True}
+    meta = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "shape": [args.batch, args.heads, args.n, args.dim],
+        "dtype": args.dtype,
+        "causal": True,
+    }
     try:
         import triton
 

@@ -51,12 +51,24 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def listops(out: Path, name: str, mechanisms: list[str], seeds: list[int], precision: tuple[str, str], extra: list[str], *more: str):
+def listops(
+    out: Path, name: str, mechanisms: list[str], seeds: list[int], precision: tuple[str, str], extra: list[str], *more: str
+):
     """The paper's ListOps config, batched fast mode on CUDA, with the given precision."""
     overrides = [
-        f"out_dir={out}", f"name={name}", f"mechanisms={json.dumps(mechanisms)}", f"seeds={seeds}", "settings={}",
-        f"train.device={DEVICE}", "train.batched=true", "train.batched_mode=fast", "train.task_cache=true",
-        f"train.matmul_precision={precision[0]}", f"train.autocast={precision[1]}", *extra, *more,
+        f"out_dir={out}",
+        f"name={name}",
+        f"mechanisms={json.dumps(mechanisms)}",
+        f"seeds={seeds}",
+        "settings={}",
+        f"train.device={DEVICE}",
+        "train.batched=true",
+        "train.batched_mode=fast",
+        "train.task_cache=true",
+        f"train.matmul_precision={precision[0]}",
+        f"train.autocast={precision[1]}",
+        *extra,
+        *more,
     ]
     return load_config(ROOT / "experiments" / "listops.yaml", overrides)
 
@@ -79,17 +91,33 @@ def check(out: Path, extra: list[str]) -> dict:
     for mechanism in ("FULL", "TOPK:5"):
         grads = {}
         for mode in ("exact", "fast"):
-            config = listops(out, "check", [mechanism], PAPER_SEEDS[:2], FP32, extra, "model.dropout=0.0", f"train.batched_mode={mode}", "train.compile=eager")
+            config = listops(
+                out,
+                "check",
+                [mechanism],
+                PAPER_SEEDS[:2],
+                FP32,
+                extra,
+                "model.dropout=0.0",
+                f"train.batched_mode={mode}",
+                "train.compile=eager",
+            )
             with matmul_precision("highest"):
                 trainer = trainer_for(config, mechanism, PAPER_SEEDS[:2])
-                inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, torch.arange(8, device=DEVICE).expand(2, -1))
+                inputs, targets = trainer.rows(
+                    trainer.train_inputs, trainer.train_targets, torch.arange(8, device=DEVICE).expand(2, -1)
+                )
                 loss, _, _ = trainer.forward(inputs, targets)
                 loss.backward()
                 grads[mode] = (loss.detach(), {n: p.grad.clone() for n, p in trainer.model.named_parameters()})
         # relative to the whole gradient's norm: some gradients are zero in exact arithmetic (k_proj.bias)
         total = torch.sqrt(sum(g.norm() ** 2 for g in grads["exact"][1].values()))
         worst = max(((grads["fast"][1][n] - g).norm() / total).item() for n, g in grads["exact"][1].items())
-        results[mechanism] = {"loss_exact": grads["exact"][0].item(), "loss_fast": grads["fast"][0].item(), "worst_grad_rel_err": worst}
+        results[mechanism] = {
+            "loss_exact": grads["exact"][0].item(),
+            "loss_fast": grads["fast"][0].item(),
+            "worst_grad_rel_err": worst,
+        }
     return results
 
 
@@ -146,8 +174,11 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
     eval_s = time.perf_counter() - began
     epoch_s = trainer.steps_per_epoch * step_ms / 1000 + eval_s
     return {
-        "step_ms": round(step_ms, 3), "eval_s": round(eval_s, 3), "epoch_s": round(epoch_s, 3),
-        "study_min_200_epochs": round(200 * epoch_s / 60, 2), "compile_s": round(compile_s, 1),
+        "step_ms": round(step_ms, 3),
+        "eval_s": round(eval_s, 3),
+        "epoch_s": round(epoch_s, 3),
+        "study_min_200_epochs": round(200 * epoch_s / 60, 2),
+        "compile_s": round(compile_s, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else 0.0,
     }
 
@@ -156,7 +187,9 @@ def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epo
     """FULL and TOPK:5 curves, 3 seeds, at each precision; the largest per-epoch differences."""
     curves = {}
     for precision in precisions:
-        config = listops(out, f"fidelity-{label(precision)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], precision, extra, f"train.epochs={epochs}")
+        config = listops(
+            out, f"fidelity-{label(precision)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], precision, extra, f"train.epochs={epochs}"
+        )
         run_experiment(config, quiet=True, budget=budget)
         for spec in plan(config, [("default", config)]):
             path = spec.run_dir / "metrics.jsonl"
@@ -176,10 +209,12 @@ def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epo
                 spreads.append(statistics.pstdev(a))
             summary[f"{mechanism}/{key}"] = {"max_gap": round(max(gaps), 5), "seed_std_mean": round(statistics.mean(spreads), 5)}
             summary[f"{mechanism}/{key}/{reference}"] = [
-                round(statistics.median(curves[(reference, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4) for e in range(epochs)
+                round(statistics.median(curves[(reference, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4)
+                for e in range(epochs)
             ]
             summary[f"{mechanism}/{key}/{chosen}"] = [
-                round(statistics.median(curves[(chosen, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4) for e in range(epochs)
+                round(statistics.median(curves[(chosen, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4)
+                for e in range(epochs)
             ]
     return summary
 
@@ -199,13 +234,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--margin", type=float, default=90.0, help="seconds kept free for a compile at a group start")
     parser.add_argument("--precision", default="high", choices=("highest", "high", "medium"), help="chosen matmul precision")
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"), help="chosen autocast")
-    parser.add_argument("--compile", default="default", choices=("eager", "default", "reduce-overhead"), help="torch.compile mode")
+    parser.add_argument(
+        "--compile", default="default", choices=("eager", "default", "reduce-overhead"), help="torch.compile mode"
+    )
     parser.add_argument("--steps", type=int, default=30, help="timed training steps per throughput case")
     parser.add_argument("--fidelity-epochs", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
     parser.add_argument("--min-stage", type=float, default=240.0, help="seconds left needed to start the throughput stage")
     parser.add_argument("--redo", action="append", default=[], help="stage to run again: check, throughput, fidelity")
-    parser.add_argument("--set", action="append", default=[], dest="extra", metavar="KEY=VALUE", help="override for every ListOps config")
+    parser.add_argument(
+        "--set", action="append", default=[], dest="extra", metavar="KEY=VALUE", help="override for every ListOps config"
+    )
     return parser.parse_args()
 
 
@@ -255,11 +294,15 @@ def main() -> int:
 def print_table(state: dict) -> None:
     print(f"\n{state['device']}, torch {state['torch']}, chosen {state['chosen']}")
     for mechanism, row in state.get("check", {}).items():
-        print(f"check {mechanism:7s} fast vs exact: loss {row['loss_fast']:.6f} vs {row['loss_exact']:.6f}, worst grad rel err {row['worst_grad_rel_err']:.2e}")
+        print(
+            f"check {mechanism:7s} fast vs exact: loss {row['loss_fast']:.6f} vs {row['loss_exact']:.6f}, worst grad rel err {row['worst_grad_rel_err']:.2e}"
+        )
     if "throughput" in state:
         print(f"{'case':18s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'200 ep min':>10s} {'compile s':>9s} {'GiB':>6s}")
         for case, row in state["throughput"].items():
-            print(f"{case:18s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}")
+            print(
+                f"{case:18s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}"
+            )
     fid = state.get("fidelity", {})
     if fid.get("finished"):
         for key, row in fid.items():

@@ -38,13 +38,20 @@ def check_indexed(score, n=1000, m=900, b=2, hq=8, hk=2, d=64, dv=48, kk=37):
     leavesk = [x.to(torch.bfloat16).requires_grad_() for x in (q, k, v)]
     out = {}
     grad_out = torch.randn(b, hq, n, dv, device=DEV)
-    for name, leaves, fn in (("ref32", leaves32, indexed_attention_ref), ("ref16", leaves16, indexed_attention_ref), ("kernel", leavesk, indexed_attention)):
+    for name, leaves, fn in (
+        ("ref32", leaves32, indexed_attention_ref),
+        ("ref16", leaves16, indexed_attention_ref),
+        ("kernel", leavesk, indexed_attention),
+    ):
         g = None if gamma is None else gamma.detach().clone().requires_grad_()
         o = fn(*leaves, index, scale=scale, score=score, gamma=g)
         grads = torch.autograd.grad(o.float(), leaves + ([g] if g is not None else []), grad_out)
         out[name] = [o] + list(grads)
     names = ["out", "dq", "dk", "dv", "dgamma"]
-    return {names[i]: (rel(out["kernel"][i], out["ref32"][i]), rel(out["ref16"][i], out["ref32"][i])) for i in range(len(out["kernel"]))}
+    return {
+        names[i]: (rel(out["kernel"][i], out["ref32"][i]), rel(out["ref16"][i], out["ref32"][i]))
+        for i in range(len(out["kernel"]))
+    }
 
 
 def check_topk(n=3000, kk=32, causal=True, pad=False):
@@ -67,7 +74,16 @@ def check_topk_scores(n=2048, kk=32):
     want = scores.topk(kk, -1).indices
     got_s = torch.gather(scores, -1, got.clamp_min(0)).masked_fill(got < 0, 0).sum(-1)
     want_s = torch.gather(scores, -1, want).masked_fill(torch.isinf(torch.gather(scores, -1, want)), 0).sum(-1)
-    return {"max_abs_score_sum_diff": (got_s - want_s).abs().max().item(), "set_equal_frac": (got.sort(-1).values == want.masked_fill(torch.isinf(torch.gather(scores, -1, want)), -1).sort(-1).values).all(-1).float().mean().item()}
+    return {
+        "max_abs_score_sum_diff": (got_s - want_s).abs().max().item(),
+        "set_equal_frac": (
+            got.sort(-1).values == want.masked_fill(torch.isinf(torch.gather(scores, -1, want)), -1).sort(-1).values
+        )
+        .all(-1)
+        .float()
+        .mean()
+        .item(),
+    }
 
 
 def check_api(n=700):
@@ -112,8 +128,20 @@ def tune(log):
     do = torch.randn_like(o)
     bwd_overrides = {}
     indexed.TILE_OVERRIDES["bwd"] = bwd_overrides
-    chosen = {"indexed_bwd": fastest("indexed bwd N=64K", [{}, {"BLOCK_M": 16, "BLOCK_K": 2, "num_warps": 2}, {"BLOCK_M": 32, "BLOCK_K": 4, "num_warps": 4}, {"BLOCK_M": 8, "BLOCK_K": 8, "num_warps": 4}],
-                                      bwd_overrides, lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), log)}
+    chosen = {
+        "indexed_bwd": fastest(
+            "indexed bwd N=64K",
+            [
+                {},
+                {"BLOCK_M": 16, "BLOCK_K": 2, "num_warps": 2},
+                {"BLOCK_M": 32, "BLOCK_K": 4, "num_warps": 4},
+                {"BLOCK_M": 8, "BLOCK_K": 8, "num_warps": 4},
+            ],
+            bwd_overrides,
+            lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True),
+            log,
+        )
+    }
     # The top-k selection's tiles (three kernels, nested overrides) are tuned by benchmarks/topk_probe.py.
     log(f"TILES {json.dumps(chosen)}")
 
@@ -129,10 +157,18 @@ def main(argv):
 
     start = time.time()
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    checks = [("indexed dot", lambda: check_indexed("dot")), ("indexed cauchy", lambda: check_indexed("cauchy")),
-              ("topk causal", lambda: check_topk()), ("topk scores", check_topk_scores), ("api triton vs reference", check_api)]
+    checks = [
+        ("indexed dot", lambda: check_indexed("dot")),
+        ("indexed cauchy", lambda: check_indexed("cauchy")),
+        ("topk causal", lambda: check_topk()),
+        ("topk scores", check_topk_scores),
+        ("api triton vs reference", check_api),
+    ]
     if "--all-checks" in argv:
-        checks += [("indexed neg_sqeuclid", lambda: check_indexed("neg_sqeuclid")), ("topk noncausal pad", lambda: check_topk(causal=False, pad=True))]
+        checks += [
+            ("indexed neg_sqeuclid", lambda: check_indexed("neg_sqeuclid")),
+            ("topk noncausal pad", lambda: check_topk(causal=False, pad=True)),
+        ]
     for name, fn in checks:
         try:
             log(f"CHECK {name}: {fn()}")
@@ -146,7 +182,7 @@ def main(argv):
     if "--bench-args" in argv:
         from sparsefocus.bench.run import main as bench_main
 
-        bench_main(argv[argv.index("--bench-args") + 1:])
+        bench_main(argv[argv.index("--bench-args") + 1 :])
         log(f"bench done at {time.time() - start:.0f}s")
     (out_dir / "check.txt").write_text("\n".join(lines))
 

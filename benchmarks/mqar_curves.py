@@ -29,9 +29,7 @@ def load_runs(folders: list[Path]) -> dict[str, list[dict]]:
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             found.append((str(config.get("mechanism") or metrics.stem), config.get("seed"), rows))
     mechanisms = [mechanism for mechanism, _, _ in found]
-    return {
-        mechanism + (f" seed={seed}" if mechanisms.count(mechanism) > 1 else ""): rows for mechanism, seed, rows in found
-    }
+    return {mechanism + (f" seed={seed}" if mechanisms.count(mechanism) > 1 else ""): rows for mechanism, seed, rows in found}
 
 
 def short_names(names: list[str]) -> list[str]:

@@ -58,7 +58,10 @@ def query_layout(task: TaskData, count: int) -> tuple[Tensor, Tensor]:
 def report(hits: Tensor, position: Tensor, pair: Tensor) -> None:
     chunk = position // CHUNK
     print(f"  all {hits.mean():.4f}; by chunk:", " ".join(f"{c}:{hits[chunk == c].mean():.3f}" for c in range(1, 8)))
-    print("  by query position (bins of 4):", " ".join(f"{p}:{hits[(position >= p) & (position < p + 4)].mean():.2f}" for p in range(32, 80, 4)))
+    print(
+        "  by query position (bins of 4):",
+        " ".join(f"{p}:{hits[(position >= p) & (position < p + 4)].mean():.2f}" for p in range(32, 80, 4)),
+    )
     print("  by key pair:", " ".join(f"{j}:{hits[pair == j].mean():.2f}" for j in range(CONTEXT // 2)))
     early_query, early_pair = position < CONTEXT + 4, pair < 2
     for name, rows in (
@@ -78,7 +81,9 @@ def main() -> None:
     args = parser.parse_args()
     args.wide = [re.sub(r"window=\d+", "window=224", args.pattern)] if args.wide is None else args.wide
     state = torch.load(args.checkpoint, map_location="cpu", weights_only=True)["model"]
-    print("learned gamma:", {name: [f"{g:.2e}" for g in value.tolist()] for name, value in state.items() if name.endswith("gamma")})
+    print(
+        "learned gamma:", {name: [f"{g:.2e}" for g in value.tolist()] for name, value in state.items() if name.endswith("gamma")}
+    )
     task = build_task("mqar", load_config(CONFIG).seeds[0], preset="fig2_256")
     position, pair = query_layout(task, args.count)
     for pattern in [args.pattern, *args.wide]:

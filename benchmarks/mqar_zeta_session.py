@@ -50,7 +50,9 @@ def check_checkpoint_size(config: ExperimentConfig) -> None:
         model = Decoder(config.model, mechanism, vocab_size=task["vocab_size"], max_len=task["seq_len"])
         size = 3 * 4 * model.num_parameters() + 2**20  # 1 MiB for metrics, RNG states, pickling
         if size > MAX_FILE_BYTES:
-            raise ValueError(f"a {mechanism} checkpoint would be about {size / 2**20:.1f} MiB, over the 16 MiB a call returns; shrink model.dim")
+            raise ValueError(
+                f"a {mechanism} checkpoint would be about {size / 2**20:.1f} MiB, over the 16 MiB a call returns; shrink model.dim"
+            )
 
 
 def run_folder(root: Path, record: dict[str, Any]) -> Path:
@@ -97,7 +99,9 @@ def copy_back(root: Path, out: Path) -> list[str]:
             source = record.parent / name
             if source.exists():
                 if source.stat().st_size > MAX_FILE_BYTES:
-                    raise ValueError(f"{source} is {source.stat().st_size} bytes, over the 16 MiB the device returns; shrink model.dim")
+                    raise ValueError(
+                        f"{source} is {source.stat().st_size} bytes, over the 16 MiB the device returns; shrink model.dim"
+                    )
                 shutil.copy(source, out / f"run{index}.{name}")
                 copied.append(f"run{index}.{name}")
     return copied
@@ -108,7 +112,7 @@ def progress(root: Path) -> dict[str, dict[str, Any]]:
     out = {}
     for record_path in sorted(root.rglob("config.yaml")):
         record = yaml.safe_load(record_path.read_text())
-        lines = (record_path.parent / "metrics.jsonl")
+        lines = record_path.parent / "metrics.jsonl"
         metrics = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
         out[f"{record['label']} seed={record['seed']}"] = {  # one entry per seed of a mechanism
             "epochs_done": len(metrics),
@@ -122,8 +126,17 @@ def progress(root: Path) -> dict[str, dict[str, Any]]:
 
 def train(overrides: list[str], root: Path, seconds: float) -> tuple[Any, float]:
     """``sparsefocus train`` for at most ``seconds`` (killed after, losing at most the current epoch)."""
-    command = [sys.executable, "-m", "sparsefocus.cli", "train", CONFIG, *overrides,
-               f"out_dir={root.parent}", f"name={root.name}", "--no-report"]
+    command = [
+        sys.executable,
+        "-m",
+        "sparsefocus.cli",
+        "train",
+        CONFIG,
+        *overrides,
+        f"out_dir={root.parent}",
+        f"name={root.name}",
+        "--no-report",
+    ]
     began = time.perf_counter()
     child = subprocess.Popen(command, start_new_session=True)
     try:
@@ -138,7 +151,10 @@ def train(overrides: list[str], root: Path, seconds: float) -> tuple[Any, float]
 def session(out: Path, budget: float, resume: Path | None, overrides: list[str]) -> dict[str, Any]:
     check_checkpoint_size(load_config(CONFIG, overrides))  # a bad override fails here, before any copying
     root = WORK
-    report: dict[str, Any] = {"overrides": overrides, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    report: dict[str, Any] = {
+        "overrides": overrides,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
     report["restored"] = restore(resume, root) if resume is not None else []
     seconds = budget - (time.perf_counter() - STARTED) - STOP_MARGIN_S
     report["returncode"], report["train_wall_s"] = train(overrides, root, seconds)

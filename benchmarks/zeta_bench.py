@@ -62,6 +62,7 @@ def zeta_step(q, k, v, gamma, pattern=PATTERN, backward=True, grad_out: list | N
     def run():
         out = sf.sparse_attention(q, k, v, pattern, causal=True, impl="triton", params={"gamma": gamma})
         return _backward_of(out, (q, k, v, gamma), grad_out) if backward else None
+
     return run
 
 
@@ -73,6 +74,7 @@ def sdpa_step(q, k, v, backward=True):
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return _backward_of(out, (q, k, v), grad_out) if backward else None
+
     return run
 
 
@@ -201,7 +203,12 @@ def plot(result: dict, path: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     if rows:
         ns = [r["N"] for r in rows]
-        curves = (("zeta_fwdbwd_ms", "ZETA window 64"), ("zeta_wide_fwdbwd_ms", "ZETA window 160"), ("zeta_shifted_fwdbwd_ms", "ZETA 3 curves x 40"), ("sdpa_fwdbwd_ms", "SDPA flash"))
+        curves = (
+            ("zeta_fwdbwd_ms", "ZETA window 64"),
+            ("zeta_wide_fwdbwd_ms", "ZETA window 160"),
+            ("zeta_shifted_fwdbwd_ms", "ZETA 3 curves x 40"),
+            ("sdpa_fwdbwd_ms", "SDPA flash"),
+        )
         for key, label in curves:
             points = [(r["N"], r[key]) for r in rows if key in r]
             axes[0].loglog([p[0] for p in points], [p[1] for p in points], "o-", label=label, base=2)
@@ -232,11 +239,16 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--n", type=int, nargs="+", default=None, help="lengths (default 4K..64K; --quick: 4K, 8K)")
-    parser.add_argument("--ratio-n", type=int, nargs="+", default=None, help="lengths that also time the wide and shifted patterns (default: all)")
+    parser.add_argument(
+        "--ratio-n", type=int, nargs="+", default=None, help="lengths that also time the wide and shifted patterns (default: all)"
+    )
     parser.add_argument("--recall", choices=("full", "small", "none"), default="full")
     parser.add_argument("--no-million", action="store_true")
     args = parser.parse_args()
-    commit = os.environ.get("SPARSEFOCUS_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (
+        os.environ.get("SPARSEFOCUS_COMMIT")
+        or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
     lengths = args.n or ([4096, 8192] if args.quick else [4096, 8192, 16384, 32768, 65536])
     result = {
         "command": "PYTHONPATH=. python benchmarks/zeta_bench.py " + " ".join(sys.argv[1:]),

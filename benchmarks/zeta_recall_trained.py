@@ -91,7 +91,9 @@ def collect_qk(run: LoadedRun, examples: int, batch_size: int) -> dict[str, Laye
     if not captured:
         raise ValueError(f"{run.run_dir}: the model has no zeta attention layer")
     return {
-        name: LayerInputs(calls[0].module.pattern, calls[0].module.causal, torch.cat([c.q for c in calls]), torch.cat([c.k for c in calls]))
+        name: LayerInputs(
+            calls[0].module.pattern, calls[0].module.causal, torch.cat([c.q for c in calls]), torch.cat([c.k for c in calls])
+        )
         for name, calls in captured.items()
     }
 
@@ -136,11 +138,19 @@ def layer_recalls(layer: LayerInputs, patterns: list[Zeta], lengths: list[int], 
             for pattern in patterns:
                 recall = candidate_recall(q[:, :, :n], k[:, :, :n], pattern, causal=layer.causal)  # [B, H, n]
                 per_head = recall.transpose(0, 1).reshape(recall.shape[1], -1).nanmean(-1)  # [H]
-                rows.append({
-                    "source": source, "n": n, "pattern": pattern_string(pattern), "curves": pattern.curves,
-                    "window": pattern.window, "bits": pattern.bits, "own": pattern == layer.pattern,
-                    "recall": recall.nanmean().item(), "recall_per_head": [round(v, 4) for v in per_head.tolist()],
-                })
+                rows.append(
+                    {
+                        "source": source,
+                        "n": n,
+                        "pattern": pattern_string(pattern),
+                        "curves": pattern.curves,
+                        "window": pattern.window,
+                        "bits": pattern.bits,
+                        "own": pattern == layer.pattern,
+                        "recall": recall.nanmean().item(),
+                        "recall_per_head": [round(v, 4) for v in per_head.tolist()],
+                    }
+                )
     return rows
 
 
@@ -168,8 +178,11 @@ def measure_run(run: LoadedRun, examples: int, batch_size: int, lengths: list[in
         sizes = sorted({n for n in lengths if n < seq_len} | {seq_len})
         gamma = dict(modules[name].mechanism).get("gamma")
         result["layers"][name] = {
-            "pattern": pattern_string(layer.pattern), "causal": layer.causal, "shape": list(layer.q.shape),
-            "qk": describe_qk(layer, gamma), "rows": layer_recalls(layer, sweep_patterns(layer.pattern, seq_len), sizes, seed),
+            "pattern": pattern_string(layer.pattern),
+            "causal": layer.causal,
+            "shape": list(layer.q.shape),
+            "qk": describe_qk(layer, gamma),
+            "rows": layer_recalls(layer, sweep_patterns(layer.pattern, seq_len), sizes, seed),
         }
     return result
 
@@ -195,7 +208,11 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
         first = layers[names[0]]
         n_max = first["shape"][2]
         ppl = result["final_metrics"].get("valid_ppl")
-        out.append(f"**{result['label']}** (valid perplexity {ppl:.1f}), N = {n_max}, recall trained / matched / gaussian:\n" if ppl else f"**{result['label']}**, N = {n_max}:\n")
+        out.append(
+            f"**{result['label']}** (valid perplexity {ppl:.1f}), N = {n_max}, recall trained / matched / gaussian:\n"
+            if ppl
+            else f"**{result['label']}**, N = {n_max}:\n"
+        )
         out.append("| curves × window | bits | " + " | ".join(names) + " |")
         out.append("|---|---|" + "---|" * len(names))
         patterns = list(dict.fromkeys(r["pattern"] for r in first["rows"]))
@@ -241,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": " ".join(["python", "benchmarks/zeta_recall_trained.py", *(sys.argv[1:] if argv is None else argv)]),
         "commit": git_commit(),
-        "options": vars(args), "runs": results,
+        "options": vars(args),
+        "runs": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(args.out, json.dumps(report, indent=1, default=str))

@@ -13,7 +13,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sparsefocus.train.demo", "train FULL, TOPK:5, BAND:5(1), BLOC:5(1) over seeds on a small task and report"),
     "train": ("sparsefocus.train.commands", "train an experiment: sparsefocus train CONFIG [key=value ...]"),
     "report": ("sparsefocus.train.report", "write the curves and the table of a run folder: sparsefocus report RUN_DIR"),
-    "bench": ("sparsefocus.bench.run", "time patterns against the fastest SDPA backend and Flex; --model: a Decoder training step"),
+    "bench": (
+        "sparsefocus.bench.run",
+        "time patterns against the fastest SDPA backend and Flex; --model: a Decoder training step",
+    ),
     "analyze": ("sparsefocus.analysis.commands", "dispersion, separation, sinks, landscape, recall of a trained run"),
     "patterns": ("sparsefocus.analysis.pictures", "draw the selection masks of patterns"),
     "corpus": ("sparsefocus.tasks.corpus", "fetch, verify and cache the Brown corpus: sparsefocus corpus fetch|status"),

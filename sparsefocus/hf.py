@@ -42,9 +42,7 @@ def _transformers():
     except ImportError as error:
         raise ImportError("sparsefocus.hf needs transformers: pip install 'sparsefocus[hf]'") from error
     if not hasattr(transformers, "AttentionMaskInterface"):
-        raise ImportError(
-            f"sparsefocus.hf needs transformers >= 4.53 (AttentionMaskInterface), found {transformers.__version__}"
-        )
+        raise ImportError(f"sparsefocus.hf needs transformers >= 4.53 (AttentionMaskInterface), found {transformers.__version__}")
     return transformers
 
 
@@ -125,8 +123,14 @@ def make_attention_function(spec: Pattern, impl: str = "auto") -> Callable[..., 
             )
         causal = _is_causal(module, is_causal)
         out = sparse_attention(
-            query, key, value, spec, causal=causal, scale=scaling,
-            key_padding_mask=key_padding_from_mask(attention_mask, key.shape[2]), impl=impl,
+            query,
+            key,
+            value,
+            spec,
+            causal=causal,
+            scale=scaling,
+            key_padding_mask=key_padding_from_mask(attention_mask, key.shape[2]),
+            impl=impl,
         )  # [B, H, S, Dv]
         return out.transpose(1, 2).contiguous(), None
 

@@ -35,9 +35,9 @@ class BoundInputs:
     sink_ratio: float
 
     def floored(self) -> BoundInputs:
-        return BoundInputs(*(max(value, FLOOR) for value in (
-            self.full_dispersion, self.heavy_dispersion, self.separation, self.sink_ratio
-        )))
+        return BoundInputs(
+            *(max(value, FLOOR) for value in (self.full_dispersion, self.heavy_dispersion, self.separation, self.sink_ratio))
+        )
 
 
 def w_form_lhs(inputs: BoundInputs) -> float:
@@ -78,8 +78,9 @@ def columns_from_table(row: dict[str, list[float]], sinks_per_query: float = 5.0
         if len(row.get(name, ())) != 4:
             raise ValueError(f"bound table row needs 4 values for {name!r}, got {row.get(name)}")
     return [
-        BoundInputs(row["full_dispersion"][i], row["heavy_dispersion"][i], row["separation"][i],
-                    row["sinks"][i] / sinks_per_query)
+        BoundInputs(
+            row["full_dispersion"][i], row["heavy_dispersion"][i], row["separation"][i], row["sinks"][i] / sinks_per_query
+        )
         for i in range(4)
     ]
 
@@ -157,6 +158,4 @@ PAPER_TABLE: dict[str, dict[str, list[float]]] = {
 
 def paper_bound_report() -> str:
     """The bound check on the paper's own table, one block per task."""
-    return "\n".join(
-        format_bound_report(task, check_columns(columns_from_table(row))) for task, row in PAPER_TABLE.items()
-    )
+    return "\n".join(format_bound_report(task, check_columns(columns_from_table(row))) for task, row in PAPER_TABLE.items())

@@ -101,9 +101,7 @@ def landscape_of(run: LoadedRun, options: AnalyzeOptions) -> Landscape:
         torch.manual_seed(0)  # paper-mode attention dropout stays on in eval: fix it per point
         return evaluate(model, inputs, targets, options.batch_size)[0]
 
-    return loss_grid(
-        run.model, loss_fn, steps=options.grid, radius=options.radius, seed=options.direction_seed, progress=True
-    )
+    return loss_grid(run.model, loss_fn, steps=options.grid, radius=options.radius, seed=options.direction_seed, progress=True)
 
 
 def chosen_runs(paths: list[Path], options: AnalyzeOptions) -> list[Path]:
@@ -355,11 +353,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=100, help="examples per batch")
     parser.add_argument("--all-seeds", action="store_true", help="pool every seed (default: one seed, see --seed)")
     parser.add_argument(
-        "--seed", default="smallest",
+        "--seed",
+        default="smallest",
         help=f"the seed analysed per mechanism: 'smallest' (default), 'paper' ({PAPER_ANALYSIS_SEED}) or a number",
     )
     parser.add_argument(
-        "--lipschitz-window", choices=LIPSCHITZ_WINDOWS, default="centred",
+        "--lipschitz-window",
+        choices=LIPSCHITZ_WINDOWS,
+        default="centred",
         help="'centred' (closed [-r, r], default) or 'paper' (lgrads.py's half-open window, shifted by one step)",
     )
     parser.add_argument("--landscape", action="store_true", help="also compute loss landscapes and Lipschitz estimates")
@@ -403,8 +404,14 @@ def main(argv: list[str] | None = None) -> int:
         print(paper_bound_report())
         return 0
     options = AnalyzeOptions(
-        batches=args.batches, batch_size=args.batch_size, all_seeds=args.all_seeds, landscape=args.landscape,
-        grid=args.grid, radius=args.radius, landscape_samples=args.landscape_samples, seed=args.seed,
+        batches=args.batches,
+        batch_size=args.batch_size,
+        all_seeds=args.all_seeds,
+        landscape=args.landscape,
+        grid=args.grid,
+        radius=args.radius,
+        landscape_samples=args.landscape_samples,
+        seed=args.seed,
         lipschitz_window=args.lipschitz_window,
     )
     try:

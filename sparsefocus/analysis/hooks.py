@@ -43,8 +43,12 @@ class AttentionCall:
     def kept(self) -> Tensor:
         """[B, H, N, M] bool: the pairs the layer's pattern keeps."""
         return selection_mask(
-            self.module.pattern, self.q, self.k, causal=self.module.causal,
-            key_padding_mask=self.key_padding_mask, params=self.params,
+            self.module.pattern,
+            self.q,
+            self.k,
+            causal=self.module.causal,
+            key_padding_mask=self.key_padding_mask,
+            params=self.params,
         )
 
     def allowed(self) -> Tensor:

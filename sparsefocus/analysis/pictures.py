@@ -41,8 +41,13 @@ def random_queries_keys(pattern: Pattern, n: int, head_dim: int = 16, seed: int 
 
 
 def pattern_mask(
-    pattern: str | Pattern, n: int, *, causal: bool = False, q: Tensor | None = None,
-    k: Tensor | None = None, seed: int = 0,
+    pattern: str | Pattern,
+    n: int,
+    *,
+    causal: bool = False,
+    q: Tensor | None = None,
+    k: Tensor | None = None,
+    seed: int = 0,
 ) -> np.ndarray:
     """[n, n] bool mask of a pattern (head 0), on the given q, k [1, H, n, D] or random ones."""
     spec = parse_pattern(pattern)
@@ -110,8 +115,14 @@ def call_weights(call: AttentionCall) -> Tensor:
     eye = torch.eye(n_keys, dtype=torch.float32, device=call.k.device).expand(batch, heads, n_keys, n_keys)
     with torch.no_grad():
         return sparse_attention(
-            call.q.float(), call.k.float(), eye, call.module.pattern, causal=call.module.causal,
-            key_padding_mask=call.key_padding_mask, impl="reference", params=call.params,
+            call.q.float(),
+            call.k.float(),
+            eye,
+            call.module.pattern,
+            causal=call.module.causal,
+            key_padding_mask=call.key_padding_mask,
+            impl="reference",
+            params=call.params,
         )
 
 

@@ -131,9 +131,7 @@ class ScoreStatistics:
     """
 
     keys_per_query: int | None = None
-    values: dict[str, dict[str, list[np.ndarray]]] = field(
-        default_factory=lambda: defaultdict(lambda: defaultdict(list))
-    )
+    values: dict[str, dict[str, list[np.ndarray]]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(list)))
 
     def add(
         self, layer: str, scores: Tensor, kept: Tensor, allowed: Tensor | None = None, keys_per_query: int | None = None

@@ -194,7 +194,9 @@ def sparse_attention(
     chosen = resolve_impl(spec, impl, q, decoding)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if return_lse and chosen == "triton":
-        return _triton_with_lse(spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
+        return _triton_with_lse(
+            spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params
+        )
     if chosen != "triton" and spec.expands_kv:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     kwargs: dict[str, Any] = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}

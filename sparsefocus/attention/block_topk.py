@@ -53,9 +53,7 @@ def block_scores(q: Tensor, k: Tensor, block: int, pool: str, key_padding_mask: 
             high = blocked.masked_fill(~real, float("-inf")).amax(-2).masked_fill(~has_key, 0.0)
             low, high = repeat_heads(low, q.shape[1]), repeat_heads(high, q.shape[1])
             # max(q_d min_d, q_d max_d) picks max_d where q_d >= 0 and min_d where q_d < 0.
-            scores = torch.matmul(q.clamp_min(0), high.transpose(-1, -2)) + torch.matmul(
-                q.clamp_max(0), low.transpose(-1, -2)
-            )
+            scores = torch.matmul(q.clamp_min(0), high.transpose(-1, -2)) + torch.matmul(q.clamp_max(0), low.transpose(-1, -2))
         return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))  # [B, Hq, N, nb]
 
 
@@ -147,7 +145,9 @@ def pooled_tile_queries(q: Tensor, tile: int, causal: bool) -> tuple[Tensor, Ten
         return parts[0], parts[1]
 
 
-def tile_block_scores(q: Tensor, k: Tensor, block: int, tile: int, pool: str, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+def tile_block_scores(
+    q: Tensor, k: Tensor, block: int, tile: int, pool: str, causal: bool, key_padding_mask: Tensor | None
+) -> Tensor:
     """Sum over each tile's scoring queries of the per-token block score -> [B, Hq, T, nb] fp32.
 
     Both scores are linear in the positive and negative parts of q, so the sum over queries is the
@@ -194,7 +194,9 @@ class TileBlockTopK(Pattern):
     def validate(self) -> None:
         require(self.block >= 1, f"{self.name}: block must be >= 1, got {self.block}")
         require(self.top >= 0, f"{self.name}: top must be >= 0, got {self.top}")
-        require(self.tile >= 16 and self.tile & (self.tile - 1) == 0, f"{self.name}: tile must be a power of 2 >= 16, got {self.tile}")
+        require(
+            self.tile >= 16 and self.tile & (self.tile - 1) == 0, f"{self.name}: tile must be a power of 2 >= 16, got {self.tile}"
+        )
 
     def tile_blocks(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
         """[B, Hq, T, S] int32 block lists: the own blocks of each tile, then the chosen ones; -1 unused."""

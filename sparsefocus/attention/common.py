@@ -67,9 +67,7 @@ def apply_key_padding(mask: Tensor, key_padding_mask: Tensor | None) -> Tensor:
     return mask & key_padding_mask[:, None, None, :]
 
 
-def chunked_rows(
-    fn: Callable[[slice], Tensor], n_rows: int, chunk: int = DEFAULT_ROW_CHUNK, recompute: bool = True
-) -> Tensor:
+def chunked_rows(fn: Callable[[slice], Tensor], n_rows: int, chunk: int = DEFAULT_ROW_CHUNK, recompute: bool = True) -> Tensor:
     """Concatenate ``fn(rows)`` over row chunks along dim -2.
 
     With autograd on, each chunk is checkpointed so that its [chunk, M] scores are recomputed in

@@ -72,7 +72,10 @@ class DSA(Pattern):
     cost: ClassVar[tuple[str, str]] = ("O(N M heads dim) indexer + O(N k D) attend", "O(N k) lists")
 
     def validate(self) -> None:
-        require(self.k >= 1 and self.heads >= 1 and self.dim >= 1, f"dsa: k, heads, dim must be >= 1, got {self.k}, {self.heads}, {self.dim}")
+        require(
+            self.k >= 1 and self.heads >= 1 and self.dim >= 1,
+            f"dsa: k, heads, dim must be >= 1, got {self.k}, {self.heads}, {self.dim}",
+        )
         require(self.kl >= 0, f"dsa: kl must be >= 0, got {self.kl}")
         require(self.kl_every >= 1, f"dsa: kl_every must be >= 1, got {self.kl_every}")
 
@@ -160,7 +163,9 @@ def allowed_keys(rows: slice, n_keys: int, causal: bool, key_padding_mask: Tenso
     """[B or 1, R, M] bool: keys a query may select (causal: s <= t; real keys only)."""
     allowed = torch.ones(1, rows.stop - rows.start, n_keys, dtype=torch.bool, device=device)
     if causal:
-        allowed = allowed & (torch.arange(n_keys, device=device)[None, :] <= torch.arange(rows.start, rows.stop, device=device)[:, None])
+        allowed = allowed & (
+            torch.arange(n_keys, device=device)[None, :] <= torch.arange(rows.start, rows.stop, device=device)[:, None]
+        )
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, :]
     return allowed
@@ -173,7 +178,9 @@ def kl_to_target(target: Tensor, logits: Tensor, valid: Tensor) -> tuple[Tensor,
     return terms.sum(), valid.any(-1).sum()
 
 
-def dense_indexer_kl(q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1) -> Tensor:
+def dense_indexer_kl(
+    q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1
+) -> Tensor:
     """The indexer's KL loss, defined densely: selected [B, N, M] bool, the main distribution
     softmax(scale q k) over the selected keys averaged over the query heads (detached); the mean
     over the query rows 0, every, 2 every... that keep a key."""
@@ -188,7 +195,9 @@ def dense_indexer_kl(q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tens
     return total / rows.clamp_min(1)
 
 
-def chunked_indexer_kl(q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1) -> Tensor:
+def chunked_indexer_kl(
+    q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1
+) -> Tensor:
     """The same loss from the key lists ([B, 1, N, K]) in row chunks, each recomputed in backward."""
     iq, ik, w = tensors
     q, index, iq, w = q[:, :, ::every], index[:, :, ::every], iq[:, :, ::every], w[:, ::every]
@@ -198,7 +207,9 @@ def chunked_indexer_kl(q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tenso
     for start in range(0, n, chunk):
         part = row_slice(n, start, start + chunk)
         args = (q[:, :, part].detach(), k.detach(), index[:, :, part], iq[:, :, part], ik, w[:, part])
-        chunk_total, chunk_rows = checkpoint(_kl_chunk, *args, scale, use_reentrant=False) if torch.is_grad_enabled() else _kl_chunk(*args, scale)
+        chunk_total, chunk_rows = (
+            checkpoint(_kl_chunk, *args, scale, use_reentrant=False) if torch.is_grad_enabled() else _kl_chunk(*args, scale)
+        )
         total, rows = total + chunk_total, rows + chunk_rows
     return total / rows.clamp_min(1)
 

@@ -36,4 +36,3 @@ class Full(Pattern):
 
     def label(self) -> str:
         return "FULL"
-

@@ -35,8 +35,7 @@ def check_lse_support(spec: Pattern) -> None:
     normaliser = getattr(spec, "normaliser", "softmax")
     if normaliser != "softmax":
         raise ValueError(
-            f"return_lse needs a softmax mechanism; pattern {spec.label()} normalises with {normaliser}, "
-            "which has no log-sum-exp"
+            f"return_lse needs a softmax mechanism; pattern {spec.label()} normalises with {normaliser}, which has no log-sum-exp"
         )
 
 

@@ -47,7 +47,9 @@ def compressed_count(n: int, cmp: int, stride: int) -> int:
     return 0 if n < cmp else (n - cmp) // stride + 1
 
 
-def compress(x: Tensor, real: Tensor | None, cmp: int, stride: int, mlp: tuple[Tensor, ...] | None) -> tuple[Tensor, Tensor | None]:
+def compress(
+    x: Tensor, real: Tensor | None, cmp: int, stride: int, mlp: tuple[Tensor, ...] | None
+) -> tuple[Tensor, Tensor | None]:
     """Summaries of x [B, Hk, N, X] over windows of cmp positions every stride -> ([B, Hk, Nc, X], real [B, Nc] or None).
 
     Mean pooling averages the real positions of a window. With ``mlp = (pos [cmp, X], w1
@@ -120,16 +122,28 @@ class NSA(Pattern):
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
     needs_hidden: ClassVar[bool] = True
     expands_kv: ClassVar[bool] = False
-    examples: ClassVar[tuple[str, ...]] = ("nsa:block=8,top=3,cmp=4,stride=2,window=6", "nsa:block=8,top=2,cmp=8,stride=8,window=0,local=1")
+    examples: ClassVar[tuple[str, ...]] = (
+        "nsa:block=8,top=3,cmp=4,stride=2,window=6",
+        "nsa:block=8,top=2,cmp=8,stride=8,window=0,local=1",
+    )
     cost: ClassVar[tuple[str, str]] = ("O(N (N/stride + top block + window) D)", "O(N top) lists")
 
     def validate(self) -> None:
         for field in ("block", "top", "cmp", "stride"):
             require(getattr(self, field) >= 1, f"nsa: {field} must be >= 1, got {getattr(self, field)}")
-        require(self.cmp % self.stride == 0 and self.block % self.stride == 0, f"nsa: stride ({self.stride}) must divide cmp ({self.cmp}) and block ({self.block})")
+        require(
+            self.cmp % self.stride == 0 and self.block % self.stride == 0,
+            f"nsa: stride ({self.stride}) must divide cmp ({self.cmp}) and block ({self.block})",
+        )
         require(self.pool in POOLS, f"nsa: pool must be one of {', '.join(POOLS)}, got {self.pool!r}")
-        require(self.window >= 0 and self.initial >= 0 and self.local >= 1, f"nsa: window, initial must be >= 0 and local >= 1, got {self.window}, {self.initial}, {self.local}")
-        require(self.top >= self.initial + self.local, f"nsa: top ({self.top}) must count the initial ({self.initial}) and local ({self.local}) blocks")
+        require(
+            self.window >= 0 and self.initial >= 0 and self.local >= 1,
+            f"nsa: window, initial must be >= 0 and local >= 1, got {self.window}, {self.initial}, {self.local}",
+        )
+        require(
+            self.top >= self.initial + self.local,
+            f"nsa: top ({self.top}) must count the initial ({self.initial}) and local ({self.local}) blocks",
+        )
 
     def make_layer_parameters(self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> dict[str, nn.Parameter]:
         """Gates ``nsa_gate_weight`` [dim, 3 Hq] and ``nsa_gate_bias`` [3 Hq] (zero: every gate 1/2);
@@ -154,7 +168,9 @@ class NSA(Pattern):
             raise ValueError(f"nsa with pool=mlp needs params {', '.join(keys)} (make them with make_layer_parameters)")
         return tuple(params[key] for key in keys)
 
-    def compressed(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, params: dict | None) -> tuple[Tensor, Tensor, Tensor | None]:
+    def compressed(
+        self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, params: dict | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
         """(compressed keys [B, Hk, Nc, D], values [B, Hk, Nc, Dv], real [B, Nc] or None)."""
         ck, real = compress(k, key_padding_mask, self.cmp, self.stride, self._mlp(params, "k"))
         cv, _ = compress(v, key_padding_mask, self.cmp, self.stride, self._mlp(params, "v"))
@@ -201,7 +217,9 @@ class NSA(Pattern):
         if fused:
             from sparsefocus.kernels.block_sparse import compressed_importance
 
-            probs = compressed_importance(q, ck, lse, cmp_real, rows, scale=scale, stride=self.stride, cmp=self.cmp, causal=causal)
+            probs = compressed_importance(
+                q, ck, lse, cmp_real, rows, scale=scale, stride=self.stride, cmp=self.cmp, causal=causal
+            )
         else:
             probs = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], cmp_real, rows, self.cmp, self.stride, causal, scale)
         probs = F.pad(probs, (0, n_blocks * per_block - n_cmp))  # [B, Hk, R, nb * per_block]
@@ -266,7 +284,9 @@ class NSA(Pattern):
         scale = q.shape[-1] ** -0.5
         ck, cmp_real = compress(k, key_padding_mask, self.cmp, self.stride, self._mlp(params, "k"))
         all_rows = row_slice(q.shape[2])
-        visible = apply_key_padding(compressed_visible(all_rows, ck.shape[2], self.cmp, self.stride, causal, q.device)[None, None], cmp_real)
+        visible = apply_key_padding(
+            compressed_visible(all_rows, ck.shape[2], self.cmp, self.stride, causal, q.device)[None, None], cmp_real
+        )
         scores = torch.matmul(upcast(q), upcast(expand_kv(ck, q.shape[1])).transpose(-1, -2)) * scale
         lse = torch.logsumexp(scores.masked_fill(~visible, float("-inf")), dim=-1)
         blocks = self.selected_blocks(q, ck, lse, cmp_real, causal, scale)[:, :, rows]
@@ -290,8 +310,16 @@ class NSA(Pattern):
         if self.window:
             lists = window_lists(q.shape[0], q.shape[1], q.shape[2], k.shape[2], self.window, causal, q.device)
             o_swa, _ = block_sparse_attention(
-                q, k, v, lists, block_size=KEY_TILE, tile=QUERY_TILE, causal=causal, scale=scale,
-                key_padding_mask=key_padding_mask, window=self.window,
+                q,
+                k,
+                v,
+                lists,
+                block_size=KEY_TILE,
+                tile=QUERY_TILE,
+                causal=causal,
+                scale=scale,
+                key_padding_mask=key_padding_mask,
+                window=self.window,
             )
             out = out + gates[..., 2, None] * o_swa
         return out
@@ -305,12 +333,23 @@ class NSA(Pattern):
             return q.new_zeros(shape), torch.full(q.shape[:3], float("-inf"), device=q.device)
         lists = compressed_lists(q.shape[0], q.shape[1], q.shape[2], ck.shape[2], self.cmp, self.stride, causal, q.device)
         return block_sparse_attention(
-            q, ck, cv, lists, block_size=KEY_TILE, tile=QUERY_TILE, causal=causal, scale=scale,
-            key_padding_mask=cmp_real, key_stride=self.stride, key_offset=self.cmp - 1,
+            q,
+            ck,
+            cv,
+            lists,
+            block_size=KEY_TILE,
+            tile=QUERY_TILE,
+            causal=causal,
+            scale=scale,
+            key_padding_mask=cmp_real,
+            key_stride=self.stride,
+            key_offset=self.cmp - 1,
         )
 
 
-def compressed_lists(batch: int, heads: int, n: int, n_cmp: int, cmp: int, stride: int, causal: bool, device: torch.device) -> Tensor:
+def compressed_lists(
+    batch: int, heads: int, n: int, n_cmp: int, cmp: int, stride: int, causal: bool, device: torch.device
+) -> Tensor:
     """[B, Hq, T, S] lists of compressed-key blocks (KEY_TILE keys each) that a query tile may see."""
     tiles, slots = -(-n // QUERY_TILE), -(-n_cmp // KEY_TILE)
     block_id = torch.arange(slots, device=device)[None, :]

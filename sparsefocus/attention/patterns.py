@@ -88,8 +88,7 @@ class Pattern:
         """Check the parameters against the sequence lengths; raise ValueError naming the problem."""
         if (self.needs_square or causal) and n_queries != n_keys:
             raise ValueError(
-                f"pattern {self} with causal={causal} needs as many queries as keys, "
-                f"got {n_queries} queries and {n_keys} keys"
+                f"pattern {self} with causal={causal} needs as many queries as keys, got {n_queries} queries and {n_keys} keys"
             )
 
     @property
@@ -105,7 +104,9 @@ class Pattern:
         """Trainable parameters the mechanism owns (e.g. ZETA's gamma, a gate). Default: none."""
         return {}
 
-    def make_layer_parameters(self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> dict[str, torch.nn.Parameter]:
+    def make_layer_parameters(
+        self, dim: int, num_heads: int, kv_heads: int, qk_dim: int, v_dim: int
+    ) -> dict[str, torch.nn.Parameter]:
         """Trainable parameters for a layer of this shape (a gate on x, a compression MLP...).
         Default: ``make_parameters(num_heads)``."""
         return self.make_parameters(num_heads)
@@ -131,9 +132,7 @@ class Pattern:
         """
         raise NotImplementedError(f"{type(self).__name__} must define row_mask")
 
-    def full_mask(
-        self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params: dict | None
-    ) -> Tensor:
+    def full_mask(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params: dict | None) -> Tensor:
         """[B, H, N, M] bool mask of kept pairs (row_mask over all rows, padding applied)."""
         mask = self.row_mask(q, k, row_slice(q.shape[-2]), causal, key_padding_mask, params)
         mask = mask.expand(q.shape[0], q.shape[1], q.shape[-2], k.shape[-2])
@@ -247,9 +246,7 @@ def _parse_body(cls: type[Pattern], body: str) -> dict[str, Any]:
             key, raw = (s.strip() for s in item.split("=", 1))
             key = cls.field_aliases.get(key, key)
             if key not in names:
-                raise ValueError(
-                    f"pattern {cls.name} has no parameter {key!r}; valid parameters: {', '.join(names) or 'none'}"
-                )
+                raise ValueError(f"pattern {cls.name} has no parameter {key!r}; valid parameters: {', '.join(names) or 'none'}")
             values[key] = _convert(cls, key, raw)
             continue
         group = _POSITIONAL_GROUP.match(item)
@@ -307,9 +304,7 @@ class IndexedPattern(Pattern):
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
     score: ClassVar[str] = "dot"
 
-    def key_indices(
-        self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params: dict | None
-    ) -> Tensor:
+    def key_indices(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params: dict | None) -> Tensor:
         """[B or 1, H or 1, N, K] int key positions per query, -1 for unused slots.
 
         q: [B, Hq, N, D]; k: [B, Hk, M, D]. Causality and padding must already be applied, except
@@ -332,9 +327,7 @@ class IndexedPattern(Pattern):
         global_rows = (query_pos < g) & ((key_pos <= query_pos) if causal else True)
         return mask | global_rows
 
-    def indices(
-        self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params: dict | None
-    ) -> Tensor:
+    def indices(self, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, params: dict | None) -> Tensor:
         """Key lists broadcast to [B, Hq, N, K], padding dropped, as int32."""
         index = self.key_indices(q, k, causal, key_padding_mask, params)
         index = index.expand(q.shape[0], q.shape[1], q.shape[2], index.shape[-1])

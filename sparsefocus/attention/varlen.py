@@ -36,9 +36,7 @@ def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, k: Tensor, key_padding_mask:
     cuts = [int(c) for c in cu_seqlens.tolist()]
     rising = all(b > a for a, b in itertools.pairwise(cuts))
     if len(cuts) < 2 or cuts[0] != 0 or cuts[-1] != q.shape[2] or not rising:
-        raise ValueError(
-            f"cu_seqlens must rise strictly from 0 to the packed length {q.shape[2]}, got {cuts}"
-        )
+        raise ValueError(f"cu_seqlens must rise strictly from 0 to the packed length {q.shape[2]}, got {cuts}")
     return cuts
 
 

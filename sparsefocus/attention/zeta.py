@@ -43,7 +43,13 @@ ROW_BUDGET = 1 << 24  # candidate entries materialised at once by the lean selec
 FUSED_MEAN = True  # triton, causal, N = M: the mean token inside the indexed kernel's function (False: benchmarks' A/B)
 
 # Bit-spreading steps for 3-D codes (libmorton-style): x = (x | x << shift) & mask.
-_SPREAD3 = ((32, 0x1F00000000FFFF), (16, 0x1F0000FF0000FF), (8, 0x100F00F00F00F00F), (4, 0x10C30C30C30C30C3), (2, 0x1249249249249249))
+_SPREAD3 = (
+    (32, 0x1F00000000FFFF),
+    (16, 0x1F0000FF0000FF),
+    (8, 0x100F00F00F00F00F),
+    (4, 0x10C30C30C30C30C3),
+    (2, 0x1249249249249249),
+)
 
 
 def spread_bits_3d(x: Tensor) -> Tensor:
@@ -79,7 +85,9 @@ def squash(x: Tensor) -> Tensor:
     return torch.sigmoid(upcast(x))
 
 
-def curve_codes(x: Tensor, bits: int, curve: int, curves: int, fused: bool = False, tag_rows: tuple[int, int] | None = None) -> Tensor:
+def curve_codes(
+    x: Tensor, bits: int, curve: int, curves: int, fused: bool = False, tag_rows: tuple[int, int] | None = None
+) -> Tensor:
     """Morton codes of x [..., D] on curve ``curve`` of ``curves`` -> [...] int64.
 
     One curve: grid = floor(sigmoid(x) * 2**bits). Several: the squashed point is shifted by
@@ -256,7 +264,8 @@ class Zeta(Pattern):
         require(self.local >= 0, f"zeta: local must be >= 0, got {self.local}")
         require(self.sink in (0, 1), f"zeta: sink must be 0 or 1, got {self.sink}")
         require(
-            self.gamma >= GAMMA_MIN and math.isfinite(self.gamma), f"zeta: gamma must be finite and >= {GAMMA_MIN}, got {self.gamma}"
+            self.gamma >= GAMMA_MIN and math.isfinite(self.gamma),
+            f"zeta: gamma must be finite and >= {GAMMA_MIN}, got {self.gamma}",
         )
         code_bits(self.bits, self.dk, self.curves)
 
@@ -318,9 +327,17 @@ class Zeta(Pattern):
         from sparsefocus.kernels.indexed import indexed_attention, indexed_attention_causal_mean
 
         index = select_keys_fused(self, q, k, causal, key_padding_mask)
-        if FUSED_MEAN and causal and q.shape[2] == k.shape[2] and index.shape[-1] > 0:  # the mean token fused into the kernel's extra slot
+        if (
+            FUSED_MEAN and causal and q.shape[2] == k.shape[2] and index.shape[-1] > 0
+        ):  # the mean token fused into the kernel's extra slot
             return indexed_attention_causal_mean(
-                q, k, v, index, score="cauchy", gamma=self.gamma_of(params), key_padding_mask=key_padding_mask,
+                q,
+                k,
+                v,
+                index,
+                score="cauchy",
+                gamma=self.gamma_of(params),
+                key_padding_mask=key_padding_mask,
                 sink_key=self.sink_of(params, q.shape[1], q.shape[-1], q.device),
             )
         return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
@@ -341,7 +358,15 @@ class Zeta(Pattern):
             present = present.expand(-1, -1, n_queries)
         sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)  # [Hq, D] or None: a zero-value key in every list
         return kernel(
-            q, k, v, index, score="cauchy", gamma=self.gamma_of(params), extra_key=mean_k, extra_value=mean_v, extra_mask=present,
+            q,
+            k,
+            v,
+            index,
+            score="cauchy",
+            gamma=self.gamma_of(params),
+            extra_key=mean_k,
+            extra_value=mean_v,
+            extra_mask=present,
             sink_key=sink,
         )
 
@@ -399,14 +424,23 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
         # the keys' codes and sort first: the GPU sorts while the CPU issues the queries' codes
         width = code_width(bits, q.shape[-1], spec.curves)
         rows = spec.curves * k.shape[0] * k.shape[1]
-        tagged = key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS  # one flat sort (no sentinels to keep last)
+        tagged = (
+            key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS
+        )  # one flat sort (no sentinels to keep last)
         codes_k = _codes(spec, upcast(k), bits, True, tagged)  # [S, B, Hk, M]
         prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
         return zeta_select(
-            q, k, codes_q, prefixes, key_padding_mask,
-            width=min(spec.k, spec.curves * spec.window + local), window=spec.window, local=local, chunk=chunk,
+            q,
+            k,
+            codes_q,
+            prefixes,
+            key_padding_mask,
+            width=min(spec.k, spec.curves * spec.window + local),
+            window=spec.window,
+            local=local,
+            chunk=chunk,
         )
 
 

@@ -57,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"{PROG} --model",
         description="Time one training step of the project's Decoder per pattern and N, eager and compiled, against FULL.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--patterns", nargs="+", default=list(DEFAULT_PATTERNS), help="pattern strings, one model each (FULL is the baseline)")
+    parser.add_argument(
+        "--patterns", nargs="+", default=list(DEFAULT_PATTERNS), help="pattern strings, one model each (FULL is the baseline)"
+    )
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384], help=f"sequence lengths N (at most {MAX_N})")
     parser.add_argument("--batch", type=int, default=1, help="sequences per step")
     parser.add_argument("--blocks", type=int, default=4, help="transformer blocks")
@@ -68,8 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mlp", type=int, default=2048, help="hidden width of the MLP (GELU)")
     parser.add_argument("--vocab", type=int, default=256, help="vocabulary size (random tokens)")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout of the model")
-    parser.add_argument("--compile", choices=("off", "on", "both"), default="both", help="eager, torch.compile, or both; 'both' on CPU runs eager only (Inductor's C++ build takes minutes), 'on' compiles there too")
-    parser.add_argument("--full-backends", nargs="+", choices=SDPA_BACKENDS, default=list(FULL_BACKENDS), help="SDPA backends FULL is timed under; the fastest is the baseline")
+    parser.add_argument(
+        "--compile",
+        choices=("off", "on", "both"),
+        default="both",
+        help="eager, torch.compile, or both; 'both' on CPU runs eager only (Inductor's C++ build takes minutes), 'on' compiles there too",
+    )
+    parser.add_argument(
+        "--full-backends",
+        nargs="+",
+        choices=SDPA_BACKENDS,
+        default=list(FULL_BACKENDS),
+        help="SDPA backends FULL is timed under; the fastest is the baseline",
+    )
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (the first compiles)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps; the median is reported")
     parser.add_argument("--dtype", choices=sorted(AUTOCAST), default="bf16", help="autocast dtype (fp32: no autocast)")
@@ -234,11 +247,14 @@ def attach_full_ratios(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         full = best.get((row["n"], row["mode"]))
-        out.append(row | {
-            "full_ms": full["ms"] if full else None,
-            "full_backend": full["backend"] if full else None,
-            "vs_full": full["ms"] / row["ms"] if full is not None and row["status"] == "ok" else None,
-        })
+        out.append(
+            row
+            | {
+                "full_ms": full["ms"] if full else None,
+                "full_backend": full["backend"] if full else None,
+                "vs_full": full["ms"] / row["ms"] if full is not None and row["status"] == "ok" else None,
+            }
+        )
     return out
 
 
@@ -247,7 +263,11 @@ def headline_rows(rows: list[dict]) -> list[dict]:
     best = full_baseline(rows)
     keep = []
     for row in rows:
-        if not is_full(row["pattern"]) or row["status"] == "ok" and best[(row["n"], row["mode"])]["backend"] == row["sdpa_backend"]:
+        if (
+            not is_full(row["pattern"])
+            or row["status"] == "ok"
+            and best[(row["n"], row["mode"])]["backend"] == row["sdpa_backend"]
+        ):
             keep.append(row)
     return keep
 
@@ -259,7 +279,13 @@ def sweep(args: argparse.Namespace, device: torch.device) -> list[dict]:
     for case in model_cases(args, device):
         key = (case.pattern, case.sdpa_backend, case.mode)
         if key in failed_at:
-            row = {"pattern": case.pattern, "sdpa_backend": case.sdpa_backend, "n": case.n, "mode": case.mode, "batch": args.batch}
+            row = {
+                "pattern": case.pattern,
+                "sdpa_backend": case.sdpa_backend,
+                "n": case.n,
+                "mode": case.mode,
+                "batch": args.batch,
+            }
             rows.append(row | {"status": "skipped", "error": f"out of memory at N={failed_at[key]}"})
             continue
         row = measure_model_case(args, case, device)
@@ -313,7 +339,10 @@ def main(argv: list[str]) -> int:
     if not any(row["status"] == "ok" for row in rows):
         print(f"{PROG}: error: every model case failed; no files written", file=sys.stderr)
         return 1
-    config = {k: getattr(args, k) for k in ("blocks", "dim", "heads", "mlp", "vocab", "dropout", "batch", "dtype", "warmup", "steps", "lr")}
+    config = {
+        k: getattr(args, k)
+        for k in ("blocks", "dim", "heads", "mlp", "vocab", "dropout", "batch", "dtype", "warmup", "steps", "lr")
+    }
     baseline = full_baseline(rows)
     payload = run_metadata(["--model", *argv], device) | {
         "config": config | {"optimizer": "AdamW", "activation": "gelu"},

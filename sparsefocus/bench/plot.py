@@ -79,17 +79,36 @@ def plot_results(payload: dict, path: Path) -> None:
         _plot_lines(ax, _series(rows, "case", mode), colours)
         dense = sorted((n, v["ms"]) for (n, m), v in best.items() if m == mode)
         if dense:
-            ax.plot([n for n, _ in dense], [ms for _, ms in dense], "k-", linewidth=3, alpha=0.35, label="dense = fastest SDPA backend")
+            ax.plot(
+                [n for n, _ in dense],
+                [ms for _, ms in dense],
+                "k-",
+                linewidth=3,
+                alpha=0.35,
+                label="dense = fastest SDPA backend",
+            )
         _log_axes(ax, "time per call (ms, median)", MODE_TITLES[mode], lengths)
     if memory:
         _plot_lines(axes[0][-1], memory, colours)
-        _log_axes(axes[0][-1], "peak memory (MB, inputs included)", "peak memory, " + MODE_TITLES["fwd+bwd" if "fwd+bwd" in modes else "fwd"], lengths)
+        _log_axes(
+            axes[0][-1],
+            "peak memory (MB, inputs included)",
+            "peak memory, " + MODE_TITLES["fwd+bwd" if "fwd+bwd" in modes else "fwd"],
+            lengths,
+        )
     handles: dict[str, Any] = {}  # label -> the first artist drawn with it
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     labels = list(handles)
-    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, bbox_to_anchor=(0.5, -0.02 - 0.035 * ((len(labels) + 3) // 4)))
+    fig.legend(
+        [handles[label] for label in labels],
+        labels,
+        loc="lower center",
+        ncol=min(4, len(labels)),
+        fontsize=8,
+        bbox_to_anchor=(0.5, -0.02 - 0.035 * ((len(labels) + 3) // 4)),
+    )
     shape = payload["shape"]
     causal = "causal" if shape["causal"] else "non-causal"
     fig.suptitle(
@@ -123,7 +142,15 @@ def plot_model_results(payload: dict, path: Path) -> None:
     for mode, style in (("eager", "-"), ("compiled", "--")):
         for label, points in _series(rows, "pattern", mode, "vs_full").items():
             if not is_full(label):
-                ratio_ax.plot([n for n, _ in points], [y for _, y in points], style, marker="o", markersize=3, color=colours[label], label=f"{label}, {mode}")
+                ratio_ax.plot(
+                    [n for n, _ in points],
+                    [y for _, y in points],
+                    style,
+                    marker="o",
+                    markersize=3,
+                    color=colours[label],
+                    label=f"{label}, {mode}",
+                )
     ratio_ax.axhline(1.0, color="k", linewidth=1, label="FULL")
     _log_axes(ratio_ax, "FULL step time / pattern step time", "speed-up over FULL (> 1: the pattern pays)", lengths)
     ratio_ax.legend(fontsize=7, loc="best")

@@ -24,7 +24,9 @@ from torch.autograd.profiler_util import FunctionEvent
 
 ATTENTION_RANGE = "sparsefocus.attention"
 BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
-ATTENTION_OPS = re.compile(r"^(aten::_?scaled_dot_product|aten::_flash_attention|aten::_efficient_attention|aten::_cudnn_attention|sparsefocus::)")
+ATTENTION_OPS = re.compile(
+    r"^(aten::_?scaled_dot_product|aten::_flash_attention|aten::_efficient_attention|aten::_cudnn_attention|sparsefocus::)"
+)
 SDPA_KERNELS = re.compile(r"flash|fmha|sdpa|cudnn.*attention|attention", re.IGNORECASE)
 NOT_KERNELS = ("Memcpy", "Memset")
 

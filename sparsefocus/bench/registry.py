@@ -229,7 +229,9 @@ def _flex_case(argument: str, shape: BenchShape) -> Workload:
     notes = {"mask": "causal" if causal else "full"} if window is None else {"window": window}
     # FlexAttention has no backward on CPU: there its fwd+bwd is "unavailable", not an error.
     unavailable = shape.device.type != "cuda"
-    return Workload(forward=forward, flops=attention_flops(shape, keys), bytes=io_bytes(shape), notes=notes, unavailable_on_error=unavailable)
+    return Workload(
+        forward=forward, flops=attention_flops(shape, keys), bytes=io_bytes(shape), notes=notes, unavailable_on_error=unavailable
+    )
 
 
 def _naive_case(argument: str, shape: BenchShape) -> Workload:

@@ -50,11 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "cases", nargs="*", default=[],
+        "cases",
+        nargs="*",
+        default=[],
         help=f"pattern strings or registered cases ({', '.join(sorted(CASES))}), e.g. TOPK:32 zeta flex:256; 'sdpa' means every backend",
     )
     parser.add_argument("--model", action="store_true", help="time a training step of the Decoder instead; see --model --help")
-    parser.add_argument("--baselines", nargs="*", default=list(BASELINES), help="cases timed in every run for the dense ratio and the peers; give none to skip")
+    parser.add_argument(
+        "--baselines",
+        nargs="*",
+        default=list(BASELINES),
+        help="cases timed in every run for the dense ratio and the peers; give none to skip",
+    )
     parser.add_argument("--n", type=int, nargs="+", default=[1024, 4096], help="sequence lengths N")
     parser.add_argument("--batch", type=int, default=4, help="batch size B")
     parser.add_argument("--heads", type=int, default=16, help="query heads H")
@@ -65,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="forward alone and/or forward + backward")
     parser.add_argument("--warmup", type=int, default=3, help="untimed runs before timing")
     parser.add_argument("--repeats", type=int, default=10, help="timed runs; the median is reported")
-    parser.add_argument("--max-ms", type=float, default=5000.0, help="skip the larger N of a case once one of its runs took longer (ms)")
+    parser.add_argument(
+        "--max-ms", type=float, default=5000.0, help="skip the larger N of a case once one of its runs took longer (ms)"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; the PNG goes beside it")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -129,7 +138,9 @@ def sweep(args: argparse.Namespace, cases: list[str], device: torch.device, ceil
             if too_slow:
                 rows += [{"case": case, "n": n, "mode": mode, "status": "skipped"} for mode in args.modes]
                 continue
-            shape = BenchShape(args.batch, args.heads, args.kv_heads or args.heads, n, args.head_dim, DTYPES[args.dtype], args.causal, device)
+            shape = BenchShape(
+                args.batch, args.heads, args.kv_heads or args.heads, n, args.head_dim, DTYPES[args.dtype], args.causal, device
+            )
             new = measure(case, shape, tuple(args.modes), args.warmup, args.repeats, ceilings)
             for row in new:
                 print(format_row(row), file=sys.stdout if row["status"] == "ok" else sys.stderr, flush=True)
@@ -183,7 +194,9 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: error: every requested case failed; no files written", file=sys.stderr)
         return 1
     payload = run_metadata(argv, device) | {
-        "shape": {k: getattr(args, k) for k in ("batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "warmup", "repeats")},
+        "shape": {
+            k: getattr(args, k) for k in ("batch", "heads", "kv_heads", "head_dim", "dtype", "causal", "warmup", "repeats")
+        },
         "ceilings": ceilings,
         "dense": dense_table(rows),
         "kernel_tiles": _kernel_tiles(),

@@ -125,8 +125,20 @@ def _tile_rows(t, h, N, G, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window,
-                CAUSAL: tl.constexpr, HAS_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _score_mask(
+    kidx,
+    kin,
+    pos,
+    b,
+    REAL,
+    M,
+    key_stride,
+    key_offset,
+    window,
+    CAUSAL: tl.constexpr,
+    HAS_REAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
     """[BM, BN] bool: which (row, key) pairs of a loaded key tile count."""
     ok = kin & (kidx < M)  # [BN]
     if HAS_REAL:
@@ -144,12 +156,49 @@ def _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window,
 
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, BLOCKS, REAL, OUT, LSE,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sob, soh, son,
-    H_SEL, HQ, N, M, S, G, T, scale, window, key_stride, key_offset, block_size,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    BLOCKS,
+    REAL,
+    OUT,
+    LSE,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sob,
+    soh,
+    son,
+    H_SEL,
+    HQ,
+    N,
+    M,
+    S,
+    G,
+    T,
+    scale,
+    window,
+    key_stride,
+    key_offset,
+    block_size,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_REAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    N_SUB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_SEL, bh % H_SEL
@@ -170,10 +219,16 @@ def _fwd_kernel(
                 inner = sub * BLOCK_N + offs_n
                 kidx = blk * block_size + inner  # [BN]
                 kin = (inner < block_size) & (kidx < M)
-                kt = tl.load(K + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :],
-                             mask=kin[:, None] & (offs_d[None, :] < D), other=0.0)  # [BN, BD]
-                vt = tl.load(V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
-                             mask=kin[:, None] & (offs_dv[None, :] < DV), other=0.0)  # [BN, BDV]
+                kt = tl.load(
+                    K + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :],
+                    mask=kin[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                )  # [BN, BD]
+                vt = tl.load(
+                    V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
+                    mask=kin[:, None] & (offs_dv[None, :] < DV),
+                    other=0.0,
+                )  # [BN, BDV]
                 sc = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale  # [BM, BN]
                 mask = _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window, CAUSAL, HAS_REAL, HAS_WINDOW)
                 sc = tl.where(mask, sc, float("-inf"))
@@ -203,22 +258,65 @@ def _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION: tl.conste
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, BLOCKS, REAL, DQ,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
-    H_SEL, HQ, N, M, S, G, T, scale, window, key_stride, key_offset, block_size,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    BLOCKS,
+    REAL,
+    DQ,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdb,
+    sdh,
+    sdn,
+    H_SEL,
+    HQ,
+    N,
+    M,
+    S,
+    G,
+    T,
+    scale,
+    window,
+    key_stride,
+    key_offset,
+    block_size,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_REAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    N_SUB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_SEL, bh % H_SEL
     kv = h if GROUP else h // G
     head, pos, row_ok = _tile_rows(t, h, N, G, BLOCK_M, GROUP)
     offs_d, offs_dv, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
-    q = tl.load((Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    do = tl.load((DO + b * sdb + head * sdh + pos * sdn)[:, None] + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    q = tl.load(
+        (Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0
+    )
+    do = tl.load(
+        (DO + b * sdb + head * sdh + pos * sdn)[:, None] + offs_dv[None, :],
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+        other=0.0,
+    )
     stat = (b * HQ + head) * N + pos
     lse2 = tl.load(LSE + stat, mask=row_ok, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
@@ -233,25 +331,77 @@ def _bwd_dq_kernel(
                 inner = sub * BLOCK_N + offs_n
                 kidx = blk * block_size + inner
                 kin = (inner < block_size) & (kidx < M)
-                kt = tl.load(K + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :],
-                             mask=kin[:, None] & (offs_d[None, :] < D), other=0.0)
-                vt = tl.load(V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
-                             mask=kin[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                kt = tl.load(
+                    K + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :],
+                    mask=kin[:, None] & (offs_d[None, :] < D),
+                    other=0.0,
+                )
+                vt = tl.load(
+                    V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
+                    mask=kin[:, None] & (offs_dv[None, :] < DV),
+                    other=0.0,
+                )
                 mask = _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window, CAUSAL, HAS_REAL, HAS_WINDOW)
                 _, ds = _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION)
                 dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PRECISION)
-    tl.store((DQ + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_d[None, :] < D))
+    tl.store(
+        (DQ + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_d[None, :] < D),
+    )
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, CODES, ITEM_BLOCK, ITEM_START, ITEM_END, REAL, PART_K, PART_V,
-    sqb, sqh, sqn, skb, skh, skn, svb, svh, svn, sdb, sdh, sdn,
-    HK, N, M, G, T, L, W, scale, window, key_stride, key_offset, block_size,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_REAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    CODES,
+    ITEM_BLOCK,
+    ITEM_START,
+    ITEM_END,
+    REAL,
+    PART_K,
+    PART_V,
+    sqb,
+    sqh,
+    sqn,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sdb,
+    sdh,
+    sdn,
+    HK,
+    N,
+    M,
+    G,
+    T,
+    L,
+    W,
+    scale,
+    window,
+    key_stride,
+    key_offset,
+    block_size,
+    GROUP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_REAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    N_SUB: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     w, bhk, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = bhk // HK, bhk % HK
@@ -261,8 +411,12 @@ def _bwd_dkdv_kernel(
     inner = sub * BLOCK_N + offs_n
     kidx = blk * block_size + inner
     kin = (inner < block_size) & (kidx < M)
-    kt = tl.load(K + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :], mask=kin[:, None] & (offs_d[None, :] < D), other=0.0)
-    vt = tl.load(V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :], mask=kin[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    kt = tl.load(
+        K + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :], mask=kin[:, None] & (offs_d[None, :] < D), other=0.0
+    )
+    vt = tl.load(
+        V + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :], mask=kin[:, None] & (offs_dv[None, :] < DV), other=0.0
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     qk_scale = scale * 1.4426950408889634
@@ -273,10 +427,16 @@ def _bwd_dkdv_kernel(
         else:
             t, h = code % T, kv * G + code // T
         head, pos, row_ok = _tile_rows(t, h, N, G, BLOCK_M, GROUP)
-        q = tl.load((Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :],
-                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-        do = tl.load((DO + b * sdb + head * sdh + pos * sdn)[:, None] + offs_dv[None, :],
-                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        q = tl.load(
+            (Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :],
+            mask=row_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )
+        do = tl.load(
+            (DO + b * sdb + head * sdh + pos * sdn)[:, None] + offs_dv[None, :],
+            mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )
         stat = (b * HK * G + head) * N + pos
         lse2 = tl.load(LSE + stat, mask=row_ok, other=0.0) * 1.4426950408889634
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
@@ -293,10 +453,28 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    PART_K, PART_V, XOFF, DK, DV_OUT, skb, skh, skn, svb, svh, svn,
-    HK, M, NB, W, block_size,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, N_SUB: tl.constexpr,
+    PART_K,
+    PART_V,
+    XOFF,
+    DK,
+    DV_OUT,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    HK,
+    M,
+    NB,
+    W,
+    block_size,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    N_SUB: tl.constexpr,
 ):
     j, bhk, sub = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, kv = bhk // HK, bhk % HK
@@ -313,10 +491,16 @@ def _reduce_kernel(
         dv += tl.load(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :])
     kidx = j * block_size + inner
     kin = (inner < block_size) & (kidx < M)
-    tl.store(DK + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=kin[:, None] & (offs_d[None, :] < D))
-    tl.store(DV_OUT + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :], dv.to(DV_OUT.dtype.element_ty),
-             mask=kin[:, None] & (offs_dv[None, :] < DV))
+    tl.store(
+        DK + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kin[:, None] & (offs_d[None, :] < D),
+    )
+    tl.store(
+        DV_OUT + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
+        dv.to(DV_OUT.dtype.element_ty),
+        mask=kin[:, None] & (offs_dv[None, :] < DV),
+    )
 
 
 class _Launch:
@@ -340,9 +524,19 @@ class _Launch:
 
     def constexprs(self, causal: bool, has_real: bool, window: int) -> dict:
         return dict(
-            GROUP=self.grouped, CAUSAL=causal, HAS_REAL=has_real, HAS_WINDOW=window > 0, D=self.d, DV=self.dv,
-            BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
-            N_SUB=self.n_sub, PRECISION=self.precision, num_warps=self.num_warps,
+            GROUP=self.grouped,
+            CAUSAL=causal,
+            HAS_REAL=has_real,
+            HAS_WINDOW=window > 0,
+            D=self.d,
+            DV=self.dv,
+            BLOCK_M=self.block_m,
+            BLOCK_N=self.block_n,
+            BLOCK_D=self.block_d,
+            BLOCK_DV=self.block_dv,
+            N_SUB=self.n_sub,
+            PRECISION=self.precision,
+            num_warps=self.num_warps,
         )
 
 
@@ -361,8 +555,26 @@ def _forward_impl(q, k, v, blocks, key_real, block_size, tile, causal, scale, wi
     lse = torch.empty(run.batch, run.q_heads, run.n, dtype=torch.float32, device=q.device)
     grid = (run.tiles, run.batch * run.h_sel)
     _fwd_kernel[grid](
-        q, k, v, blocks, _real_arg(key_real, q), out, lse, *_strides(q, k, v, out),
-        run.h_sel, run.q_heads, run.n, run.m, run.slots, run.group, run.tiles, scale, window, key_stride, key_offset, block_size,
+        q,
+        k,
+        v,
+        blocks,
+        _real_arg(key_real, q),
+        out,
+        lse,
+        *_strides(q, k, v, out),
+        run.h_sel,
+        run.q_heads,
+        run.n,
+        run.m,
+        run.slots,
+        run.group,
+        run.tiles,
+        scale,
+        window,
+        key_stride,
+        key_offset,
+        block_size,
         **run.constexprs(causal, key_real is not None, window),
     )
     return out, lse
@@ -370,8 +582,18 @@ def _forward_impl(q, k, v, blocks, key_real, block_size, tile, causal, scale, wi
 
 @torch.library.custom_op("sparsefocus::block_sparse_fwd", mutates_args=())
 def block_sparse_fwd(
-    q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, key_real: Optional[Tensor], block_size: int, tile: int,
-    causal: bool, scale: float, window: int, key_stride: int, key_offset: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: Tensor,
+    key_real: Optional[Tensor],
+    block_size: int,
+    tile: int,
+    causal: bool,
+    scale: float,
+    window: int,
+    key_stride: int,
+    key_offset: int,
 ) -> tuple[Tensor, Tensor]:
     """Forward op: contiguous q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], blocks int32
     (see the module docstring), key_real [B, M] bool or None -> (out [B, Hq, N, Dv], lse [B, Hq, N] fp32)."""
@@ -415,7 +637,9 @@ def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor,
     return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra
 
 
-def _backward_impl(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset):
+def _backward_impl(
+    grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset
+):
     run = _Launch(q, k, v, blocks, block_size, tile)
     delta = (out.float() * grad_out.float()).sum(-1) - grad_lse.float()  # [B, Hq, N]
     real = _real_arg(key_real, q)
@@ -423,8 +647,28 @@ def _backward_impl(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, bloc
     sizes = (run.n, run.m)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(run.tiles, run.batch * run.h_sel)](
-        q, k, v, grad_out, lse, delta, blocks, real, dq, *_strides(q, k, v, grad_out),
-        run.h_sel, run.q_heads, *sizes, run.slots, run.group, run.tiles, scale, window, key_stride, key_offset, block_size, **flags,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        blocks,
+        real,
+        dq,
+        *_strides(q, k, v, grad_out),
+        run.h_sel,
+        run.q_heads,
+        *sizes,
+        run.slots,
+        run.group,
+        run.tiles,
+        scale,
+        window,
+        key_stride,
+        key_offset,
+        block_size,
+        **flags,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if run.m == 0:
@@ -434,25 +678,78 @@ def _backward_impl(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, bloc
     part_k = torch.empty(bhk, width, span, run.block_d, dtype=torch.float32, device=q.device)
     part_v = torch.empty(bhk, width, span, run.block_dv, dtype=torch.float32, device=q.device)
     _bwd_dkdv_kernel[(width, bhk, run.n_sub)](
-        q, k, v, grad_out, lse, delta, codes, item_block, item_start, item_end, real, part_k, part_v,
-        *_strides(q, k, v, grad_out), run.kv_heads, *sizes, run.group, run.tiles, codes.shape[1], width,
-        scale, window, key_stride, key_offset, block_size, **flags,
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        codes,
+        item_block,
+        item_start,
+        item_end,
+        real,
+        part_k,
+        part_v,
+        *_strides(q, k, v, grad_out),
+        run.kv_heads,
+        *sizes,
+        run.group,
+        run.tiles,
+        codes.shape[1],
+        width,
+        scale,
+        window,
+        key_stride,
+        key_offset,
+        block_size,
+        **flags,
     )
     _reduce_kernel[(run.n_blocks, bhk, run.n_sub)](
-        part_k, part_v, xoff, dk, dv, *_strides(k, v), run.kv_heads, run.m, run.n_blocks, width, block_size,
-        D=run.d, DV=run.dv, BLOCK_N=run.block_n, BLOCK_D=run.block_d, BLOCK_DV=run.block_dv, N_SUB=run.n_sub,
+        part_k,
+        part_v,
+        xoff,
+        dk,
+        dv,
+        *_strides(k, v),
+        run.kv_heads,
+        run.m,
+        run.n_blocks,
+        width,
+        block_size,
+        D=run.d,
+        DV=run.dv,
+        BLOCK_N=run.block_n,
+        BLOCK_D=run.block_d,
+        BLOCK_DV=run.block_dv,
+        N_SUB=run.n_sub,
     )
     return dq, dk, dv
 
 
 @torch.library.custom_op("sparsefocus::block_sparse_bwd", mutates_args=())
 def block_sparse_bwd(
-    grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, grad_lse: Tensor, blocks: Tensor,
-    key_real: Optional[Tensor], block_size: int, tile: int, causal: bool, scale: float, window: int,
-    key_stride: int, key_offset: int,
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Tensor,
+    blocks: Tensor,
+    key_real: Optional[Tensor],
+    block_size: int,
+    tile: int,
+    causal: bool,
+    scale: float,
+    window: int,
+    key_stride: int,
+    key_offset: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward op of ``block_sparse_fwd``: (dq, dk, dv) in the inputs' dtypes."""
-    return _backward_impl(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset)
+    return _backward_impl(
+        grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset
+    )
 
 
 @block_sparse_bwd.register_fake
@@ -480,9 +777,13 @@ def _backward(ctx, grad_out, grad_lse):
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, block_size: int, tile: int, key_padding_mask: Optional[Tensor]) -> None:
+def _check(
+    q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, block_size: int, tile: int, key_padding_mask: Optional[Tensor]
+) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[-1] != k.shape[-1] or k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"block_sparse_attention needs q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"block_sparse_attention needs q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[1] % k.shape[1]:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]}) with equal batch")
     if max(q.shape[-1], v.shape[-1]) > 256:
@@ -493,9 +794,15 @@ def _check(q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, block_size: int, til
         raise ValueError(f"tile must be GROUP_TILE (0) or a power of 2 >= 16, got {tile}")
     heads, tiles = (k.shape[1], q.shape[2]) if tile == GROUP_TILE else (q.shape[1], -(-q.shape[2] // tile))
     if blocks.dim() != 4 or blocks.is_floating_point() or tuple(blocks.shape[:3]) != (q.shape[0], heads, tiles):
-        raise ValueError(f"blocks must be an integer tensor [B, {heads}, {tiles}, S] for tile={tile}, got {blocks.dtype} {tuple(blocks.shape)}")
-    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2])):
-        raise ValueError(f"key_padding_mask must be bool [B, M] = [{k.shape[0]}, {k.shape[2]}], got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+        raise ValueError(
+            f"blocks must be an integer tensor [B, {heads}, {tiles}, S] for tile={tile}, got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    if key_padding_mask is not None and (
+        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2])
+    ):
+        raise ValueError(
+            f"key_padding_mask must be bool [B, M] = [{k.shape[0]}, {k.shape[2]}], got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}"
+        )
 
 
 def block_sparse_attention(
@@ -542,25 +849,60 @@ def block_sparse_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     return block_sparse_fwd(
-        q.contiguous(), k, v, blocks.to(torch.int32).contiguous(), key_padding_mask, block_size, tile, causal,
-        scale, int(window), int(key_stride), int(key_offset),
+        q.contiguous(),
+        k,
+        v,
+        blocks.to(torch.int32).contiguous(),
+        key_padding_mask,
+        block_size,
+        tile,
+        causal,
+        scale,
+        int(window),
+        int(key_stride),
+        int(key_offset),
     )
-
 
 
 @triton.jit
 def _importance_kernel(
-    Q, C, LSE, REAL, OUT, sqb, sqh, sqn, scb, sch, scn,
-    HK, HQ, N, NC, G, row_start, n_rows, scale, stride, cmp,
-    CAUSAL: tl.constexpr, HAS_REAL: tl.constexpr, D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    C,
+    LSE,
+    REAL,
+    OUT,
+    sqb,
+    sqh,
+    sqn,
+    scb,
+    sch,
+    scn,
+    HK,
+    HQ,
+    N,
+    NC,
+    G,
+    row_start,
+    n_rows,
+    scale,
+    stride,
+    cmp,
+    CAUSAL: tl.constexpr,
+    HAS_REAL: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     r_out, bhk = tl.program_id(0), tl.program_id(1)
     b, kv = bhk // HK, bhk % HK
     t = row_start + r_out
     head, pos, row_ok = _tile_rows(t, kv, N, G, BLOCK_M, True)
     offs_d, offs_c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_C)
-    q = tl.load((Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    q = tl.load(
+        (Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0
+    )
     lse = tl.load(LSE + (b * HQ + head) * N + pos, mask=row_ok, other=float("-inf"))
     row_ok = row_ok & (lse > float("-inf"))
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
@@ -575,7 +917,11 @@ def _importance_kernel(
         if HAS_REAL:
             col_ok = col_ok & (tl.load(REAL + b * NC + cidx, mask=cidx < NC, other=0) != 0)
         if c0 < n_visible:
-            ct = tl.load(C + b * scb + kv * sch + cidx[:, None] * scn + offs_d[None, :], mask=(cidx[:, None] < NC) & (offs_d[None, :] < D), other=0.0)
+            ct = tl.load(
+                C + b * scb + kv * sch + cidx[:, None] * scn + offs_d[None, :],
+                mask=(cidx[:, None] < NC) & (offs_d[None, :] < D),
+                other=0.0,
+            )
             s = tl.dot(q, tl.trans(ct), input_precision=PRECISION) * (scale * 1.4426950408889634)
             p = tl.exp2(tl.where(row_ok[:, None] & col_ok[None, :], s - lse2[:, None], float("-inf")))
             total = tl.sum(p, axis=0)
@@ -585,7 +931,16 @@ def _importance_kernel(
 
 
 def compressed_importance(
-    q: Tensor, ck: Tensor, lse: Tensor, cmp_real: Optional[Tensor], rows: slice, *, scale: float, stride: int, cmp: int, causal: bool
+    q: Tensor,
+    ck: Tensor,
+    lse: Tensor,
+    cmp_real: Optional[Tensor],
+    rows: slice,
+    *,
+    scale: float,
+    stride: int,
+    cmp: int,
+    causal: bool,
 ) -> Tensor:
     """NSA's compressed attention probabilities summed over each GQA group, for the query rows
     ``rows``: q [B, Hq, N, D], compressed keys ck [B, Hk, Nc, D] (key j at position
@@ -594,13 +949,23 @@ def compressed_importance(
     No gradient (it feeds a discrete selection)."""
     q, ck = q.detach().contiguous(), ck.detach().to(q.dtype).contiguous()
     real = None if cmp_real is None else cmp_real.contiguous()
-    return nsa_importance(q, ck, lse.detach().float().contiguous(), real, rows.start, rows.stop - rows.start, scale, stride, cmp, causal)
+    return nsa_importance(
+        q, ck, lse.detach().float().contiguous(), real, rows.start, rows.stop - rows.start, scale, stride, cmp, causal
+    )
 
 
 @torch.library.custom_op("sparsefocus::nsa_importance", mutates_args=())
 def nsa_importance(
-    q: Tensor, ck: Tensor, lse: Tensor, cmp_real: Optional[Tensor], row_start: int, n_rows: int, scale: float,
-    stride: int, cmp: int, causal: bool,
+    q: Tensor,
+    ck: Tensor,
+    lse: Tensor,
+    cmp_real: Optional[Tensor],
+    row_start: int,
+    n_rows: int,
+    scale: float,
+    stride: int,
+    cmp: int,
+    causal: bool,
 ) -> Tensor:
     """Op behind ``compressed_importance`` (contiguous inputs, rows [row_start, row_start + n_rows))."""
     batch, q_heads, n, d = q.shape
@@ -608,10 +973,29 @@ def nsa_importance(
     out = torch.empty(batch, kv_heads, n_rows, n_cmp, dtype=torch.float32, device=q.device)
     group = q_heads // kv_heads
     _importance_kernel[(n_rows, batch * kv_heads)](
-        q, ck, lse, _real_arg(cmp_real, q), out, *_strides(q, ck),
-        kv_heads, q_heads, n, n_cmp, group, row_start, n_rows, scale, stride, cmp,
-        CAUSAL=causal, HAS_REAL=cmp_real is not None, D=d, BLOCK_M=max(16, triton.next_power_of_2(group)),
-        BLOCK_C=64, BLOCK_D=max(16, triton.next_power_of_2(d)), PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        q,
+        ck,
+        lse,
+        _real_arg(cmp_real, q),
+        out,
+        *_strides(q, ck),
+        kv_heads,
+        q_heads,
+        n,
+        n_cmp,
+        group,
+        row_start,
+        n_rows,
+        scale,
+        stride,
+        cmp,
+        CAUSAL=causal,
+        HAS_REAL=cmp_real is not None,
+        D=d,
+        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        BLOCK_C=64,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
 

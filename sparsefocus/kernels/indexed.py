@@ -136,16 +136,46 @@ def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D
     row_ok = rows < N
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
+    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(
+        tl.float32
+    )
     return bh, kv_bh, rows, row_ok, row_offs, q
 
 
 @triton.jit
 def _indexed_fwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, STAT, EK, EV, EMASK, SINK,
-    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    IDX,
+    GAMMA_SQ,
+    OUT,
+    STAT,
+    EK,
+    EV,
+    EMASK,
+    SINK,
+    N,
+    M,
+    NUM_SLOTS,
+    HQ,
+    GROUP,
+    scale,
+    EGROUP,
+    EK_SB,
+    EK_SH,
+    EK_SN,
+    EV_SB,
+    EV_SH,
+    EV_SN,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    SCORE: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
@@ -162,35 +192,92 @@ def _indexed_fwd_kernel(
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
         ek_offs = _extra_offsets(bh, rows, HQ, EGROUP, EK_SB, EK_SH, EK_SN)
         ev_offs = _extra_offsets(bh, rows, HQ, EGROUP, EV_SB, EV_SH, EV_SN)
-        ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=e_ok[:, None, None] & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
-        evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=e_ok[:, None, None] & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
+        ekt = tl.load(
+            EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=e_ok[:, None, None] & (offs_d[None, None, :] < D), other=0.0
+        ).to(tl.float32)
+        evt = tl.load(
+            EV + ev_offs[:, None, None] + offs_dv[None, None, :],
+            mask=e_ok[:, None, None] & (offs_dv[None, None, :] < DV),
+            other=0.0,
+        ).to(tl.float32)
         s_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)[0]  # names apart from the loop's: types differ
         m_i, l_i, acc = _accumulate(m_i, l_i, acc, s_x, evt, SCORE)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
+        idx = tl.load(
+            IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1
+        )
         valid = (idx >= 0)[:, :, None]
-        kt = tl.load(k_base + idx[:, :, None] * D + offs_d[None, None, :], mask=valid & (offs_d[None, None, :] < D), other=0.0).to(tl.float32)
-        vt = tl.load(v_base + idx[:, :, None] * DV + offs_dv[None, None, :], mask=valid & (offs_dv[None, None, :] < DV), other=0.0).to(tl.float32)
+        kt = tl.load(
+            k_base + idx[:, :, None] * D + offs_d[None, None, :], mask=valid & (offs_d[None, None, :] < D), other=0.0
+        ).to(tl.float32)
+        vt = tl.load(
+            v_base + idx[:, :, None] * DV + offs_dv[None, None, :], mask=valid & (offs_dv[None, None, :] < DV), other=0.0
+        ).to(tl.float32)
         s, _ = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
         m_i, l_i, acc = _accumulate(m_i, l_i, acc, s, vt, SCORE)
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    tl.store(OUT + row_offs[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(
+        OUT + row_offs[:, None] * DV + offs_dv[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+    )
     if SCORE == 2:
         stat = l_i  # Cauchy: the sum of weights (0 for empty rows)
     else:
-        stat = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))  # log2-sum-exp; +inf zeroes empty rows in backward
+        stat = tl.where(
+            has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf")
+        )  # log2-sum-exp; +inf zeroes empty rows in backward
     tl.store(STAT + row_offs, stat, mask=row_ok)
 
 
 @triton.jit
 def _indexed_bwd_kernel(
-    Q, K, V, IDX, GAMMA_SQ, OUT, DOUT, STAT, DQ, DK, DV_, DGAMMA, EK, EV, EMASK, DEK, DEV, DELTA, SINK, DSINK,
-    N, M, NUM_SLOTS, HQ, GROUP, scale, EGROUP, EK_SB, EK_SH, EK_SN, EV_SB, EV_SH, EV_SN,
-    D: tl.constexpr, DV: tl.constexpr, SCORE: tl.constexpr, HAS_EXTRA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    SCATTER_KV: tl.constexpr, HAS_SINK: tl.constexpr, DK_ROW: tl.constexpr,
+    Q,
+    K,
+    V,
+    IDX,
+    GAMMA_SQ,
+    OUT,
+    DOUT,
+    STAT,
+    DQ,
+    DK,
+    DV_,
+    DGAMMA,
+    EK,
+    EV,
+    EMASK,
+    DEK,
+    DEV,
+    DELTA,
+    SINK,
+    DSINK,
+    N,
+    M,
+    NUM_SLOTS,
+    HQ,
+    GROUP,
+    scale,
+    EGROUP,
+    EK_SB,
+    EK_SH,
+    EK_SN,
+    EV_SB,
+    EV_SH,
+    EV_SN,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    SCORE: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SCATTER_KV: tl.constexpr,
+    HAS_SINK: tl.constexpr,
+    DK_ROW: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -212,7 +299,9 @@ def _indexed_bwd_kernel(
         d_sq = tl.where(row_ok, delta * w_s * w_s * inv_total, 0.0)  # [BM]
         dgamma_sq += d_sq
         dq += (2.0 * d_sq)[:, None] * diff_s
-        tl.store(DSINK + row_offs[:, None] * D + offs_d[None, :], (-2.0 * d_sq)[:, None] * diff_s, mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(
+            DSINK + row_offs[:, None] * D + offs_d[None, :], (-2.0 * d_sq)[:, None] * diff_s, mask=row_ok[:, None] & d_ok[None, :]
+        )
     if HAS_EXTRA:
         e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
@@ -225,11 +314,19 @@ def _indexed_bwd_kernel(
         p_x, dg_x, dq_x, dk_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, SCORE)
         dgamma_sq += dg_x
         dq += dq_x
-        tl.store(DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk_x, mask=row_ok[:, None, None] & d_ok[None, None, :])
-        tl.store(DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :], p_x[:, :, None] * do[:, None, :], mask=row_ok[:, None, None] & dv_ok[None, None, :])
+        tl.store(
+            DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk_x, mask=row_ok[:, None, None] & d_ok[None, None, :]
+        )
+        tl.store(
+            DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :],
+            p_x[:, :, None] * do[:, None, :],
+            mask=row_ok[:, None, None] & dv_ok[None, None, :],
+        )
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1)
+        idx = tl.load(
+            IDX + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=row_ok[:, None] & (slots[None, :] < NUM_SLOTS), other=-1
+        )
         valid = (idx >= 0)[:, :, None]
         k_offs = k_base + idx[:, :, None] * D + offs_d[None, None, :]
         v_offs = v_base + idx[:, :, None] * DV + offs_dv[None, None, :]
@@ -294,8 +391,24 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, si
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
     pointers, extra_kw = _extra_args(q, extra)
     _indexed_fwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, stat, *pointers, q if sink is None else sink, *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], HAS_SINK=sink is not None, **blocks,
+        q,
+        k,
+        v,
+        index,
+        gamma_sq,
+        out,
+        stat,
+        *pointers,
+        q if sink is None else sink,
+        *sizes,
+        scale,
+        *extra_kw["sizes"],
+        D=q.shape[-1],
+        DV=v.shape[-1],
+        SCORE=score_code,
+        HAS_EXTRA=extra_kw["HAS_EXTRA"],
+        HAS_SINK=sink is not None,
+        **blocks,
     )
     return out, stat
 
@@ -358,10 +471,31 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
     _indexed_bwd_kernel[grid](
-        q, k, v, index, gamma_sq, out, grad_out, stat, g.dq, g.dk, g.dv, g.dgamma_sq, *pointers, *optional,
-        *sizes, scale, *extra_kw["sizes"],
-        D=q.shape[-1], DV=v.shape[-1], SCORE=score_code, HAS_EXTRA=extra_kw["HAS_EXTRA"], SCATTER_KV=not inverse,
-        HAS_SINK=sink is not None, DK_ROW=dk_row(q.shape[-1]), **blocks,
+        q,
+        k,
+        v,
+        index,
+        gamma_sq,
+        out,
+        grad_out,
+        stat,
+        g.dq,
+        g.dk,
+        g.dv,
+        g.dgamma_sq,
+        *pointers,
+        *optional,
+        *sizes,
+        scale,
+        *extra_kw["sizes"],
+        D=q.shape[-1],
+        DV=v.shape[-1],
+        SCORE=score_code,
+        HAS_EXTRA=extra_kw["HAS_EXTRA"],
+        SCATTER_KV=not inverse,
+        HAS_SINK=sink is not None,
+        DK_ROW=dk_row(q.shape[-1]),
+        **blocks,
     )
     dk, dv = g.dk[..., : k.shape[-1]], g.dv
     if inverse:
@@ -405,9 +539,17 @@ def _dense(*tensors: Tensor | None) -> tuple:
 
 @torch.library.custom_op(op_name("indexed_fwd"), mutates_args=())
 def indexed_fwd(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor,
-    extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None, sink: Tensor | None,
-    scale: float, score_code: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    gamma_sq: Tensor,
+    extra_key: Tensor | None,
+    extra_value: Tensor | None,
+    extra_mask: Tensor | None,
+    sink: Tensor | None,
+    scale: float,
+    score_code: int,
 ) -> tuple[Tensor, Tensor]:
     """``sparsefocus::indexed_fwd``: out [B, Hq, N, Dv] (q.dtype) and the row statistic stat
     [B, Hq, N] fp32 (softmax kinds: base-2 log-sum-exp, +inf for a row with no key; Cauchy: the
@@ -426,9 +568,21 @@ def _indexed_fwd_fake(q, k, v, index, gamma_sq, extra_key, extra_value, extra_ma
 
 @torch.library.custom_op(op_name("indexed_bwd"), mutates_args=())
 def indexed_bwd(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, out: Tensor, grad_out: Tensor, stat: Tensor,
-    extra_key: Tensor | None, extra_value: Tensor | None, extra_mask: Tensor | None, sink: Tensor | None,
-    scale: float, score_code: int, cast: bool,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    gamma_sq: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    stat: Tensor,
+    extra_key: Tensor | None,
+    extra_value: Tensor | None,
+    extra_mask: Tensor | None,
+    sink: Tensor | None,
+    scale: float,
+    score_code: int,
+    cast: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq [Hq] fp32, d extra_key, d extra_value,
     d sink [Hq, D] fp32), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
@@ -450,7 +604,9 @@ def indexed_bwd(
 
 
 @indexed_bwd.register_fake
-def _indexed_bwd_fake(q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, scale, score_code, cast):
+def _indexed_bwd_fake(
+    q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, scale, score_code, cast
+):
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape, dtype=key_dtypes[0]), v.new_empty(v.shape, dtype=key_dtypes[1])]
     grads.append(q.new_empty(q.shape[1], dtype=torch.float32))
@@ -494,7 +650,15 @@ def _mean_rows(q: Tensor, real: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 @torch.library.custom_op(op_name("indexed_causal_mean_fwd"), mutates_args=())
 def indexed_causal_mean_fwd(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, real: Tensor, sink: Tensor | None, scale: float, score_code: int
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    gamma_sq: Tensor,
+    real: Tensor,
+    sink: Tensor | None,
+    scale: float,
+    score_code: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_causal_mean_fwd``: ``indexed_fwd`` whose extra slot is the causal
     mean of the real keys and values (``scan.scaled_scan``). Returns (out, stat, mean_k
@@ -580,7 +744,9 @@ def indexed_attention_causal_mean(
     """
     index = _checked_index(q, k, v, index, score, sink_key)
     if k.shape[2] != q.shape[2] or q.shape[2] == 0 or index.shape[-1] == 0:
-        raise ValueError(f"indexed_attention_causal_mean needs N = M >= 1 and K >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, index {tuple(index.shape)}")
+        raise ValueError(
+            f"indexed_attention_causal_mean needs N = M >= 1 and K >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, index {tuple(index.shape)}"
+        )
     real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
     if tuple(real.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
@@ -605,7 +771,9 @@ def _check_index(q: Tensor, k: Tensor, v: Tensor, index: Tensor, score: str) -> 
     if score not in SCORE_KINDS:
         raise ValueError(f"unknown score {score!r}; valid: {', '.join(SCORE_KINDS)}")
     if index.dim() != 4 or index.shape[2] != q.shape[2] or index.is_floating_point():
-        raise ValueError(f"index must be an integer tensor [B, Hq, N, K] with N = {q.shape[2]}, got {index.dtype} {tuple(index.shape)}")
+        raise ValueError(
+            f"index must be an integer tensor [B, Hq, N, K] with N = {q.shape[2]}, got {index.dtype} {tuple(index.shape)}"
+        )
     if q.shape[1] % k.shape[1] != 0 or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
 
@@ -662,7 +830,16 @@ def indexed_attention(
     gamma_sq = _gamma_per_head(gamma, q.shape[1], q.device).float().pow(2)  # [Hq]
     if q.shape[2] == 0:  # no query: nothing to launch
         out = indexed_attention_ref(
-            q, k, v, index, scale=scale, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask,
+            q,
+            k,
+            v,
+            index,
+            scale=scale,
+            score=score,
+            gamma=gamma,
+            extra_key=extra_key,
+            extra_value=extra_value,
+            extra_mask=extra_mask,
             sink_key=sink_key,
         ).to(q.dtype)
         return (out, q.new_zeros(q.shape[:3], dtype=torch.float32)) if return_lse else out
@@ -709,8 +886,12 @@ def _check_extra(q: Tensor, v: Tensor, extra_key: Tensor | None, extra_value: Te
     for name, x, width in (("extra_key", extra_key, q.shape[-1]), ("extra_value", extra_value, v.shape[-1])):
         heads = x.shape[1] if x.dim() == 4 else -1
         if x.dim() != 4 or x.shape[0] != q.shape[0] or x.shape[2] != q.shape[2] or x.shape[3] != width or q.shape[1] % heads:
-            raise ValueError(f"{name} must be [B, Hq or Hk, N, {width}] = [{q.shape[0]}, ., {q.shape[2]}, {width}], got {tuple(x.shape)}")
-    if extra_mask is not None and (extra_mask.dim() != 3 or extra_mask.shape[0] != q.shape[0] or extra_mask.shape[2] != q.shape[2]):
+            raise ValueError(
+                f"{name} must be [B, Hq or Hk, N, {width}] = [{q.shape[0]}, ., {q.shape[2]}, {width}], got {tuple(x.shape)}"
+            )
+    if extra_mask is not None and (
+        extra_mask.dim() != 3 or extra_mask.shape[0] != q.shape[0] or extra_mask.shape[2] != q.shape[2]
+    ):
         raise ValueError(f"extra_mask must be [B, 1 or Hq, N] bool, got {tuple(extra_mask.shape)}")
 
 

@@ -83,7 +83,9 @@ def build_inverse(index: Tensor, n_keys: int, kv_heads: int) -> tuple[Tensor, Te
     """
     batch, q_heads, n_queries, slots = index.shape
     if batch * q_heads * n_queries * slots >= 2**31:
-        raise ValueError(f"the inverse index holds at most 2**31 - 1 (query, slot) pairs; got {batch * q_heads * n_queries * slots}")
+        raise ValueError(
+            f"the inverse index holds at most 2**31 - 1 (query, slot) pairs; got {batch * q_heads * n_queries * slots}"
+        )
     if q_heads % kv_heads:
         raise ValueError(f"kv_heads must divide the query heads {q_heads}, got {kv_heads}")
     return build_inverse_op(index, n_keys, kv_heads)
@@ -117,9 +119,26 @@ def _build_inverse_fake(index, n_keys, kv_heads):
 
 @triton.jit
 def _key_grads_kernel(
-    Q, K, V, DOUT, STAT, DELTA, GAMMA_SQ, OFFSETS, ENTRIES, DK, DV_,
-    N, M, HQ,
-    D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    DOUT,
+    STAT,
+    DELTA,
+    GAMMA_SQ,
+    OFFSETS,
+    ENTRIES,
+    DK,
+    DV_,
+    N,
+    M,
+    HQ,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid_n, kv_bh = tl.program_id(0), tl.program_id(1)
     keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -127,8 +146,12 @@ def _key_grads_kernel(
     flat = kv_bh.to(tl.int64) * M + keys  # [BN]
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = offs_d < D, offs_dv < DV
-    kj = tl.load(K + flat[:, None] * D + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [BN, BD]
-    vj = tl.load(V + flat[:, None] * DV + offs_dv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)  # [BN, BDV]
+    kj = tl.load(K + flat[:, None] * D + offs_d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0).to(
+        tl.float32
+    )  # [BN, BD]
+    vj = tl.load(V + flat[:, None] * DV + offs_dv[None, :], mask=key_ok[:, None] & dv_ok[None, :], other=0.0).to(
+        tl.float32
+    )  # [BN, BDV]
     first = tl.load(OFFSETS + flat, mask=key_ok, other=0)
     count = tl.load(OFFSETS + flat + 1, mask=key_ok, other=0) - first  # [BN]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -140,8 +163,12 @@ def _key_grads_kernel(
         gamma_sq = tl.load(GAMMA_SQ + (row // N) % HQ, mask=e_ok, other=1.0)
         stat = tl.load(STAT + row, mask=e_ok, other=1.0)  # Cauchy sum of the query's weights
         delta = tl.load(DELTA + row, mask=e_ok, other=0.0)
-        qt = tl.load(Q + row[:, :, None] * D + offs_d[None, None, :], mask=e_ok[:, :, None] & d_ok[None, None, :], other=0.0).to(tl.float32)
-        dot = tl.load(DOUT + row[:, :, None] * DV + offs_dv[None, None, :], mask=e_ok[:, :, None] & dv_ok[None, None, :], other=0.0).to(tl.float32)
+        qt = tl.load(Q + row[:, :, None] * D + offs_d[None, None, :], mask=e_ok[:, :, None] & d_ok[None, None, :], other=0.0).to(
+            tl.float32
+        )
+        dot = tl.load(
+            DOUT + row[:, :, None] * DV + offs_dv[None, None, :], mask=e_ok[:, :, None] & dv_ok[None, None, :], other=0.0
+        ).to(tl.float32)
         diff = qt - kj[:, None, :]  # [BN, BE, BD]: q - k
         w = tl.where(e_ok, 1.0 / (tl.sum(diff * diff, axis=2) + gamma_sq), 0.0)  # [BN, BE]
         p = w / tl.where(stat > 0, stat, 1.0)
@@ -153,7 +180,9 @@ def _key_grads_kernel(
     tl.store(DV_ + flat[:, None] * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=key_ok[:, None] & dv_ok[None, :])
 
 
-def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+def key_grads(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor
+) -> tuple[Tensor, Tensor]:
     """dk [B, Hk, M, D] and dv [B, Hk, M, Dv] (input dtypes) of indexed Cauchy attention (op
     ``sparsefocus::key_grads``, not differentiable).
 
@@ -166,7 +195,9 @@ def key_grads(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, 
 
 
 @torch.library.custom_op(op_name("key_grads"), mutates_args=())
-def key_grads_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+def key_grads_op(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tensor, grad_out: Tensor, stat: Tensor, delta: Tensor
+) -> tuple[Tensor, Tensor]:
     """``sparsefocus::key_grads``: see ``key_grads``."""
     q, k, v, index, gamma_sq, grad_out, stat, delta = (x.contiguous() for x in (q, k, v, index, gamma_sq, grad_out, stat, delta))
     offsets, entries = build_inverse_op(index, k.shape[2], k.shape[1])
@@ -175,8 +206,25 @@ def key_grads_op(q: Tensor, k: Tensor, v: Tensor, index: Tensor, gamma_sq: Tenso
     block_d, block_dv = triton.next_power_of_2(dim), triton.next_power_of_2(v.shape[-1])
     grid = (triton.cdiv(n_keys, TILES["BLOCK_N"]), batch * kv_heads)
     _key_grads_kernel[grid](
-        q, k, v, grad_out, stat, delta, gamma_sq, offsets, entries, dk, dv, q.shape[2], n_keys, q.shape[1],
-        D=dim, DV=v.shape[-1], BLOCK_D=block_d, BLOCK_DV=block_dv, **TILES,
+        q,
+        k,
+        v,
+        grad_out,
+        stat,
+        delta,
+        gamma_sq,
+        offsets,
+        entries,
+        dk,
+        dv,
+        q.shape[2],
+        n_keys,
+        q.shape[1],
+        D=dim,
+        DV=v.shape[-1],
+        BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
+        **TILES,
     )
     return dk, dv
 

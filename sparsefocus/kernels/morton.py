@@ -22,7 +22,20 @@ BLOCK = 256
 
 
 @triton.jit
-def _morton_kernel(UNIT, OUT, P, shift, levels, top, row_len, first_row, D: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, TAG: tl.constexpr):
+def _morton_kernel(
+    UNIT,
+    OUT,
+    P,
+    shift,
+    levels,
+    top,
+    row_len,
+    first_row,
+    D: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    TAG: tl.constexpr,
+):
     points = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = points < P
     code = tl.zeros([BLOCK], tl.int64)
@@ -37,7 +50,9 @@ def _morton_kernel(UNIT, OUT, P, shift, levels, top, row_len, first_row, D: tl.c
     tl.store(OUT + points, code, mask=ok)
 
 
-def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top: int, tag_rows: tuple[int, int] | None = None) -> Tensor:
+def morton_codes_triton(
+    unit: Tensor, bits: int, shift: float, levels: int, top: int, tag_rows: tuple[int, int] | None = None
+) -> Tensor:
     """Codes of points ``unit`` [..., D] fp32 in [0, 1]: cell = clamp(floor((unit + shift) * levels),
     0, top) per coordinate, then ``bits`` bits of each interleaved. Returns [...] int64 (op
     ``sparsefocus::morton_codes``, not differentiable).
@@ -54,13 +69,17 @@ def morton_codes_triton(unit: Tensor, bits: int, shift: float, levels: int, top:
 
 
 @torch.library.custom_op(op_name("morton_codes"), mutates_args=())
-def morton_codes_op(unit: Tensor, bits: int, shift: float, levels: int, top: int, row_len: int, first_row: int, tag: bool) -> Tensor:
+def morton_codes_op(
+    unit: Tensor, bits: int, shift: float, levels: int, top: int, row_len: int, first_row: int, tag: bool
+) -> Tensor:
     """``sparsefocus::morton_codes``: codes [P] int64 of points unit [P, D] fp32 (see
     ``morton_codes_triton``; row_len and first_row are read only when ``tag``)."""
     flat = unit.contiguous()
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=unit.device)
     grid = (triton.cdiv(flat.shape[0], BLOCK),)
-    _morton_kernel[grid](flat, out, flat.shape[0], shift, float(levels), top, row_len, first_row, D=flat.shape[-1], BITS=bits, BLOCK=BLOCK, TAG=tag)
+    _morton_kernel[grid](
+        flat, out, flat.shape[0], shift, float(levels), top, row_len, first_row, D=flat.shape[-1], BITS=bits, BLOCK=BLOCK, TAG=tag
+    )
     return out
 
 

@@ -63,9 +63,26 @@ def _tile_scores(q, k_base, keys, lo, hi, offs_d, M, qk_scale, D: tl.constexpr, 
 
 @triton.jit
 def _runs_fwd_kernel(
-    Q, K, V, START, LENGTH, OUT, LSE, N, M, HQ, GROUP, qk_scale,
-    D: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    START,
+    LENGTH,
+    OUT,
+    LSE,
+    N,
+    M,
+    HQ,
+    GROUP,
+    qk_scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
@@ -82,7 +99,9 @@ def _runs_fwd_kernel(
     for key_start in range(tile_lo, tile_hi, BLOCK_N):
         keys = key_start + offs_n
         s, _ = _tile_scores(q, k_base, keys, lo, hi, offs_d, M, qk_scale, D, PRECISION)
-        vt = tl.load(v_base + keys[:, None] * DV + offs_dv[None, :], mask=(keys[:, None] < M) & (offs_dv[None, :] < DV), other=0.0)
+        vt = tl.load(
+            v_base + keys[:, None] * DV + offs_dv[None, :], mask=(keys[:, None] < M) & (offs_dv[None, :] < DV), other=0.0
+        )
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -91,16 +110,42 @@ def _runs_fwd_kernel(
         m_i = m_new
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
-    tl.store(OUT + row_offs[:, None] * DV + offs_dv[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(
+        OUT + row_offs[:, None] * DV + offs_dv[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dv[None, :] < DV),
+    )
     lse = tl.where(has_key, m_i + tl.log2(tl.where(has_key, l_i, 1.0)), float("inf"))  # +inf zeroes empty rows in backward
     tl.store(LSE + row_offs, lse, mask=row_ok)
 
 
 @triton.jit
 def _runs_bwd_kernel(
-    Q, K, V, START, LENGTH, OUT, DOUT, LSE, DQ, DK, DV_, N, M, HQ, GROUP, scale, qk_scale,
-    D: tl.constexpr, DV: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    Q,
+    K,
+    V,
+    START,
+    LENGTH,
+    OUT,
+    DOUT,
+    LSE,
+    DQ,
+    DK,
+    DV_,
+    N,
+    M,
+    HQ,
+    GROUP,
+    scale,
+    qk_scale,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
@@ -163,8 +208,22 @@ def _runs_forward(q, k, v, start, length, scale, causal) -> tuple[Tensor, Tensor
     blocks = _blocks(q, v.shape[-1], backward=False)
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     _runs_fwd_kernel[grid](
-        q, k, v, start, length, out, lse, n_queries, k.shape[2], q_heads, q_heads // k.shape[1], scale * LOG2E,
-        D=dim, DV=v.shape[-1], CAUSAL=causal, **blocks,
+        q,
+        k,
+        v,
+        start,
+        length,
+        out,
+        lse,
+        n_queries,
+        k.shape[2],
+        q_heads,
+        q_heads // k.shape[1],
+        scale * LOG2E,
+        D=dim,
+        DV=v.shape[-1],
+        CAUSAL=causal,
+        **blocks,
     )
     return out, lse
 
@@ -178,8 +237,27 @@ def _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal) ->
     blocks = _blocks(q, v.shape[-1], backward=True)
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     _runs_bwd_kernel[grid](
-        q, k, v, start, length, out, grad_out, lse, dq, dk, dv, n_queries, k.shape[2], q_heads,
-        q_heads // k.shape[1], scale, scale * LOG2E, D=dim, DV=v.shape[-1], CAUSAL=causal, **blocks,
+        q,
+        k,
+        v,
+        start,
+        length,
+        out,
+        grad_out,
+        lse,
+        dq,
+        dk,
+        dv,
+        n_queries,
+        k.shape[2],
+        q_heads,
+        q_heads // k.shape[1],
+        scale,
+        scale * LOG2E,
+        D=dim,
+        DV=v.shape[-1],
+        CAUSAL=causal,
+        **blocks,
     )
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
@@ -199,7 +277,16 @@ def _runs_fwd_fake(q, k, v, start, length, scale, causal):
 
 @torch.library.custom_op(op_name("runs_bwd"), mutates_args=())
 def runs_bwd(
-    q: Tensor, k: Tensor, v: Tensor, start: Tensor, length: Tensor, out: Tensor, grad_out: Tensor, lse: Tensor, scale: float, causal: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: Tensor,
+    length: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sparsefocus::runs_bwd``: dq, dk, dv (input dtypes) from ``runs_fwd``'s out and log-sum-exp."""
     q, k, v, start, length, out, grad_out, lse = (x.contiguous() for x in (q, k, v, start, length, out, grad_out, lse))
@@ -234,7 +321,9 @@ def _check_runs(q: Tensor, k: Tensor, v: Tensor, start: Tensor, width: int | Ten
     if q.shape[1] % k.shape[1] != 0 or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if start.dim() != 3 or start.shape[-1] != q.shape[2] or start.is_floating_point():
-        raise ValueError(f"start must be an integer tensor [B or 1, Hq or 1, N] with N = {q.shape[2]}, got {start.dtype} {tuple(start.shape)}")
+        raise ValueError(
+            f"start must be an integer tensor [B or 1, Hq or 1, N] with N = {q.shape[2]}, got {start.dtype} {tuple(start.shape)}"
+        )
     if isinstance(width, Tensor):
         if width.dim() != 3 or width.shape[-1] != q.shape[2] or width.is_floating_point():
             raise ValueError(f"width as a tensor must be integer [B or 1, Hq or 1, N], got {width.dtype} {tuple(width.shape)}")

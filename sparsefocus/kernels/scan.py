@@ -55,8 +55,20 @@ def _tile_sums_kernel(X, PRE, SUMS, N, XW, T, H, BLOCK_N: tl.constexpr, BLOCK_X:
 
 @triton.jit
 def _tile_scan_kernel(
-    X, PRE, POST, CARRY, BASE, OUT, N, XW, T, H,
-    REVERSE: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
+    X,
+    PRE,
+    POST,
+    CARRY,
+    BASE,
+    OUT,
+    N,
+    XW,
+    T,
+    H,
+    REVERSE: tl.constexpr,
+    HAS_BASE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_X: tl.constexpr,
 ):
     tile, bh, pid_x = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,7 +101,9 @@ def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tens
     carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
-    _tile_scan_kernel[grid](x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks)
+    _tile_scan_kernel[grid](
+        x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks
+    )
     return out
 
 
@@ -143,7 +157,9 @@ def scaled_scan(
     if base is not None and base.shape != x.shape:
         raise ValueError(f"base must have x's shape {tuple(x.shape)}, got {tuple(base.shape)}")
     if x.dim() != 4 or tuple(pre.shape) != (x.shape[0], x.shape[2]) or pre.shape != post.shape:
-        raise ValueError(f"scaled_scan needs x [B, H, N, X] and pre, post [B, N], got {tuple(x.shape)}, {tuple(pre.shape)}, {tuple(post.shape)}")
+        raise ValueError(
+            f"scaled_scan needs x [B, H, N, X] and pre, post [B, N], got {tuple(x.shape)}, {tuple(pre.shape)}, {tuple(post.shape)}"
+        )
     return scaled_scan_op(x, pre, post, base, reverse, dtype or x.dtype)
 
 

@@ -58,9 +58,21 @@ replacing the launcher's choice for that kernel."""
 
 
 @triton.jit
-def _score_tile(q, k_ptr, pad_ptr, rows, start, M,
-                D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+def _score_tile(
+    q,
+    k_ptr,
+    pad_ptr,
+    rows,
+    start,
+    M,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Scores [BM, BN] of the query tile against keys start..start+BN, and the allowed mask.
 
     MASKED=False: every key of the tile is allowed for every row, so no mask arithmetic at all;
@@ -145,9 +157,24 @@ def _lower_bound(best, second, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.co
 
 @triton.jit
 def _bound_kernel(
-    Q, K, PAD, BOUND, N, M, HQ, GROUP,
-    D: tl.constexpr, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    PAD,
+    BOUND,
+    N,
+    M,
+    HQ,
+    GROUP,
+    D: tl.constexpr,
+    KK: tl.constexpr,
+    TOP: tl.constexpr,
+    STEPS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
@@ -164,8 +191,19 @@ def _bound_kernel(
 
 
 @triton.jit
-def _collect_tile(s, allowed, bound, start, nent, ent, row_ok,
-                  CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+def _collect_tile(
+    s,
+    allowed,
+    bound,
+    start,
+    nent,
+    ent,
+    row_ok,
+    CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Append the tile's non-empty 32-key hit masks to each row's list; returns the list lengths.
 
     An entry is (word number << 32) | bits; one 2-D store per tile keeps the layout changes
@@ -186,9 +224,24 @@ def _collect_tile(s, allowed, bound, start, nent, ent, row_ok,
 
 @triton.jit
 def _collect_kernel(
-    Q, K, PAD, BOUND, NENT, ENT, N, M, HQ, GROUP,
-    D: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    PAD,
+    BOUND,
+    NENT,
+    ENT,
+    N,
+    M,
+    HQ,
+    GROUP,
+    D: tl.constexpr,
+    CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
@@ -230,8 +283,7 @@ def _lowest_bit_position(low):
 
 
 @triton.jit
-def _expand(q, k_ptr, ent, nent, rounds,
-            D: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _expand(q, k_ptr, ent, nent, rounds, D: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Packed (fp32 score, position) keys [BM, CAP] of the listed hits, in list order; int64 min
     in unused slots. One hit per row and round: the lowest set bit of the current mask."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -260,8 +312,22 @@ def _expand(q, k_ptr, ent, nent, rounds,
 
 @triton.jit
 def _finish_kernel(
-    Q, K, PAD, NENT, ENT, OUT, COUNT, N, M, HQ, GROUP,
-    D: tl.constexpr, KK: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    PAD,
+    NENT,
+    ENT,
+    OUT,
+    COUNT,
+    N,
+    M,
+    HQ,
+    GROUP,
+    D: tl.constexpr,
+    KK: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     rows, row_offs, q, k_ptr, _ = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     row_ok = rows < N
@@ -288,8 +354,20 @@ def _store_ranked(packed, OUT, row_offs, store_ok, KK: tl.constexpr):
 
 
 @triton.jit
-def _ordered_tile(q, k_ptr, pad_ptr, rows, start, M, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+def _ordered_tile(
+    q,
+    k_ptr,
+    pad_ptr,
+    rows,
+    start,
+    M,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """(fp32 scores [BM, BN], int32 keys ordered like them, INT32_MIN where the key is not allowed)."""
     s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
     bits = s.to(tl.int32, bitcast=True)
@@ -297,8 +375,21 @@ def _ordered_tile(q, k_ptr, pad_ptr, rows, start, M, D: tl.constexpr, BLOCK_N: t
 
 
 @triton.jit
-def _count_above(q, k_ptr, pad_ptr, rows, hi, M, cut, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+def _count_above(
+    q,
+    k_ptr,
+    pad_ptr,
+    rows,
+    hi,
+    M,
+    cut,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """For cut [BM]: the number of allowed keys with ordered score >= cut, the smallest such score
     and the largest allowed score below cut (INT32_MAX / INT32_MIN where there is none)."""
     count = tl.zeros([q.shape[0]], tl.int32)
@@ -314,22 +405,64 @@ def _count_above(q, k_ptr, pad_ptr, rows, hi, M, cut, D: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
-def _kth_score(q, k_ptr, pad_ptr, rows, redo, hi, M, KK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr):
+def _kth_score(
+    q,
+    k_ptr,
+    pad_ptr,
+    rows,
+    redo,
+    hi,
+    M,
+    KK: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """[BM] ordered cut T of the rows in ``redo`` (each has more than KK allowed keys): the
     largest value with at least KK keys >= T, or a smaller value with exactly KK keys >= it (the
     same kept set). Bisection on [lo, top] keeping count(>= lo) >= KK > count(> top); each
     sweep also moves the ends onto the nearest scores at or above / below mid, so rows whose
     scores take few values (ties) converge in a few sweeps. At most 33 sweeps."""
-    _, lo, _ = _count_above(q, k_ptr, pad_ptr, rows, hi, M, tl.full([q.shape[0]], INT32_MIN + 1, tl.int32),
-                            D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)  # the smallest allowed score
-    _, _, top = _count_above(q, k_ptr, pad_ptr, rows, hi, M, tl.full([q.shape[0]], INT32_MAX, tl.int32),
-                             D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)  # the largest (below INT32_MAX: NaN bits only)
+    _, lo, _ = _count_above(
+        q,
+        k_ptr,
+        pad_ptr,
+        rows,
+        hi,
+        M,
+        tl.full([q.shape[0]], INT32_MIN + 1, tl.int32),
+        D,
+        BLOCK_N,
+        BLOCK_D,
+        CAUSAL,
+        HAS_PAD,
+        PRECISION,
+    )  # the smallest allowed score
+    _, _, top = _count_above(
+        q,
+        k_ptr,
+        pad_ptr,
+        rows,
+        hi,
+        M,
+        tl.full([q.shape[0]], INT32_MAX, tl.int32),
+        D,
+        BLOCK_N,
+        BLOCK_D,
+        CAUSAL,
+        HAS_PAD,
+        PRECISION,
+    )  # the largest (below INT32_MAX: NaN bits only)
     lo = tl.where(redo, lo, 0)  # rows not redone start converged
     top = tl.where(redo, top, 0)
     while tl.max((lo < top).to(tl.int32), axis=0) > 0:
         mid = (lo.to(tl.int64) + ((top.to(tl.int64) - lo.to(tl.int64) + 1) >> 1)).to(tl.int32)  # lo < mid <= top
-        count, at_or_above, below = _count_above(q, k_ptr, pad_ptr, rows, hi, M, mid, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
+        count, at_or_above, below = _count_above(
+            q, k_ptr, pad_ptr, rows, hi, M, mid, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION
+        )
         active = lo < top
         new_lo = tl.where(active & (count >= KK), at_or_above, lo)
         top = tl.where(active, tl.where(count == KK, at_or_above, tl.where(count >= KK, top, below)), top)
@@ -339,9 +472,25 @@ def _kth_score(q, k_ptr, pad_ptr, rows, redo, hi, M, KK: tl.constexpr, D: tl.con
 
 @triton.jit
 def _exact_kernel(
-    Q, K, PAD, COUNT, ENT, OUT, N, M, HQ, GROUP,
-    D: tl.constexpr, KK: tl.constexpr, CAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    Q,
+    K,
+    PAD,
+    COUNT,
+    ENT,
+    OUT,
+    N,
+    M,
+    HQ,
+    GROUP,
+    D: tl.constexpr,
+    KK: tl.constexpr,
+    CAP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """Redo the rows whose candidate list overflowed (COUNT > CAP) exactly; others untouched."""
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
@@ -349,7 +498,9 @@ def _exact_kernel(
     if tl.max(redo.to(tl.int32), axis=0) > 0:
         _, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
         cut = _kth_score(q, k_ptr, pad_ptr, rows, redo, hi, M, KK, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)
-        above, _, _ = _count_above(q, k_ptr, pad_ptr, rows, hi, M, cut + 1, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION)  # > cut
+        above, _, _ = _count_above(
+            q, k_ptr, pad_ptr, rows, hi, M, cut + 1, D, BLOCK_N, BLOCK_D, CAUSAL, HAS_PAD, PRECISION
+        )  # > cut
         ent = ENT + row_offs * CAP
         ties = tl.zeros([BLOCK_M], tl.int32)
         taken = tl.zeros([BLOCK_M], tl.int32)
@@ -372,13 +523,19 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
     """Per-kernel launch tiles; the bound's column classes are widened to give a tight bound."""
     if q.is_cuda:
         # the fastest of three tile choices per kernel on the H200 (N=16K, kk=32, causal; benchmarks/topk_probe.py)
-        tiles = {"bound": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
-                 "collect": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
-                 "finish": dict(BLOCK_M=8, num_warps=2),
-                 "exact": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4)}  # rare rows: not tuned
+        tiles = {
+            "bound": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+            "collect": dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+            "finish": dict(BLOCK_M=8, num_warps=2),
+            "exact": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4),
+        }  # rare rows: not tuned
     else:  # interpreter: small tiles so that tiny test sizes still cross several tiles
-        tiles = {"bound": dict(BLOCK_M=32, BLOCK_N=16), "collect": dict(BLOCK_M=32, BLOCK_N=32), "finish": dict(BLOCK_M=32),
-                 "exact": dict(BLOCK_M=32, BLOCK_N=64)}  # up to 33 sweeps per tile: few, wide tiles
+        tiles = {
+            "bound": dict(BLOCK_M=32, BLOCK_N=16),
+            "collect": dict(BLOCK_M=32, BLOCK_N=32),
+            "finish": dict(BLOCK_M=32),
+            "exact": dict(BLOCK_M=32, BLOCK_N=64),
+        }  # up to 33 sweeps per tile: few, wide tiles
     tiles = {name: tiles[name] | TILE_OVERRIDES.get(name, {}) for name in tiles}
     bound = tiles["bound"]
     bound["BLOCK_N"] = max(bound["BLOCK_N"], kk_pow2)
@@ -431,7 +588,12 @@ def _select_rows(scores: Tensor, allowed: Tensor, kk: int) -> Tensor:
 
 
 def topk_select_torch(
-    q: Tensor, k: Tensor, kk: int, *, causal: bool = False, key_padding_mask: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    kk: int,
+    *,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
     rows: Tensor | None = None,
 ) -> Tensor:
     """Exact top-kk selection in PyTorch with the kernel's tie rule (smaller position first).
@@ -453,7 +615,9 @@ def topk_select_torch(
             keys = k[b, h // (q_heads // k.shape[1])].float()  # [M, D]
             for start in range(0, n_queries, chunk):
                 n = torch.arange(start, min(start + chunk, n_queries), device=q.device)
-                out[b, h, start : start + chunk] = _select_rows(q[b, h, n].float() @ keys.T, _allowed(n, key_pos, b, causal, key_padding_mask), kk)
+                out[b, h, start : start + chunk] = _select_rows(
+                    q[b, h, n].float() @ keys.T, _allowed(n, key_pos, b, causal, key_padding_mask), kk
+                )
     return out
 
 

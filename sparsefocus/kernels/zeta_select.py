@@ -135,8 +135,21 @@ def _kept(bits, cand, valid, cut, last):
 
 @triton.jit
 def _store_nearest_distinct(
-    distance, cand, valid, distance_b, cand_b, valid_b, out_rows, row_ok, M, STEPS,
-    WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, EXACT_STOP: tl.constexpr, TWO: tl.constexpr,
+    distance,
+    cand,
+    valid,
+    distance_b,
+    cand_b,
+    valid_b,
+    out_rows,
+    row_ok,
+    M,
+    STEPS,
+    WIDTH: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    EXACT_STOP: tl.constexpr,
+    TWO: tl.constexpr,
     GUESSES: tl.constexpr,
 ):
     """Store the WIDTH nearest of distinct candidates (positions cand [BM, BC] and, when TWO,
@@ -195,11 +208,36 @@ def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr):
 
 @triton.jit
 def _zeta_select_kernel(
-    Q, K, INSERT, SPOS, NVALID, REAL, OUT,
-    N, M, B, HQ, HK, GROUP, CHUNK, STEPS,
-    D: tl.constexpr, CURVES: tl.constexpr, WINDOW: tl.constexpr, LOCAL: tl.constexpr, WIDTH: tl.constexpr,
-    CAUSAL: tl.constexpr, DISTINCT: tl.constexpr, EXACT_STOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
-    SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, GUESSES: tl.constexpr, PADDED: tl.constexpr,
+    Q,
+    K,
+    INSERT,
+    SPOS,
+    NVALID,
+    REAL,
+    OUT,
+    N,
+    M,
+    B,
+    HQ,
+    HK,
+    GROUP,
+    CHUNK,
+    STEPS,
+    D: tl.constexpr,
+    CURVES: tl.constexpr,
+    WINDOW: tl.constexpr,
+    LOCAL: tl.constexpr,
+    WIDTH: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DISTINCT: tl.constexpr,
+    EXACT_STOP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    GUESSES: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     """SPLIT (distinct only): the window candidates in [BM, BLOCK_C] and the band in its own
     [BM, BLOCK_B] tile instead of both in one padded tile."""
@@ -246,7 +284,24 @@ def _zeta_select_kernel(
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
         distance_b = _distances(q_base, k_base, cand_b, row_ok, D)  # a [BM, 1] placeholder without SPLIT: all masked
-        _store_nearest_distinct(distance, cand, valid, distance_b, cand_b, cand_b >= 0, out_rows, row_ok, M, STEPS, WIDTH, BLOCK_M, BLOCK_W, EXACT_STOP, SPLIT, GUESSES)
+        _store_nearest_distinct(
+            distance,
+            cand,
+            valid,
+            distance_b,
+            cand_b,
+            cand_b >= 0,
+            out_rows,
+            row_ok,
+            M,
+            STEPS,
+            WIDTH,
+            BLOCK_M,
+            BLOCK_W,
+            EXACT_STOP,
+            SPLIT,
+            GUESSES,
+        )
     else:
         packed = (distance.to(tl.int32, bitcast=True).to(tl.int64) << 32) | cand.to(tl.int64)
         packed = tl.where(valid, packed, PACKED_NONE)
@@ -324,7 +379,9 @@ def sorted_prefixes(
         sorted_codes, order = sorted_codes & ((1 << tag_shift) - 1), order - rows * order.shape[-1]
     n_keys = codes_k.shape[-1]
     # built on the device: a host list copied in would synchronise the stream once per call
-    limit = (torch.arange(1, prefixes + 1, device=codes_k.device) * step).clamp_max(n_keys).view(-1, 1, 1, 1, 1)  # [P, 1, 1, 1, 1]
+    limit = (
+        (torch.arange(1, prefixes + 1, device=codes_k.device) * step).clamp_max(n_keys).view(-1, 1, 1, 1, 1)
+    )  # [P, 1, 1, 1, 1]
     keep = (order[None] < limit) & (sorted_codes[None] < sentinel)  # [P, S, B, Hk, M]
     dest = torch.where(keep, keep.cumsum(-1) - 1, n_keys)  # [P, S, B, Hk, M]; M = dropped
     shape = (*keep.shape[:-1], n_keys + 1)
@@ -341,7 +398,9 @@ def _filter_prefixes_fused(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
     code_mask = (1 << (tag_shift or 0)) - 1
-    return torch.ops.sparsefocus.zeta_prefix_filter(sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None)
+    return torch.ops.sparsefocus.zeta_prefix_filter(
+        sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None
+    )
 
 
 @torch.library.custom_op("sparsefocus::zeta_prefix_filter", mutates_args=())
@@ -354,8 +413,20 @@ def _prefix_filter_op(
     rows = curves * batch * kv_heads
     out_codes, out_pos, count = _prefix_filter_outputs(sorted_codes, prefixes)
     _prefix_filter_kernel[(prefixes * rows,)](
-        sorted_codes.contiguous(), order.contiguous(), out_codes, out_pos, count, n_keys, rows, batch, kv_heads, step, sentinel,
-        code_mask, BLOCK=1024, TAGGED=tagged,
+        sorted_codes.contiguous(),
+        order.contiguous(),
+        out_codes,
+        out_pos,
+        count,
+        n_keys,
+        rows,
+        batch,
+        kv_heads,
+        step,
+        sentinel,
+        code_mask,
+        BLOCK=1024,
+        TAGGED=tagged,
     )
     return out_codes, out_pos, count
 
@@ -376,7 +447,12 @@ def _prefix_filter_outputs(sorted_codes: Tensor, prefixes: int) -> tuple[Tensor,
 
 
 def key_prefixes(
-    codes_k: Tensor, key_padding_mask: Tensor | None, n_queries: int, chunk: int | None, sentinel: int, tag_shift: int | None = None
+    codes_k: Tensor,
+    key_padding_mask: Tensor | None,
+    n_queries: int,
+    chunk: int | None,
+    sentinel: int,
+    tag_shift: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The sorted keys every query may search: all real keys (``chunk`` None, not causal) or, per
     causal chunk boundary p * chunk, the real keys before it (``sorted_prefixes``).
@@ -452,8 +528,17 @@ def zeta_select(
 
 @torch.library.custom_op("sparsefocus::zeta_select", mutates_args=())
 def _zeta_select_op(
-    q: Tensor, k: Tensor, codes_q: Tensor, scodes: Tensor, spos: Tensor, count: Tensor, key_padding_mask: Optional[Tensor],
-    width: int, window: int, local: int, chunk: Optional[int],
+    q: Tensor,
+    k: Tensor,
+    codes_q: Tensor,
+    scodes: Tensor,
+    spos: Tensor,
+    count: Tensor,
+    key_padding_mask: Optional[Tensor],
+    width: int,
+    window: int,
+    local: int,
+    chunk: Optional[int],
 ) -> Tensor:
     """``zeta_select`` as one op: the queries' search (``_insertion_points``, inside the op so that
     its layout is the one searchsorted wants under Inductor too) and the kernel. codes_q [S, B,
@@ -479,12 +564,36 @@ def _zeta_select_op(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     _zeta_select_kernel[grid](
-        q.contiguous(), k.contiguous(), insert, spos.contiguous(), count.contiguous(),
-        out if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous(), out,  # out: a dummy pointer without a mask
-        n_queries, n_keys, batch, q_heads, kv_heads, q_heads // kv_heads, chunk or 1, max(1, n_keys.bit_length() + 1),
-        D=dim, CURVES=curves, WINDOW=window, LOCAL=local, WIDTH=width, CAUSAL=chunk is not None,
-        DISTINCT=distinct, EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True), BLOCK_M=block_m, BLOCK_C=block_c, BLOCK_W=block_w,
-        SPLIT=split, BLOCK_B=block_b, GUESSES=SELECT_OVERRIDES.get("guesses", 8), PADDED=key_padding_mask is not None,
+        q.contiguous(),
+        k.contiguous(),
+        insert,
+        spos.contiguous(),
+        count.contiguous(),
+        out if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous(),
+        out,  # out: a dummy pointer without a mask
+        n_queries,
+        n_keys,
+        batch,
+        q_heads,
+        kv_heads,
+        q_heads // kv_heads,
+        chunk or 1,
+        max(1, n_keys.bit_length() + 1),
+        D=dim,
+        CURVES=curves,
+        WINDOW=window,
+        LOCAL=local,
+        WIDTH=width,
+        CAUSAL=chunk is not None,
+        DISTINCT=distinct,
+        EXACT_STOP=SELECT_OVERRIDES.get("exact_stop", True),
+        BLOCK_M=block_m,
+        BLOCK_C=block_c,
+        BLOCK_W=block_w,
+        SPLIT=split,
+        BLOCK_B=block_b,
+        GUESSES=SELECT_OVERRIDES.get("guesses", 8),
+        PADDED=key_padding_mask is not None,
         num_warps=SELECT_OVERRIDES.get("num_warps", 1 if distinct else 4),
     )
     return out

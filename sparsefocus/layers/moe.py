@@ -68,8 +68,7 @@ class MoEFeedForward(nn.Module):
         self.renormalize, self.balance_loss, self.balance_weight = renormalize, balance_loss, balance_weight
         self.router = nn.Linear(dim, num_experts)
         self.experts = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, hidden), ACTIVATIONS[activation](), nn.Linear(hidden, dim))
-            for _ in range(num_experts)
+            nn.Sequential(nn.Linear(dim, hidden), ACTIVATIONS[activation](), nn.Linear(hidden, dim)) for _ in range(num_experts)
         )
         self.aux_loss: Tensor = torch.zeros(())
         self.last_load: Tensor = torch.zeros(num_experts)

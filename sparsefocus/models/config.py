@@ -85,9 +85,7 @@ class ModelConfig:
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"model.head_dim must be >= 1, got {self.head_dim}")
         if self.global_tokens not in GLOBAL_TOKEN_PLACES:
-            raise ValueError(
-                f"model.global_tokens must be one of {', '.join(GLOBAL_TOKEN_PLACES)}, got {self.global_tokens!r}"
-            )
+            raise ValueError(f"model.global_tokens must be one of {', '.join(GLOBAL_TOKEN_PLACES)}, got {self.global_tokens!r}")
 
     def resolved_head_dim(self) -> int:
         """Per-head width: the paper's code gives every head the full width d."""

@@ -39,14 +39,14 @@ class Decoder(nn.Module):
         super().__init__()
         config.validate()
         if config.global_tokens != "prepend" or config.pad_to_multiple_of_k:
-            raise ValueError("model.global_tokens=append_paper and model.pad_to_multiple_of_k are for the (non-causal) encoder only")
+            raise ValueError(
+                "model.global_tokens=append_paper and model.pad_to_multiple_of_k are for the (non-causal) encoder only"
+            )
         self.config, self.pad_id = config, pad_id
         self.patterns = block_patterns(mechanism, config.blocks)
         self.num_prefix = max(p.num_global_tokens for p in self.patterns)
         self.embedding = Embedding(config, vocab_size, max_len, self.num_prefix)
-        self.blocks = nn.ModuleList(
-            Block(config, pattern, causal=True, first=i == 0) for i, pattern in enumerate(self.patterns)
-        )
+        self.blocks = nn.ModuleList(Block(config, pattern, causal=True, first=i == 0) for i, pattern in enumerate(self.patterns))
         self.final_norm = nn.Identity() if config.paper_mode else nn.LayerNorm(config.dim)
         self.head = nn.Linear(config.dim, vocab_size)
         if config.init_std > 0:

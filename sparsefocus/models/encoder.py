@@ -56,7 +56,9 @@ class Encoder(nn.Module):
         self.use_cls = config.pooling == "cls"
         appended = config.global_tokens == "append_paper" and self.num_global_tokens > 0
         if appended and self.use_cls:
-            raise ValueError("model.global_tokens=append_paper has no CLS token (nor has the paper's code): use model.pooling=mean")
+            raise ValueError(
+                "model.global_tokens=append_paper has no CLS token (nor has the paper's code): use model.pooling=mean"
+            )
         self.num_suffix = self.num_global_tokens if appended else 0
         self.num_prefix = self.num_global_tokens - self.num_suffix + int(self.use_cls)
         self.pad_multiple = padding_multiple(self.patterns) if config.pad_to_multiple_of_k else 1
@@ -64,9 +66,7 @@ class Encoder(nn.Module):
             raise ValueError("model.pad_to_multiple_of_k needs a pad id, and this task has none")
         max_len = padded_length(max_len, self.pad_multiple)
         self.embedding = Embedding(config, vocab_size, max_len, self.num_prefix, self.num_suffix)
-        self.blocks = nn.ModuleList(
-            Block(config, pattern, causal=False, first=i == 0) for i, pattern in enumerate(self.patterns)
-        )
+        self.blocks = nn.ModuleList(Block(config, pattern, causal=False, first=i == 0) for i, pattern in enumerate(self.patterns))
         self.final_norm = nn.Identity() if config.paper_mode else nn.LayerNorm(config.dim)
         self.classifier = nn.Linear(config.dim, num_classes)
         if config.paper_mode:

@@ -315,5 +315,5 @@ class SolveEquationConfig(ModularTask):
         index = rnd.randrange(len(expression))
         while not expression[index].isdigit():  # NNCH walks right (cyclically) to the next digit
             index = (index + 1) % len(expression)
-        equation = f"{expression[:index]}x{expression[index + 1:]}={value}"
+        equation = f"{expression[:index]}x{expression[index + 1 :]}={value}"
         return equation, int(expression[index])

@@ -54,12 +54,24 @@ _CLOSE_TOKEN = {"lra": "X", "spartan": CLOSE}
 
 PRESETS: dict[str, dict[str, Any]] = {
     "lra": dict(
-        max_depth=10, max_args=10, min_length=500, max_length=2000,
-        num_train=96000, num_valid=2000, num_test=2000, tokenization="lra",
+        max_depth=10,
+        max_args=10,
+        min_length=500,
+        max_length=2000,
+        num_train=96000,
+        num_valid=2000,
+        num_test=2000,
+        tokenization="lra",
     ),
     "semantic_focus": dict(
-        max_depth=10, max_args=10, min_length=500, max_length=600,
-        num_train=5000, num_valid=2000, num_test=0, tokenization="spartan",
+        max_depth=10,
+        max_args=10,
+        min_length=500,
+        max_length=600,
+        num_train=5000,
+        num_valid=2000,
+        num_test=0,
+        tokenization="spartan",
     ),
 }
 
@@ -307,8 +319,15 @@ class ListOpsConfig(TaskConfig):
         inputs = _fit_columns(inputs, self._width(inputs, config))
         info = {"preset": self.preset, "tokenization": config["tokenization"], "tokens": vocabulary, "config": config}
         return split_task_data(
-            self.name, self.kind, inputs, labels, sizes,
-            vocab_size=len(vocabulary), num_classes=10, pad_id=0, info=info,
+            self.name,
+            self.kind,
+            inputs,
+            labels,
+            sizes,
+            vocab_size=len(vocabulary),
+            num_classes=10,
+            pad_id=0,
+            info=info,
         )
 
     def _length_window(self, tables: LengthTables, config: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -73,8 +73,13 @@ def query_gaps(rng: np.random.Generator, count: int, num_kv_pairs: int, space: i
 
 
 def mqar_examples(
-    rng: np.random.Generator, count: int, vocab_size: int, seq_len: int, num_kv_pairs: int,
-    power_a: float, random_non_queries: bool,
+    rng: np.random.Generator,
+    count: int,
+    vocab_size: int,
+    seq_len: int,
+    num_kv_pairs: int,
+    power_a: float,
+    random_non_queries: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``count`` MQAR sequences: inputs [count, L] and next-token targets [count, L] (-100 unscored)."""
     context = 2 * num_kv_pairs
@@ -139,7 +144,12 @@ class MQARConfig(TaskConfig):
             return mqar_examples(rng, count, *(config[field] for field in fields))
 
         return distinct_splits(
-            self.name, self.kind, sample, sizes,
-            vocab_size=config["vocab_size"], num_classes=config["vocab_size"], pad_id=None,
+            self.name,
+            self.kind,
+            sample,
+            sizes,
+            vocab_size=config["vocab_size"],
+            num_classes=config["vocab_size"],
+            pad_id=None,
             info={"preset": self.preset, "config": config, "ignore_index": IGNORE, "source": "zoology"},
         )

@@ -63,7 +63,12 @@ class AssocRecallConfig(TaskConfig):
         sizes = (self.num_train, self.num_valid, self.num_test)
         tokens = self.tokens()
         return distinct_splits(
-            self.name, self.kind, lambda count: self.sample(rng, count), sizes,
-            vocab_size=len(tokens), num_classes=self.num_values, pad_id=None,
+            self.name,
+            self.kind,
+            lambda count: self.sample(rng, count),
+            sizes,
+            vocab_size=len(tokens),
+            num_classes=self.num_values,
+            pad_id=None,
             info={"tokens": tokens, "separator_id": len(tokens) - 1},
         )

@@ -57,7 +57,7 @@ def read_text_file(path: Path) -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 (byte {error.start}: {data[error.start:error.start + 1]!r})") from None
+        raise ValueError(f"{path}: not UTF-8 (byte {error.start}: {data[error.start : error.start + 1]!r})") from None
     if not text.strip():
         raise ValueError(f"{path}: file is empty (no non-blank text)")
     return text
@@ -95,9 +95,7 @@ def load_wikitext(path: str | Path, *, raw: bool = False, name: str = "wikitext1
     return TextSplits(tag, lines["train"], lines["valid"], lines["test"], {"path": str(folder)})
 
 
-def load_folder(
-    path: str | Path, *, split_seed: int = 0, fractions: tuple[float, float] = (0.1, 0.1)
-) -> TextSplits:
+def load_folder(path: str | Path, *, split_seed: int = 0, fractions: tuple[float, float] = (0.1, 0.1)) -> TextSplits:
     """Plain UTF-8 ``*.txt`` files under ``path``: from ``train/ valid/ test/`` subfolders if all three
     exist, else split by file with a seeded shuffle (``round(n * fraction)``, at least one file each)."""
     folder = _existing_folder(path, "folder")
@@ -120,9 +118,7 @@ def load_folder(
     return TextSplits(f"folder-{digest}", lines["train"], lines["valid"], lines["test"], {"path": str(folder), "split": order})
 
 
-def load_text(
-    corpus: str, path: str | Path = "", *, raw: bool = False, split_seed: int = 0
-) -> TextSplits:
+def load_text(corpus: str, path: str | Path = "", *, raw: bool = False, split_seed: int = 0) -> TextSplits:
     """Dispatch on ``corpus`` (one of ``CORPORA``); ``path`` is required for all but ``brown``."""
     if corpus not in CORPORA:
         raise ValueError(f"unknown corpus {corpus!r}; valid: {', '.join(CORPORA)}")

@@ -120,9 +120,7 @@ def word_vocabulary(lines: list[str], vocab_size: int) -> list[str]:
     return ["<unk>", "<eos>"] + [word for word, _ in ranked]
 
 
-def build_tokenizer(
-    splits: TextSplits, kind: str = "unigram", vocab_size: int = 4096, *, cache: Path | None = None
-) -> Tokenizer:
+def build_tokenizer(splits: TextSplits, kind: str = "unigram", vocab_size: int = 4096, *, cache: Path | None = None) -> Tokenizer:
     """A tokenizer of ``kind`` trained on ``splits.train``, loaded from the cache when it was trained before."""
     if kind not in TOKENIZERS:
         raise ValueError(f"unknown tokenizer {kind!r}; valid: {', '.join(TOKENIZERS)}")

@@ -238,9 +238,7 @@ class RunAttention(nn.Module):
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)  # type: ignore[misc]  # [R*B, H, N, D]; a borrowed method (see project)
         if not self.paper:
-            out = sparse_attention(
-                q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl
-            )
+            out = sparse_attention(q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl)
         elif self.exact:
             masks = _runs_of(key_padding_mask, self.runs) if key_padding_mask is not None else [None] * self.runs
             parts = zip(_runs_of(q, self.runs), _runs_of(k, self.runs), _runs_of(v, self.runs), masks)
@@ -271,8 +269,15 @@ class RunAttention(nn.Module):
             # [1, 1, N, M]: the same for every row; rebuilt per call (cheap, and no state under torch.compile)
             fixed = selection_mask(self.pattern, q[:1, :1], k[:1, :1], causal=self.causal)
         return fused_paper_attention(
-            q, k, v, self.pattern, fixed_mask=fixed, key_padding_mask=key_padding_mask, causal=self.causal,
-            dropout_p=self.dropout.p, topk_select=self.topk_select,
+            q,
+            k,
+            v,
+            self.pattern,
+            fixed_mask=fixed,
+            key_padding_mask=key_padding_mask,
+            causal=self.causal,
+            dropout_p=self.dropout.p,
+            topk_select=self.topk_select,
         )
 
 

@@ -50,8 +50,7 @@ def load_checkpoint(path: "str | Path") -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  (any unpickling failure means the same thing here)
         raise CheckpointError(
-            f"corrupt checkpoint {path} ({type(error).__name__}: {error}); "
-            f"delete {path.parent} to train this run from scratch"
+            f"corrupt checkpoint {path} ({type(error).__name__}: {error}); delete {path.parent} to train this run from scratch"
         ) from None
     if not isinstance(state, dict) or "epoch" not in state or "model" not in state:
         raise CheckpointError(

@@ -37,11 +37,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="check the config, print it and the runs, train nothing")
     parser.add_argument("--no-report", action="store_true", help="do not write report.md and the curves at the end")
     parser.add_argument(
-        "--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
         help="train the runs as Ray tasks (train.num_cpus/num_gpus each), on a local Ray or the cluster at ADDRESS",
     )
     parser.add_argument(
-        "--budget", type=float, default=None, metavar="SECONDS",
+        "--budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
         help="stop at the first epoch boundary where the next epoch would not fit in SECONDS; run again to continue",
     )
     args = parser.parse_intermixed_args(argv)

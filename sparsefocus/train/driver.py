@@ -150,7 +150,14 @@ def build_datas(config: ExperimentConfig, seeds: list[int], device: torch.device
 
 def _shape_key(data: TaskData) -> tuple:
     """Runs fold together only when their data have the same shapes and sizes."""
-    return (data.kind, tuple(data.train_inputs.shape), tuple(data.valid_inputs.shape), data.vocab_size, data.num_classes, data.pad_id)
+    return (
+        data.kind,
+        tuple(data.train_inputs.shape),
+        tuple(data.valid_inputs.shape),
+        data.vocab_size,
+        data.num_classes,
+        data.pad_id,
+    )
 
 
 def _epoch_seed(seeds: list[int], epoch: int) -> int:
@@ -393,9 +400,7 @@ def train_part(
     return True
 
 
-def train_group(
-    specs: list[RunSpec], budget: Budget | None = None, on_epoch: Callable[[int], None] | None = None
-) -> bool:
+def train_group(specs: list[RunSpec], budget: Budget | None = None, on_epoch: Callable[[int], None] | None = None) -> bool:
     """Train the runs of one (setting, mechanism), all at the same epoch, folded into models of at
     most ``train.batched_max_runs`` runs with data of one shape. Returns True when all finished."""
     config: ExperimentConfig = specs[0].config

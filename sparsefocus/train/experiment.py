@@ -160,7 +160,9 @@ def _train(
     progress = {"runs": 0, "epochs": 0}
     total = sum(spec.config.train.epochs for spec in specs)
     began = time.perf_counter()
-    bar = tqdm(total=total, initial=sum(e for _, e in states), desc=f"{config.name}: {len(specs)} runs", unit="epoch", disable=quiet)
+    bar = tqdm(
+        total=total, initial=sum(e for _, e in states), desc=f"{config.name}: {len(specs)} runs", unit="epoch", disable=quiet
+    )
 
     def on_message(kind: str, spec: RunSpec) -> None:
         if kind == "epoch":

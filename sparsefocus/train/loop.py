@@ -33,8 +33,18 @@ if TYPE_CHECKING:
 # Keys that may change between an interrupted run and its resumption without changing its result.
 # train.batched is free because its exact mode equals this loop (train.batched_mode is recorded).
 RESUME_FREE_KEYS = (
-    "name", "out_dir", "train.jobs", "train.threads", "train.device", "train.tensorboard", "train.num_cpus", "train.num_gpus",
-    "train.batched", "train.batched_max_runs", "train.compile", "train.task_cache",
+    "name",
+    "out_dir",
+    "train.jobs",
+    "train.threads",
+    "train.device",
+    "train.tensorboard",
+    "train.num_cpus",
+    "train.num_gpus",
+    "train.batched",
+    "train.batched_max_runs",
+    "train.compile",
+    "train.task_cache",
 )
 
 
@@ -304,7 +314,9 @@ def _train_run(spec: RunSpec, on_epoch: Callable[[], None] | None, budget: "Budg
         for epoch in range(start + 1, config.train.epochs + 1):
             if budget is not None and not budget.allows():
                 if saved != epoch - 1:
-                    save_checkpoint(spec.run_dir / "checkpoint.pt", _state(epoch - 1, False, model, optimizer, scheduler, generator, metrics))
+                    save_checkpoint(
+                        spec.run_dir / "checkpoint.pt", _state(epoch - 1, False, model, optimizer, scheduler, generator, metrics)
+                    )
                 return metrics
             began = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]

@@ -55,7 +55,9 @@ def run_experiment_ray(
     root = Path(config.out_dir) / config.name
     root.mkdir(parents=True, exist_ok=True)
     write_text_atomic(root / "experiment.yaml", to_yaml(config))
-    todo = [dataclasses.replace(spec, run_dir=spec.run_dir.resolve()) for spec, (state, _) in zip(specs, states) if state != "done"]
+    todo = [
+        dataclasses.replace(spec, run_dir=spec.run_dir.resolve()) for spec, (state, _) in zip(specs, states) if state != "done"
+    ]
     if not todo:
         return root
     started_here = not ray.is_initialized()

@@ -334,9 +334,7 @@ def _setting_picture(setting: str, single: bool) -> str:
     return "curves.png" if single else f"curves-{slug(setting)}.png"
 
 
-def write_report(
-    root: "str | Path", *, preface: list[str] | None = None, epoch_base: int = 1
-) -> tuple[Path, list[Path]]:
+def write_report(root: "str | Path", *, preface: list[str] | None = None, epoch_base: int = 1) -> tuple[Path, list[Path]]:
     """Write ``report.md`` and the curve PNGs of the experiment in ``root``; returns their paths.
 
     ``preface`` lines (e.g. the demo's measured wall-clock time) go under the title. ``epoch_base``:
@@ -384,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("run_dir", help="the experiment folder (the one holding experiment.yaml)")
     parser.add_argument(
-        "--epoch-base", type=int, choices=EPOCH_BASES, default=1,
+        "--epoch-base",
+        type=int,
+        choices=EPOCH_BASES,
+        default=1,
         help="number of the first epoch in the convergence column: 1 (default) or 0 (the paper's trfigs.py)",
     )
     args = parser.parse_args(argv)

@@ -33,7 +33,9 @@ class ScalarLog:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
-            raise ImportError("train.tensorboard=true needs the tensorboard package: pip install 'sparsefocus[tensorboard]'") from error
+            raise ImportError(
+                "train.tensorboard=true needs the tensorboard package: pip install 'sparsefocus[tensorboard]'"
+            ) from error
         # purge_step drops events at epochs >= first_epoch left by an interrupted earlier attempt
         self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=first_epoch if first_epoch > 1 else None)
 

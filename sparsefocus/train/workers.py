@@ -185,9 +185,7 @@ class WorkerPool:
             for _ in range(jobs):
                 inbox_read, inbox_write = context.Pipe(duplex=False)
                 outbox_read, outbox_write = context.Pipe(duplex=False)
-                process = context.Process(
-                    target=_worker_main, args=(os.getpid(), inbox_read, outbox_write, threads), daemon=True
-                )
+                process = context.Process(target=_worker_main, args=(os.getpid(), inbox_read, outbox_write, threads), daemon=True)
                 process.start()
                 inbox_read.close()
                 outbox_write.close()
@@ -233,9 +231,7 @@ class WorkerPool:
             kind, payload = worker.outbox.recv()
         except EOFError:
             worker.process.join(1)
-            raise RuntimeError(
-                f"the worker training {spec.run_dir} died (exit code {worker.process.exitcode})"
-            ) from None
+            raise RuntimeError(f"the worker training {spec.run_dir} died (exit code {worker.process.exitcode})") from None
         if kind == "error":
             raise payload
         if kind == "done":

@@ -13,12 +13,17 @@ from sparsefocus.train.experiment import run_experiment
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """FULL and TOPK:3 trained for one epoch on 8-bit parity."""
-    config = from_dict({
-        "name": "tiny", "out_dir": str(tmp_path_factory.mktemp("runs")),
-        "task": {"name": "parity", "length": 8, "num_train": 60, "num_valid": 20},
-        "model": {"blocks": 2, "heads": 2, "dim": 8, "mlp_dim": 8},
-        "train": {"epochs": 1}, "mechanisms": ["FULL", "TOPK:3"], "seeds": [1],
-    })
+    config = from_dict(
+        {
+            "name": "tiny",
+            "out_dir": str(tmp_path_factory.mktemp("runs")),
+            "task": {"name": "parity", "length": 8, "num_train": 60, "num_valid": 20},
+            "model": {"blocks": 2, "heads": 2, "dim": 8, "mlp_dim": 8},
+            "train": {"epochs": 1},
+            "mechanisms": ["FULL", "TOPK:3"],
+            "seeds": [1],
+        }
+    )
     return run_experiment(config, quiet=True)
 
 

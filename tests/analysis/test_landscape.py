@@ -35,8 +35,7 @@ def analytic_loss(model, d1, d2, a, b):
         return float(sum((x * y).sum() for x, y in zip(xs, ys)))
 
     return (
-        dot(e, e) + 2 * a * dot(e, d1) + 2 * b * dot(e, d2)
-        + a * a * dot(d1, d1) + b * b * dot(d2, d2) + 2 * a * b * dot(d1, d2)
+        dot(e, e) + 2 * a * dot(e, d1) + 2 * b * dot(e, d2) + a * a * dot(d1, d1) + b * b * dot(d2, d2) + 2 * a * b * dot(d1, d2)
     )
 
 

@@ -31,13 +31,17 @@ def load_script():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A two-block causal decoder with ZETA attention, one epoch on a tiny MQAR (near its initialisation)."""
-    config = from_dict({
-        "name": "tiny", "out_dir": str(tmp_path_factory.mktemp("runs")),
-        "task": {"name": "mqar", "vocab_size": 64, "seq_len": 32, "num_kv_pairs": 4, "num_train": 32, "num_valid": 8},
-        "model": {"blocks": 2, "heads": 2, "dim": 16, "mlp_dim": 16, "impl": "lean"},
-        "train": {"epochs": 1, "batch_size": 16, "device": "cpu", "threads": 1},
-        "mechanisms": [PATTERN], "seeds": [3],
-    })
+    config = from_dict(
+        {
+            "name": "tiny",
+            "out_dir": str(tmp_path_factory.mktemp("runs")),
+            "task": {"name": "mqar", "vocab_size": 64, "seq_len": 32, "num_kv_pairs": 4, "num_train": 32, "num_valid": 8},
+            "model": {"blocks": 2, "heads": 2, "dim": 16, "mlp_dim": 16, "impl": "lean"},
+            "train": {"epochs": 1, "batch_size": 16, "device": "cpu", "threads": 1},
+            "mechanisms": [PATTERN],
+            "seeds": [3],
+        }
+    )
     return find_runs(run_experiment(config, quiet=True))[0]
 
 

@@ -134,9 +134,7 @@ def test_longformer_is_band_with_global_tokens():
         assert torch.equal(_mask("longformer:window=6,g=2", 31, causal), _mask("BAND:6(2)", 31, causal))
 
 
-@pytest.mark.parametrize(
-    "pattern", ["strided:3", "fixed:4,1", "dilated:3,2", "random:k=4", "longformer:4,1", "bigbird:3,1,2"]
-)
+@pytest.mark.parametrize("pattern", ["strided:3", "fixed:4,1", "dilated:3,2", "random:k=4", "longformer:4,1", "bigbird:3,1,2"])
 def test_flex_matches_reference(pattern):
     q, k, v = _inputs(24, seed=1)
     padding = torch.ones(2, 24, dtype=torch.bool)
@@ -251,7 +249,8 @@ def test_with_globals_at_the_end_band_keeps_k_regular_keys_and_bloc_its_block():
 
 
 @pytest.mark.parametrize(
-    "spec", ["band:k=5,g=2,globals_at=end", "bloc:k=4,g=3,globals_at=end", "global:g=2,globals_at=end", "longformer:3,1,globals_at=end"]
+    "spec",
+    ["band:k=5,g=2,globals_at=end", "bloc:k=4,g=3,globals_at=end", "global:g=2,globals_at=end", "longformer:3,1,globals_at=end"],
 )
 @pytest.mark.parametrize("n", [7, 26])
 def test_globals_at_end_lean_matches_reference_outputs_and_gradients(spec, n):
@@ -269,7 +268,10 @@ def test_globals_at_end_flex_matches_reference():
     q, k, v = _inputs(13, seed=4)
     spec = "band:k=5,g=2,globals_at=end"
     torch.testing.assert_close(
-        sf.sparse_attention(q, k, v, spec, impl="flex"), sf.sparse_attention(q, k, v, spec, impl="reference"), atol=1e-5, rtol=1e-5
+        sf.sparse_attention(q, k, v, spec, impl="flex"),
+        sf.sparse_attention(q, k, v, spec, impl="reference"),
+        atol=1e-5,
+        rtol=1e-5,
     )
 
 

@@ -26,7 +26,10 @@ def nsa_case(spec, group, n, kv_heads=1, dim=10, head_dim=16, batch=1):
 
 @pytest.mark.parametrize(
     "pattern,group,padded",
-    [("nsa:block=16,top=3,cmp=8,stride=4,window=20,pool=mlp", 2, True), ("nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1", 1, False)],
+    [
+        ("nsa:block=16,top=3,cmp=8,stride=4,window=20,pool=mlp", 2, True),
+        ("nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1", 1, False),
+    ],
 )
 def test_nsa_kernel_matches_reference_in_output_and_every_gradient(pattern, group, padded):
     spec = sf.parse_pattern(pattern)
@@ -50,7 +53,7 @@ def test_nsa_never_leaks_the_future_into_outputs_or_gradients():
     for name, a, b in zip(NAMES, before, after):
         if a.dim() >= 3:
             torch.testing.assert_close(b[:, :, :cut], a[:, :, :cut], atol=1e-6, rtol=1e-6, msg=name)
-    for name, a, b in zip(weights, before[len(NAMES):], after[len(NAMES):]):
+    for name, a, b in zip(weights, before[len(NAMES) :], after[len(NAMES) :]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
 
 

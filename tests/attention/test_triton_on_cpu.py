@@ -34,9 +34,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the be
 def run_script(pre: str) -> subprocess.CompletedProcess:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(pre=pre)], capture_output=True, text=True, env=env, timeout=600
-    )
+    return subprocess.run([sys.executable, "-c", SCRIPT.format(pre=pre)], capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_triton_impl_on_cpu_runs_in_the_interpreter_without_the_variable():

@@ -1,7 +1,6 @@
 """ZETA: Morton codes, the lean selection against its dense definition, causality, the mean
 token, gradients (gamma included), recall, the layer and the Triton path in the interpreter."""
 
-
 import pytest
 import torch
 
@@ -137,7 +136,9 @@ def test_reference_gradients_including_gamma_pass_gradcheck():
     gamma = torch.tensor([0.7, 1.3], dtype=torch.float64, requires_grad=True)
 
     def run(q, k, v, gamma):
-        return sf.sparse_attention(q, k, v, "zeta:k=3,window=4,chunks=3,local=2", causal=True, impl="reference", params={"gamma": gamma})
+        return sf.sparse_attention(
+            q, k, v, "zeta:k=3,window=4,chunks=3,local=2", causal=True, impl="reference", params={"gamma": gamma}
+        )
 
     assert torch.autograd.gradcheck(run, (q, k, v, gamma), fast_mode=True)
 
@@ -245,7 +246,9 @@ def test_layer_projects_to_dk_and_trains_gamma_per_head():
     assert gamma.shape == (4,) and torch.isfinite(gamma.grad).all() and gamma.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("causal,key_grads,sink", [(False, "atomic", 0), (True, "atomic", 0), (True, "inverse", 1), (False, "inverse", 0)])
+@pytest.mark.parametrize(
+    "causal,key_grads,sink", [(False, "atomic", 0), (True, "atomic", 0), (True, "inverse", 1), (False, "inverse", 0)]
+)
 def test_triton_path_equals_lean_in_the_interpreter(monkeypatch, causal, key_grads, sink):
     from sparsefocus.kernels import indexed
 
@@ -265,7 +268,12 @@ def test_triton_path_equals_lean_in_the_interpreter(monkeypatch, causal, key_gra
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
     "pattern",
-    ["zeta:k=8,window=16,chunks=4,local=4", "zeta:k=6,window=5,curves=3,chunks=3,local=0", "zeta:k=5,window=4,bits=3", "zeta:k=4,window=8,curves=2,chunks=3,local=3"],
+    [
+        "zeta:k=8,window=16,chunks=4,local=4",
+        "zeta:k=6,window=5,curves=3,chunks=3,local=0",
+        "zeta:k=5,window=4,bits=3",
+        "zeta:k=4,window=8,curves=2,chunks=3,local=3",
+    ],
 )
 @pytest.mark.parametrize("padded", [True, False])
 def test_fused_selection_kernel_equals_lean_selection(pattern, causal, padded):
@@ -305,8 +313,14 @@ def test_triton_path_equals_reference_with_padding(causal, sink):
         gamma = torch.tensor([0.6, 1.7], requires_grad=True)
         params = {"gamma": gamma} | ({"sink_key": torch.tensor([[0.3, -0.2, 0.1], [-0.4, 0.2, 0.5]])} if sink else {})
         out = sf.sparse_attention(
-            q, k, v, "zeta:k=5,window=6,chunks=3,local=3" + (",sink=1" if sink else ""), causal=causal, impl=impl,
-            key_padding_mask=padding, params=params,
+            q,
+            k,
+            v,
+            "zeta:k=5,window=6,chunks=3,local=3" + (",sink=1" if sink else ""),
+            causal=causal,
+            impl=impl,
+            key_padding_mask=padding,
+            params=params,
         )
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
     for name, ref, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
@@ -338,7 +352,9 @@ def test_fused_morton_codes_equal_torch(curves, dims, bits):
         width = x.shape[-1] * (bits + (curves > 1))
         tagged = curve_codes(x, bits, curve, curves, fused=True, tag_rows=(x.shape[-2], 5))  # rows 5, 6, ... above the codes
         rows = 5 + torch.arange(x[..., 0].numel()).view(x.shape[:-1]) // x.shape[-2]
-        assert torch.equal(tagged >> width, rows) and torch.equal(tagged & ((1 << width) - 1), curve_codes(x, bits, curve, curves))
+        assert torch.equal(tagged >> width, rows) and torch.equal(
+            tagged & ((1 << width) - 1), curve_codes(x, bits, curve, curves)
+        )
 
 
 @pytest.mark.parametrize("curves", [1, 2])
@@ -388,7 +404,9 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
     for name, x, y in zip(("codes", "positions", "count"), got, want):
         assert torch.equal(x, y), name
     every = zeta_select.sorted_prefixes(codes, torch.ones_like(real), step, prefixes, 1 << 62)
-    for name, x, y in zip(("codes", "positions", "count"), zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62), every):
+    for name, x, y in zip(
+        ("codes", "positions", "count"), zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62), every
+    ):
         assert torch.equal(x, y), f"{name} without a mask"
     rows = torch.arange(curves * 2 * 3).view(curves, 2, 3, 1)
     for fused in (True, False):  # rows tagged above bit 6 (codes < 50): one flat sort, the same runs

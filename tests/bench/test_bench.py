@@ -17,7 +17,22 @@ from sparsefocus.bench.registry import (
 )
 from sparsefocus.bench.run import main
 
-SMALL = ["--batch", "1", "--heads", "2", "--head-dim", "8", "--dtype", "fp32", "--warmup", "0", "--repeats", "1", "--device", "cpu"]
+SMALL = [
+    "--batch",
+    "1",
+    "--heads",
+    "2",
+    "--head-dim",
+    "8",
+    "--dtype",
+    "fp32",
+    "--warmup",
+    "0",
+    "--repeats",
+    "1",
+    "--device",
+    "cpu",
+]
 
 
 def test_bench_cli_writes_json_with_dense_baselines_and_png(tmp_path):
@@ -67,8 +82,18 @@ def test_registered_case_extra_columns_and_errors_are_recorded(tmp_path):
     register_case("scaled_test_case", scaled_sdpa)
     try:
         out = tmp_path / "b.json"
-        argv = ["scaled_test_case", "scaled_test_case:fail", "scaled_test_case:broken", "--baselines", "--n", "8",
-                "--out", str(out), "--no-plot", *SMALL]
+        argv = [
+            "scaled_test_case",
+            "scaled_test_case:fail",
+            "scaled_test_case:broken",
+            "--baselines",
+            "--n",
+            "8",
+            "--out",
+            str(out),
+            "--no-plot",
+            *SMALL,
+        ]
         assert main(argv) == 0
         rows = json.loads(out.read_text())["results"]
         assert [r["status"] for r in rows] == ["ok", "ok", "oom", "oom", "error", "error"]
@@ -97,8 +122,19 @@ def test_mean_keys_counts_causal_rows():
 
 def test_zeta_case_reports_candidate_recall(tmp_path):
     out = tmp_path / "zeta.json"
-    argv = ["zeta:k=4,window=6,chunks=2,local=2", "zeta:k=4,window=64,chunks=1,local=0", "--baselines", "--n", "24",
-            "--out", str(out), "--no-plot", "--modes", "fwd", *SMALL]
+    argv = [
+        "zeta:k=4,window=6,chunks=2,local=2",
+        "zeta:k=4,window=64,chunks=1,local=0",
+        "--baselines",
+        "--n",
+        "24",
+        "--out",
+        str(out),
+        "--no-plot",
+        "--modes",
+        "fwd",
+        *SMALL,
+    ]
     assert main(argv) == 0
     narrow, wide = json.loads(out.read_text())["results"]
     assert narrow["status"] == wide["status"] == "ok"

@@ -12,7 +12,23 @@ from sparsefocus.bench.registry import BenchShape, Workload
 from sparsefocus.bench.run import build_parser, main
 
 SMALL = ["--n", "8", "--batch", "1", "--heads", "1", "--head-dim", "4", "--dtype", "fp32", "--warmup", "0", "--repeats", "1"]
-TINY_MODEL = ["--model", "--blocks", "1", "--dim", "16", "--heads", "2", "--mlp", "16", "--lengths", "16", "--steps", "1", "--warmup", "1"]
+TINY_MODEL = [
+    "--model",
+    "--blocks",
+    "1",
+    "--dim",
+    "16",
+    "--heads",
+    "2",
+    "--mlp",
+    "16",
+    "--lengths",
+    "16",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+]
 
 
 def assert_one_line_error(capsys, text: str) -> None:
@@ -57,7 +73,9 @@ def test_every_model_case_failing_exits_1_and_writes_nothing(tmp_path, capsys, m
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("bad, text", [(["--lengths", "70000"], "--lengths"), (["--patterns", "NOPE:3"], "NOPE:3"), (["--heads", "3"], "divide")])
+@pytest.mark.parametrize(
+    "bad, text", [(["--lengths", "70000"], "--lengths"), (["--patterns", "NOPE:3"], "NOPE:3"), (["--heads", "3"], "divide")]
+)
 def test_bad_model_options_name_the_option(tmp_path, capsys, bad, text):
     assert main([*TINY_MODEL, "--device", "cpu", *bad, "--out", str(tmp_path / "m.json")]) == 2
     assert_one_line_error(capsys, text)
@@ -73,5 +91,17 @@ def test_every_option_has_help_with_its_default(parser):
     text = parser.format_help()
     assert "(default:" in text
     if parser.prog.endswith("--model"):
-        for option in ("--blocks", "--dim", "--heads", "--mlp", "--lengths", "--batch", "--patterns", "--compile", "--steps", "--warmup", "--dtype"):
+        for option in (
+            "--blocks",
+            "--dim",
+            "--heads",
+            "--mlp",
+            "--lengths",
+            "--batch",
+            "--patterns",
+            "--compile",
+            "--steps",
+            "--warmup",
+            "--dtype",
+        ):
             assert option in text

@@ -66,14 +66,20 @@ def test_full_baseline_is_the_fastest_full_backend_and_ratios_use_it():
         full_row(None, 8192, "eager", 19.3, pattern="TOPK:32"),
         full_row(None, 8192, "compiled", 24.0, pattern="TOPK:32"),
     ]
-    assert full_baseline(rows) == {(8192, "eager"): {"backend": "cudnn", "ms": 14.1}, (8192, "compiled"): {"backend": "flash", "ms": 12.0}}
+    assert full_baseline(rows) == {
+        (8192, "eager"): {"backend": "cudnn", "ms": 14.1},
+        (8192, "compiled"): {"backend": "flash", "ms": 12.0},
+    }
     ratios = attach_full_ratios(rows)
     assert ratios[4]["vs_full"] == pytest.approx(14.1 / 19.3) and ratios[4]["full_backend"] == "cudnn"
     assert ratios[5]["vs_full"] == pytest.approx(12.0 / 24.0)
     assert ratios[1]["vs_full"] == pytest.approx(1.0)
     kept = headline_rows(ratios)
     assert [(r["pattern"], r["sdpa_backend"], r["mode"]) for r in kept] == [
-        ("FULL", "cudnn", "eager"), ("FULL", "flash", "compiled"), ("TOPK:32", None, "eager"), ("TOPK:32", None, "compiled")
+        ("FULL", "cudnn", "eager"),
+        ("FULL", "flash", "compiled"),
+        ("TOPK:32", None, "eager"),
+        ("TOPK:32", None, "compiled"),
     ]
 
 
@@ -85,5 +91,9 @@ def test_ceilings_only_on_the_device_they_were_measured_on():
 
 def test_sdpa_expands_to_every_backend_without_duplicates():
     assert expand_cases(["sdpa:flash", "sdpa", "TOPK:32", "TOPK:32"]) == [
-        "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math", "TOPK:32"
+        "sdpa:flash",
+        "sdpa:cudnn",
+        "sdpa:efficient",
+        "sdpa:math",
+        "TOPK:32",
     ]

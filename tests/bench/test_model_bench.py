@@ -16,10 +16,39 @@ from sparsefocus.bench.profiling import (
 )
 from sparsefocus.bench.run import main
 
-TINY = ["--model", "--blocks", "1", "--dim", "32", "--heads", "2", "--mlp", "64", "--vocab", "32", "--lengths", "64",
-        "--steps", "1", "--warmup", "1", "--device", "cpu"]
-OK_FIELDS = {"ms", "tokens_per_s", "peak_mb", "attention_share", "attention_share_method", "launches", "first_step_s",
-             "full_ms", "full_backend", "vs_full"}
+TINY = [
+    "--model",
+    "--blocks",
+    "1",
+    "--dim",
+    "32",
+    "--heads",
+    "2",
+    "--mlp",
+    "64",
+    "--vocab",
+    "32",
+    "--lengths",
+    "64",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+    "--device",
+    "cpu",
+]
+OK_FIELDS = {
+    "ms",
+    "tokens_per_s",
+    "peak_mb",
+    "attention_share",
+    "attention_share_method",
+    "launches",
+    "first_step_s",
+    "full_ms",
+    "full_backend",
+    "vs_full",
+}
 
 
 def test_model_bench_json_has_every_field_and_both_modes(tmp_path):

@@ -19,8 +19,14 @@ VOCAB = 61
 
 def _config(**overrides):
     settings = {
-        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False,
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
     }
     settings.update(overrides)
     return LlamaConfig(**settings)
@@ -166,8 +172,14 @@ def test_sliding_window_models_are_refused():
     from transformers import MistralConfig
 
     config = MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=4,
     )
     sfhf.register("sf-test-sliding", "FULL")
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sf-test-sliding")

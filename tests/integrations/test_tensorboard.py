@@ -89,5 +89,9 @@ def test_no_event_files_without_the_option(tmp_path):
 
 def test_tags():
     assert [scalar_tag(k) for k in ("train_loss", "valid_ppl", "test_acc", "lr", "seconds")] == [
-        "train/loss", "valid/ppl", "test/acc", "lr", "time/epoch_seconds",
+        "train/loss",
+        "valid/ppl",
+        "test/acc",
+        "lr",
+        "time/epoch_seconds",
     ]

@@ -74,7 +74,9 @@ def test_bad_packed_calls_are_refused():
     with pytest.raises(ValueError, match="rise strictly from 0"):
         sf.sparse_attention(q, k, v, "FULL", cu_seqlens=torch.tensor([0, 5, 5, 25]))
     with pytest.raises(ValueError, match="batch of size 1"):
-        sf.sparse_attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), "FULL", cu_seqlens=cu_seqlens)
+        sf.sparse_attention(
+            q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), "FULL", cu_seqlens=cu_seqlens
+        )
     with pytest.raises(ValueError, match="exclusive"):
         sf.sparse_attention(q, k, v, "FULL", cu_seqlens=cu_seqlens, key_padding_mask=torch.ones(1, 25, dtype=torch.bool))
     with pytest.raises(ValueError, match="reference and lean paths only"):

@@ -83,8 +83,10 @@ def test_indexed_kernel_rejects_bad_index():
 def _extras(kind: str, n: int, heads: int, dim: int, dim_v: int):
     """Extra key/value per query: per query head, per kv head (GQA) or one expanded row (a view)."""
     if kind == "expanded":
-        return (torch.randn(2, heads, 1, dim, device=DEVICE).expand(-1, -1, n, -1),
-                torch.randn(2, heads, 1, dim_v, device=DEVICE).expand(-1, -1, n, -1))
+        return (
+            torch.randn(2, heads, 1, dim, device=DEVICE).expand(-1, -1, n, -1),
+            torch.randn(2, heads, 1, dim_v, device=DEVICE).expand(-1, -1, n, -1),
+        )
     return torch.randn(2, heads, n, dim, device=DEVICE), torch.randn(2, heads, n, dim_v, device=DEVICE)
 
 
@@ -102,7 +104,9 @@ def test_indexed_kernel_extra_slot_matches_reference(score, kind, heads):
     for fn in (indexed_attention, indexed_attention_ref):
         leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v)]
         g = None if gamma is None else gamma.clone().requires_grad_()
-        out = fn(*leaves[:3], index, scale=0.4, score=score, gamma=g, extra_key=leaves[3], extra_value=leaves[4], extra_mask=extra_mask)
+        out = fn(
+            *leaves[:3], index, scale=0.4, score=score, gamma=g, extra_key=leaves[3], extra_value=leaves[4], extra_mask=extra_mask
+        )
         grads = torch.autograd.grad(out.float(), leaves + ([g] if g is not None else []), grad_out)
         results.append([out, *grads])
     for name, x, y in zip(["out", "dq", "dk", "dv", "d_extra_k", "d_extra_v", "dgamma"], *results):
@@ -137,7 +141,6 @@ def test_indexed_kernel_dv_scatter_widths(dim_v):
         assert rel_err(x, y) < 1e-5, f"dim_v {dim_v} {name}: relative error {rel_err(x, y):.2e}"
 
 
-
 @pytest.mark.parametrize("n,m,slots,heads", [(1, 4, 3, (4, 2)), (37, 23, 9, (4, 2)), (50, 7, 20, (4, 4)), (21, 64, 5, (3, 1))])
 def test_inverse_index_key_grads_match_reference(monkeypatch, n, m, slots, heads):
     """KEY_GRADS="inverse" (per-key sums over an inverse index): dk and dv as the reference, with
@@ -153,7 +156,7 @@ def test_inverse_index_key_grads_match_reference(monkeypatch, n, m, slots, heads
     for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
         assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
         assert rel_err(x, y) < 1e-5, f"{name}: relative error {rel_err(x, y):.2e}"
-    assert (got[2][:, :, max(1, m // 2):] == 0).all() and (got[3][:, :, max(1, m // 2):] == 0).all()
+    assert (got[2][:, :, max(1, m // 2) :] == 0).all() and (got[3][:, :, max(1, m // 2) :] == 0).all()
 
 
 def test_inverse_index_with_extra_slot_and_fp16_within_twice_torch_error(monkeypatch):
@@ -224,7 +227,11 @@ def test_sink_key_in_fp16_within_twice_torch_error_and_bad_sinks_rejected():
         out = fn(*leaves[:3], index, score="cauchy", gamma=gamma, sink_key=leaves[3])
         return [out, *torch.autograd.grad(out.float(), leaves, grad_out)]
 
-    truth, torch_low, kernel = run_sink(indexed_attention_ref, torch.float32), run_sink(indexed_attention_ref, torch.float16), run_sink(indexed_attention, torch.float16)
+    truth, torch_low, kernel = (
+        run_sink(indexed_attention_ref, torch.float32),
+        run_sink(indexed_attention_ref, torch.float16),
+        run_sink(indexed_attention, torch.float16),
+    )
     for name, x, y, t in zip(["out", "dq", "dk", "dv", "d_sink"], kernel, torch_low, truth):
         assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
     with pytest.raises(ValueError, match="cauchy"):
@@ -252,7 +259,9 @@ def test_causal_mean_extra_slot_fused_matches_twin(monkeypatch, key_grads, n, he
     from sparsefocus.kernels import indexed
 
     monkeypatch.setattr(indexed, "KEY_GRADS", key_grads)
-    q, k, v, index, gamma = make_case(n, n, "cauchy", torch.float32, slots=6, q_heads=heads[0], kv_heads=heads[1], dim=3, dim_v=20)
+    q, k, v, index, gamma = make_case(
+        n, n, "cauchy", torch.float32, slots=6, q_heads=heads[0], kv_heads=heads[1], dim=3, dim_v=20
+    )
     padding = torch.rand(2, n, device=DEVICE) > 0.2
     padding[1, :2] = False
     sink_key = 0.5 * torch.randn(heads[0], 3, device=DEVICE) if sink else None

@@ -26,7 +26,11 @@ def randn(*shape, dtype=torch.float32, grad=False):
 
 def attention_inputs(dtype=torch.float32, grad=True):
     """q [B, Hq, N, D], k [B, Hk, N, D], v [B, Hk, N, Dv], index int32 [B, Hq, N, K] with unused slots."""
-    q, k, v = randn(B, HQ, N, D, dtype=dtype, grad=grad), randn(B, HK, N, D, dtype=dtype, grad=grad), randn(B, HK, N, DV, dtype=dtype, grad=grad)
+    q, k, v = (
+        randn(B, HQ, N, D, dtype=dtype, grad=grad),
+        randn(B, HK, N, D, dtype=dtype, grad=grad),
+        randn(B, HK, N, DV, dtype=dtype, grad=grad),
+    )
     index = torch.randint(-1, N, (B, HQ, N, K), device=DEVICE, dtype=torch.int32)
     index[0, 0, 0] = -1  # a row with no listed key
     return q, k, v, index
@@ -41,12 +45,17 @@ def test_opcheck_indexed_ops(dtype):
     sink = randn(HQ, D, grad=True)
     # on a GPU the fp32 atomics' order may move an fp16 result by one ulp between two calls
     tol = {"rtol": 2e-3, "atol": 2e-3} if dtype == torch.float16 and DEVICE == "cuda" else {}
-    torch.library.opcheck(indexed.indexed_fwd, (q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, 0.3, 2), **tol)
+    torch.library.opcheck(
+        indexed.indexed_fwd, (q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, 0.3, 2), **tol
+    )
     torch.library.opcheck(indexed.indexed_fwd, (q, k, v, index, gamma_sq, None, None, None, None, 0.3, 0), **tol)
     real = torch.rand(B, N, device=DEVICE) > 0.2
     torch.library.opcheck(indexed.indexed_causal_mean_fwd, (q, k, v, index, gamma_sq, real, sink, 1.0, 2), **tol)
     out, stat = indexed.indexed_fwd(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, 0.3, 2)
-    tensors = [x.detach() for x in (q, k, v, index, gamma_sq, out, randn(*out.shape, dtype=dtype), stat, extra_key, extra_value, extra_mask, sink)]
+    tensors = [
+        x.detach()
+        for x in (q, k, v, index, gamma_sq, out, randn(*out.shape, dtype=dtype), stat, extra_key, extra_value, extra_mask, sink)
+    ]
     cast = dtype == torch.float32  # fp16: the fp32 key gradients of the causal mean's backward
     torch.library.opcheck(indexed.indexed_bwd, (*tensors, 0.3, 2, cast), **tol)
 
@@ -112,7 +121,9 @@ def outputs_and_grads(fn, inputs):
     fixed random weights (seeded, so the same for every fn)."""
     differentiable, others = fn(*inputs)
     leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    weights = [torch.randn(out.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE) for i, out in enumerate(differentiable)]
+    weights = [
+        torch.randn(out.shape, generator=torch.Generator().manual_seed(i)).to(DEVICE) for i, out in enumerate(differentiable)
+    ]
     loss = sum((w * out.float()).sum() for w, out in zip(weights, differentiable))
     return [*differentiable, *others, *torch.autograd.grad(loss, leaves)]
 
@@ -158,8 +169,11 @@ def test_inverse_key_grads_under_compile(monkeypatch):
 def reference_scores(q, k, index, score, scale, gamma_sq):
     """Scaled scores [B, Hq, N, K] of each listed slot (Cauchy: log w), -inf for unused slots."""
     keys = expand_kv(k, q.shape[1])  # [B, Hq, M, D]
-    gathered = torch.gather(keys[:, :, None].expand(-1, -1, q.shape[2], -1, -1), 3,
-                            index.clamp_min(0).long()[..., None].expand(-1, -1, -1, -1, q.shape[-1]))  # [B, Hq, N, K, D]
+    gathered = torch.gather(
+        keys[:, :, None].expand(-1, -1, q.shape[2], -1, -1),
+        3,
+        index.clamp_min(0).long()[..., None].expand(-1, -1, -1, -1, q.shape[-1]),
+    )  # [B, Hq, N, K, D]
     s = slot_scores(q[:, :, :, None], gathered, score, scale, gamma_sq)
     return s.masked_fill(index < 0, float("-inf"))
 
@@ -183,8 +197,18 @@ def test_indexed_lse_is_logsumexp_of_the_masked_scores(score):
     extra_mask[0, 0, 0] = False  # row (0, 0, 0): no listed key, no extra slot
     sink = 0.5 * randn(HQ, D) if score == "cauchy" else None
     out, lse = indexed_attention(
-        q, k, v, index, scale=0.3, score=score, gamma=gamma, extra_key=extra_key, extra_value=extra_value, extra_mask=extra_mask,
-        sink_key=sink, return_lse=True,
+        q,
+        k,
+        v,
+        index,
+        scale=0.3,
+        score=score,
+        gamma=gamma,
+        extra_key=extra_key,
+        extra_value=extra_value,
+        extra_mask=extra_mask,
+        sink_key=sink,
+        return_lse=True,
     )
     gamma_sq = gamma**2
     scores = [reference_scores(q, k, index, score, 0.3, gamma_sq)]
@@ -196,8 +220,19 @@ def test_indexed_lse_is_logsumexp_of_the_masked_scores(score):
     assert lse.dtype == torch.float32 and lse.shape == (B, HQ, N) and not lse.requires_grad
     torch.testing.assert_close(lse, want, rtol=1e-5, atol=1e-5)
     assert (lse[0, 0, 0] == float("-inf")) == (sink is None)
-    reference = indexed_attention_ref(q, k, v, index, scale=0.3, score=score, gamma=gamma, extra_key=extra_key,
-                                      extra_value=extra_value, extra_mask=extra_mask, sink_key=sink)
+    reference = indexed_attention_ref(
+        q,
+        k,
+        v,
+        index,
+        scale=0.3,
+        score=score,
+        gamma=gamma,
+        extra_key=extra_key,
+        extra_value=extra_value,
+        extra_mask=extra_mask,
+        sink_key=sink,
+    )
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
 
 
@@ -211,7 +246,9 @@ def test_causal_mean_lse_counts_the_mean_token():
     _, lse = indexed_attention_causal_mean(q, k, v, index, gamma=gamma, key_padding_mask=real, return_lse=True)
     mean_k, _, present = mean_tokens(k, v, True, real)
     mean = slot_scores(q[..., None, :], expand_kv(mean_k, HQ)[..., None, :], "cauchy", 1.0, gamma**2)
-    scores = torch.cat([reference_scores(q, k, index, "cauchy", 1.0, gamma**2), mean.masked_fill(~present[..., None], float("-inf"))], -1)
+    scores = torch.cat(
+        [reference_scores(q, k, index, "cauchy", 1.0, gamma**2), mean.masked_fill(~present[..., None], float("-inf"))], -1
+    )
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
 
 
@@ -270,7 +307,9 @@ def test_empty_inputs_give_empty_rows_and_minus_inf_lse():
     none = torch.empty(B, HQ, N, 0, dtype=torch.int32, device=DEVICE)
     out, lse = indexed_attention(q, k, v, none, score="dot", return_lse=True)
     assert (out == 0).all() and (lse == float("-inf")).all()
-    out, lse = run_attention(q, k[:, :, :0], v[:, :, :0], torch.zeros(1, 1, N, dtype=torch.long, device=DEVICE), 3, return_lse=True)
+    out, lse = run_attention(
+        q, k[:, :, :0], v[:, :, :0], torch.zeros(1, 1, N, dtype=torch.long, device=DEVICE), 3, return_lse=True
+    )
     assert (out == 0).all() and (lse == float("-inf")).all()
     sink = randn(HQ, D)
     out, lse = indexed_attention(q, k[:, :, :0], v[:, :, :0], none, score="cauchy", sink_key=sink, return_lse=True)

@@ -15,7 +15,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.mark.parametrize(
     "n,m,kk,causal,padded",
-    [(1, 1, 1, True, False), (7, 7, 3, True, False), (63, 63, 5, True, False), (100, 37, 8, False, True), (100, 100, 32, True, False)],
+    [
+        (1, 1, 1, True, False),
+        (7, 7, 3, True, False),
+        (63, 63, 5, True, False),
+        (100, 37, 8, False, True),
+        (100, 100, 32, True, False),
+    ],
 )
 def test_topk_select_equals_torch_selection(n, m, kk, causal, padded):
     q = torch.randn(1, 4, n, 5, device=DEVICE)
@@ -51,7 +57,9 @@ def test_topk_select_fp16_picks_the_largest_scores():
     q = torch.randn(1, 2, 50, 16, device=DEVICE).half()
     k = torch.randn(1, 2, 50, 16, device=DEVICE).half()
     got = topk_select(q, k, 7, causal=True).long()
-    scores = (q.float() @ k.float().transpose(-1, -2)).masked_fill(torch.ones(50, 50, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+    scores = (q.float() @ k.float().transpose(-1, -2)).masked_fill(
+        torch.ones(50, 50, dtype=torch.bool, device=DEVICE).triu(1), float("-inf")
+    )
     best = scores.topk(7, dim=-1).values
     best = best.masked_fill(torch.isinf(best), 0)  # early rows have fewer than 7 keys
     picked = torch.gather(scores, -1, got.clamp_min(0)).masked_fill(got < 0, 0)

@@ -24,7 +24,9 @@ def test_tied_head_is_the_token_embedding_and_trains_as_one_matrix():
 
 def test_init_std_draws_weights_from_a_small_normal_and_leaves_pattern_parameters():
     torch.manual_seed(0)
-    model = Decoder(small(dim=64, init_std=0.02), "zeta:k=4,window=6,chunks=3,local=3,gamma=0.3", vocab_size=VOCAB, max_len=LENGTH)
+    model = Decoder(
+        small(dim=64, init_std=0.02), "zeta:k=4,window=6,chunks=3,local=3,gamma=0.3", vocab_size=VOCAB, max_len=LENGTH
+    )
     assert abs(float(model.embedding.tokens.weight.detach().std()) - 0.02) < 0.003
     assert abs(float(model.blocks[0].mlp.up.weight.detach().std()) - 0.02) < 0.003
     assert float(model.blocks[0].attn.q_proj.bias.detach().abs().max()) == 0.0

@@ -128,7 +128,9 @@ def test_global_tokens_are_prepended_for_patterns_that_ask():
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "mish"])
 def test_cls_pooling_and_activations(activation):
-    model = Encoder(small(pooling="cls", activation=activation), "BAND:3(1)", vocab_size=VOCAB, num_classes=CLASSES, max_len=LENGTH)
+    model = Encoder(
+        small(pooling="cls", activation=activation), "BAND:3(1)", vocab_size=VOCAB, num_classes=CLASSES, max_len=LENGTH
+    )
     assert model.num_prefix == 2
     assert model(torch.randint(0, VOCAB, (2, LENGTH))).shape == (2, CLASSES)
 

@@ -92,6 +92,13 @@ def test_paper_layout_is_refused_where_it_cannot_hold():
 
 
 def test_default_layout_prepends_and_does_not_pad():
-    model = Encoder(paper(global_tokens="prepend", pad_to_multiple_of_k=False), "BAND:9(3)", vocab_size=3, num_classes=2, max_len=40, pad_id=PAD)
+    model = Encoder(
+        paper(global_tokens="prepend", pad_to_multiple_of_k=False),
+        "BAND:9(3)",
+        vocab_size=3,
+        num_classes=2,
+        max_len=40,
+        pad_id=PAD,
+    )
     assert block_input(model, torch.zeros(2, 40, dtype=torch.long)).shape == (2, 43, 8)
     assert model.patterns[0] == parse_pattern("BAND:9(3)") and model.embedding.suffix is None

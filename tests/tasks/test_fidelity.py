@@ -29,7 +29,9 @@ def test_modular_arithmetic_without_mult_has_no_star_and_near_uniform_labels():
 
 
 def test_solve_equation_refuses_mult_in_one_line():
-    with pytest.raises(ValueError, match=r"^solve_equation: mult=True is not supported: NNCH's solve_equation has no multiplication$"):
+    with pytest.raises(
+        ValueError, match=r"^solve_equation: mult=True is not supported: NNCH's solve_equation has no multiplication$"
+    ):
         build_task("solve_equation", 0, mult=True, num_train=5, num_valid=5)
 
 
@@ -82,7 +84,9 @@ def ten_rows(rng):
 def test_an_uncounted_space_succeeds_when_large_enough_and_fails_clearly_when_not():
     inputs, targets = draw_distinct("toy", ten_rows(np.random.default_rng(0)), 10)
     assert sorted(targets.tolist()) == list(range(10)) and inputs.shape == (10, 3)
-    with pytest.raises(ValueError, match=r"toy: drew only 10 distinct sequences of the 11 asked for .* no new one in the last \d+ draws"):
+    with pytest.raises(
+        ValueError, match=r"toy: drew only 10 distinct sequences of the 11 asked for .* no new one in the last \d+ draws"
+    ):
         draw_distinct("toy", ten_rows(np.random.default_rng(0)), 11)
 
 

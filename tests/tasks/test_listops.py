@@ -28,10 +28,18 @@ def all_rows(data):
     return list(zip(inputs, torch.cat([data.train_targets, data.valid_targets]).tolist()))
 
 
-@pytest.mark.parametrize("tokens, value", [
-    ("[MED 1 2 3 4 ]", 2), ("[MED 9 0 4 ]", 4), ("[SM 9 9 ]", 8), ("[MIN 3 [MAX 1 7 ] 5 ]", 3),
-    ("[SM [MED 8 9 ] [MIN 4 6 ] ]", 2), ("7", 7), ("[MAX 2 0 X", 2),
-])
+@pytest.mark.parametrize(
+    "tokens, value",
+    [
+        ("[MED 1 2 3 4 ]", 2),
+        ("[MED 9 0 4 ]", 4),
+        ("[SM 9 9 ]", 8),
+        ("[MIN 3 [MAX 1 7 ] 5 ]", 3),
+        ("[SM [MED 8 9 ] [MIN 4 6 ] ]", 2),
+        ("7", 7),
+        ("[MAX 2 0 X", 2),
+    ],
+)
 def test_evaluator_on_hand_examples(tokens, value):
     assert evaluate_tokens(tokens.split()) == value
 

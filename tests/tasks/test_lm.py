@@ -19,7 +19,11 @@ REAL_BROWN = brown_dir()
 def write_corpus(folder, num_lines: dict[str, int], seed: int = 0):
     """A ``folder`` corpus in split subfolders, sentences from a tiny grammar (learnable structure)."""
     rng = random.Random(seed)
-    subjects, verbs, objects = ["the cat", "a dog", "my friend", "the bird"], ["sees", "likes", "finds"], ["the ball", "a tree", "the sun"]
+    subjects, verbs, objects = (
+        ["the cat", "a dog", "my friend", "the bird"],
+        ["sees", "likes", "finds"],
+        ["the ball", "a tree", "the sun"],
+    )
     for split, count in num_lines.items():
         (folder / split).mkdir(parents=True)
         lines = [f"{rng.choice(subjects)} {rng.choice(verbs)} {rng.choice(objects)} ." for _ in range(count)]
@@ -96,7 +100,9 @@ def test_windows_slide_inside_lines_and_label_the_next_token(tmp_path, monkeypat
 
 def test_window_zero_uses_the_mean_training_line_length(tmp_path, monkeypatch):
     monkeypatch.setenv("SPARSEFOCUS_CACHE", str(tmp_path / "cache"))
-    folder = write_lines(tmp_path / "text", {"train": "a b\na b c d\na b c d e f\n", "valid": "a b c d e\n", "test": "f e d c b\n"})
+    folder = write_lines(
+        tmp_path / "text", {"train": "a b\na b c d\na b c d e f\n", "valid": "a b c d e\n", "test": "f e d c b\n"}
+    )
     data = WindowNextTokenTask(corpus="folder", path=str(folder), tokenizer="word", vocab_size=8).build(seed=0)
     assert data.info["window"] == 4 and data.seq_len == 4
     assert data.train_inputs.shape[0] == 2  # only the six-word line is longer than the window

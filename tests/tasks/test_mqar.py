@@ -25,8 +25,14 @@ def check_mqar_row(tokens: list[int], targets: list[int], vocab: int, pairs: int
 @pytest.mark.parametrize("random_non_queries", [False, True])
 def test_mqar_targets_are_the_values_of_the_queried_keys(random_non_queries):
     data = build_task(
-        "mqar", 0, vocab_size=40, seq_len=24, num_kv_pairs=5,
-        random_non_queries=random_non_queries, num_train=200, num_valid=50,
+        "mqar",
+        0,
+        vocab_size=40,
+        seq_len=24,
+        num_kv_pairs=5,
+        random_non_queries=random_non_queries,
+        num_train=200,
+        num_valid=50,
     )
     assert data.kind == "next_token" and data.num_classes == 40
     for inputs, targets in [(data.train_inputs, data.train_targets), (data.valid_inputs, data.valid_targets)]:

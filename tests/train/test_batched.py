@@ -168,10 +168,12 @@ def test_fast_dropout_is_unbiased_and_differs_between_runs():
     q, k, v = (t.repeat(2, 1, 1, 1) for t in (q, k, v))  # runs 0 and 1 see identical inputs
     plain = fused_paper_attention(q, k, v, _full(), fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.0)
     default_generator(torch.device("cpu")).manual_seed(1)
-    draws = torch.stack([
-        fused_paper_attention(q, k, v, _full(), fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.3)
-        for _ in range(400)
-    ])
+    draws = torch.stack(
+        [
+            fused_paper_attention(q, k, v, _full(), fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.3)
+            for _ in range(400)
+        ]
+    )
     assert not torch.equal(draws[0, :2], draws[0, 2:])  # each run gets its own mask
     spread = draws.std(dim=0) / 400**0.5
     assert ((draws.mean(dim=0) - plain).abs() <= 5 * spread + 1e-6).float().mean() > 0.99
@@ -223,7 +225,9 @@ def test_batched_refuses_next_token_tasks(tmp_path):
         run_experiment(config(tmp_path, task, "model.paper_mode=false", "train.batched=true"), quiet=True)
 
 
-@pytest.mark.parametrize("layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"])
+@pytest.mark.parametrize(
+    "layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"]
+)
 @pytest.mark.parametrize("mechanism", ["BAND:3(1)", "BLOC:4(1)", "TOPK:3"])
 def test_fast_fold_computes_each_models_logits(mechanism, layout):
     if layout and not hasattr(ModelConfig(), "global_tokens"):

@@ -33,7 +33,15 @@ TINY = [
 
 # Small sizes per task; the real-text tasks are skipped only when the Brown corpus is not cached.
 TASK_SIZES = {
-    "listops": {"preset": "lra", "max_depth": 3, "max_args": 3, "min_length": 10, "max_length": 40, "num_train": 64, "num_valid": 16},
+    "listops": {
+        "preset": "lra",
+        "max_depth": 3,
+        "max_args": 3,
+        "min_length": 10,
+        "max_length": 40,
+        "num_train": 64,
+        "num_valid": 16,
+    },
     "lm": {"max_train": 64, "max_valid": 16, "block_size": 32},
     "lm_window": {"max_train": 64, "max_valid": 16},
     "mqar": {"vocab_size": 32, "seq_len": 16, "num_kv_pairs": 2, "num_train": 64, "num_valid": 16},
@@ -73,8 +81,10 @@ def test_interrupted_experiment_resumes_without_retraining_finished_runs(tmp_pat
     def interrupted(spec, on_epoch=None):
         calls.append(spec.label)
         if spec.label == "TOPK:3":
+
             def stop():
                 raise KeyboardInterrupt
+
             return train_run(spec, on_epoch=stop)  # killed after its first epoch
         return train_run(spec, on_epoch)
 
@@ -85,7 +95,9 @@ def test_interrupted_experiment_resumes_without_retraining_finished_runs(tmp_pat
     first_bytes = first.read_bytes()
 
     calls.clear()
-    monkeypatch.setattr(experiment_module, "train_run", lambda spec, on_epoch=None: calls.append(spec.label) or train_run(spec, on_epoch))
+    monkeypatch.setattr(
+        experiment_module, "train_run", lambda spec, on_epoch=None: calls.append(spec.label) or train_run(spec, on_epoch)
+    )
     run_experiment(config, quiet=True)
     assert calls == ["TOPK:3"]
     assert first.read_bytes() == first_bytes

@@ -14,9 +14,21 @@ from sparsefocus.train.loop import check_run_folder, train_run
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
-    "task.vocab_size=64", "task.seq_len=32", "task.num_kv_pairs=4", "task.num_train=64", "task.num_valid=16",
-    "model.dim=16", "model.heads=1", "model.mlp_dim=16", "model.impl=reference", "train.batch_size=32",
-    "train.epochs=2", "train.device=cpu", "train.jobs=1", "train.threads=1", "mechanisms=[FULL]",
+    "task.vocab_size=64",
+    "task.seq_len=32",
+    "task.num_kv_pairs=4",
+    "task.num_train=64",
+    "task.num_valid=16",
+    "model.dim=16",
+    "model.heads=1",
+    "model.mlp_dim=16",
+    "model.impl=reference",
+    "train.batch_size=32",
+    "train.epochs=2",
+    "train.device=cpu",
+    "train.jobs=1",
+    "train.threads=1",
+    "mechanisms=[FULL]",
 ]
 
 
@@ -67,7 +79,13 @@ def test_progress_keeps_one_entry_per_seed(tmp_path):
         (folder / "config.yaml").write_text(yaml.safe_dump(record))
         (folder / "metrics.jsonl").write_text("".join(json.dumps({"valid_acc": a, "seconds": 2.0}) + "\n" for a in accuracies))
     progress = session.progress(tmp_path)
-    assert progress["zeta:k=2 seed=1"] == {"epochs_done": 2, "epochs": 3, "valid_acc": 0.9, "best_valid_acc": 0.9, "s_per_epoch": 2.0}
+    assert progress["zeta:k=2 seed=1"] == {
+        "epochs_done": 2,
+        "epochs": 3,
+        "valid_acc": 0.9,
+        "best_valid_acc": 0.9,
+        "s_per_epoch": 2.0,
+    }
     assert progress["zeta:k=2 seed=2"]["valid_acc"] == 0.7
 
 
