@@ -1,6 +1,20 @@
-"""sparsefocus: the PyTorch library and laboratory for sparse attention."""
+"""sparsefocus: the PyTorch library and laboratory for sparse attention.
 
-from sparsefocus.attention import (
+On a machine without CUDA, Triton runs kernels only in its interpreter, which it picks by
+TRITON_INTERPRET=1 when it is first imported (torch._dynamo imports it too). So when sparsefocus is
+imported before triton on such a machine, it switches the interpreter on here, first; if triton was
+imported before without it, ``impl="triton"`` on a CPU tensor raises one line saying how to fix it.
+"""
+
+import os
+import sys
+
+import torch
+
+if "triton" not in sys.modules and "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from sparsefocus.attention import (  # noqa: E402  (after the interpreter switch)
     PATTERNS,
     Pattern,
     indexed_attention_ref,
@@ -9,7 +23,7 @@ from sparsefocus.attention import (
     selection_mask,
     sparse_attention,
 )
-from sparsefocus.layers import MoEFeedForward, SparseAttention
+from sparsefocus.layers import MoEFeedForward, SparseAttention  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -1,1 +1,1 @@
-"""kernels."""
+"""Triton kernels, each a ``torch.library`` op beside its launcher and PyTorch reference."""
