@@ -129,21 +129,22 @@ def outputs_and_grads(fn, inputs):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_kernels_equal_eager_and_do_not_recompile(monkeypatch, backend):
+def test_compiled_kernels_equal_eager_and_do_not_recompile(backend):
     """fullgraph=True: no graph break anywhere in the public functions; the Triton launches are
     opaque ops; forward and gradients as eager; the same shapes twice compile once."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
-    counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(every_kernel, fullgraph=True, backend=counter)
-    inputs = compile_inputs()
-    want, got = outputs_and_grads(every_kernel, inputs), outputs_and_grads(compiled, inputs)
-    assert len(got) == len(want)
-    for i, (x, y) in enumerate(zip(got, want)):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"output/grad {i}: {m}")
-    compiled(*compile_inputs())  # fresh values, same shapes: no recompile (error_on_recompile would raise)
+    # config.patch rather than monkeypatch: Dynamo's config module does not survive monkeypatch's undo
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        counter = CompileCounterWithBackend(backend)
+        compiled = torch.compile(every_kernel, fullgraph=True, backend=counter)
+        inputs = compile_inputs()
+        want, got = outputs_and_grads(every_kernel, inputs), outputs_and_grads(compiled, inputs)
+        assert len(got) == len(want)
+        for i, (x, y) in enumerate(zip(got, want)):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"output/grad {i}: {m}")
+        compiled(*compile_inputs())  # fresh values, same shapes: no recompile (error_on_recompile would raise)
     assert counter.frame_count == 1
 
 
