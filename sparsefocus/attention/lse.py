@@ -14,7 +14,6 @@ weights, a gate) have no such quantity and are refused.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -97,14 +96,6 @@ def attention_lse(
     return torch.cat(parts, dim=2).float()
 
 
-def kernel_returns_lse(kernel) -> bool:
-    """Whether a Triton launcher accepts ``return_lse`` (the kernels gained it later)."""
-    try:
-        return "return_lse" in inspect.signature(kernel).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def triton_with_lse(
     spec: Pattern,
     q: Tensor,
@@ -120,10 +111,10 @@ def triton_with_lse(
     patterns; the first g (global) rows are dense. q [B, Hq, N, D]; k, v [B, Hk, M, *]."""
     from sparsefocus.kernels.indexed import indexed_attention
 
-    if not isinstance(spec, IndexedPattern) or spec.score != "dot" or not kernel_returns_lse(indexed_attention):
+    if not isinstance(spec, IndexedPattern) or spec.score != "dot":
         raise ValueError(
-            f"return_lse with impl='triton' needs a key-list softmax pattern and a kernel with return_lse; "
-            f"pattern {spec.label()} has none here: use impl='lean' or 'reference'"
+            f"return_lse with impl='triton' needs a dot-product key-list softmax pattern; "
+            f"pattern {spec.label()} is not one: use impl='lean' or 'reference'"
         )
     k_full = expand_kv(k, q.shape[1])
     index = spec.indices(q, k_full, causal, key_padding_mask, params)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import sparsefocus as sf
-from sparsefocus.attention.lse import kernel_returns_lse, merge_partials
+from sparsefocus.attention.lse import merge_partials
 
 
 def _inputs(n=13, m=22, heads=4, kv_heads=2, dim=8, seed=0):
@@ -90,14 +90,8 @@ def test_non_softmax_normalisers_are_refused(pattern):
         sf.sparse_attention(q, k, v, pattern, impl="lean", return_lse=True)
 
 
-def test_triton_lse_uses_the_kernel_or_is_refused():
-    from sparsefocus.kernels.indexed import indexed_attention
-
+def test_triton_lse_uses_the_kernel():
     q, k, v = _inputs(n=22)
-    if not kernel_returns_lse(indexed_attention):
-        with pytest.raises(ValueError, match="kernel with return_lse"):
-            sf.sparse_attention(q, k, v, "BAND:5", impl="triton", return_lse=True)
-        return
     out, lse = sf.sparse_attention(q, k, v, "BAND:5(1)", causal=True, impl="triton", return_lse=True)
     want_out, want_lse = sf.sparse_attention(q, k, v, "BAND:5(1)", causal=True, impl="reference", return_lse=True)
     torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
