@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIG1A = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
 FP32 = ("highest", "none")
 DEVICE = "cuda"
+TOPK_SELECT = "torch"
 
 
 def synchronize() -> None:
@@ -67,6 +68,7 @@ def listops(
         "train.task_cache=true",
         f"train.matmul_precision={precision[0]}",
         f"train.autocast={precision[1]}",
+        f"train.topk_select={TOPK_SELECT}",
         *extra,
         *more,
     ]
@@ -118,7 +120,48 @@ def check(out: Path, extra: list[str]) -> dict:
             "loss_fast": grads["fast"][0].item(),
             "worst_grad_rel_err": worst,
         }
+    results["step_graph"] = check_step_graph(out, extra)
     return results
+
+
+def check_step_graph(out: Path, extra: list[str], steps: int = 5) -> dict:
+    """``train.compile=step-graph`` against the compiled step without a graph (FULL, fp32, dropout
+    0): per-run parameters after ``steps`` full-batch steps (2 warm-up, the capture, replays); and,
+    with dropout, that replays of one batch draw new masks (their losses differ)."""
+    from sparsefocus.train.batched import clip_per_run_
+
+    finals = {}
+    for mode in ("default", "step-graph"):
+        config = listops(out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, f"train.compile={mode}"], "model.dropout=0.0")
+        with matmul_precision("highest"):
+            trainer = trainer_for(config, "FULL", PAPER_SEEDS[:2])
+            batch = trainer.train_cfg.batch_size
+            order = torch.arange(steps * batch, device=DEVICE).view(steps, 1, batch).expand(steps, 2, batch)
+            params = list(trainer.model.parameters())
+            trainer.model.train()
+            for i in range(steps):
+                if trainer.step_graph is not None:
+                    trainer.step_graph.step(order[i], trainer.config.optim.lr)
+                    continue
+                loss, _, _ = trainer.forward(*trainer.rows(trainer.train_inputs, trainer.train_targets, order[i]))
+                trainer.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                clip_per_run_(params, trainer.config.optim.grad_clip, exact=False)
+                trainer.optimizer.step()
+            synchronize()
+            finals[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    worst = max(
+        ((finals["step-graph"][n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item() for n, w in finals["default"].items()
+    )
+    config = listops(out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, "train.compile=step-graph"])
+    trainer = trainer_for(config, "FULL", PAPER_SEEDS[:2])
+    trainer.model.train()
+    index = torch.arange(2 * 25, device=DEVICE).view(2, 25)
+    losses = []
+    for _ in range(5):  # lr 0: the weights stay, only the dropout masks change
+        trainer.step_graph.step(index, 0.0)
+        losses.append(trainer.step_graph.take_sums()[0].sum().item())
+    return {"steps": steps, "worst_param_rel_err": worst, "dropout_replay_losses": losses}
 
 
 def throughput(out: Path, precisions: list[tuple[str, str]], extra: list[str], steps: int, compile_mode: str) -> dict:
@@ -147,7 +190,11 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
     def step(i: int) -> None:
         from sparsefocus.train.batched import clip_per_run_
 
-        inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, order[:, i * batch : (i + 1) * batch])
+        index = order[:, i * batch : (i + 1) * batch]
+        if trainer.step_graph is not None:
+            trainer.step_graph.step(index, trainer.optimizer.param_groups[0]["lr"])
+            return
+        inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, index)
         loss, _, _ = trainer.forward(inputs, targets)
         trainer.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -235,8 +282,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="high", choices=("highest", "high", "medium"), help="chosen matmul precision")
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"), help="chosen autocast")
     parser.add_argument(
-        "--compile", default="default", choices=("eager", "default", "reduce-overhead"), help="torch.compile mode"
+        "--compile", default="default", choices=("eager", "default", "reduce-overhead", "step-graph"), help="train.compile"
     )
+    parser.add_argument("--no-reference", action="store_true", help="time only the chosen precision, not fp32 too")
+    parser.add_argument("--topk-select", default="torch", choices=("torch", "triton"), help="train.topk_select")
     parser.add_argument("--steps", type=int, default=30, help="timed training steps per throughput case")
     parser.add_argument("--fidelity-epochs", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
@@ -249,9 +298,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> int:
-    global DEVICE
+    global DEVICE, TOPK_SELECT
     args = parse_args()
-    DEVICE = args.device
+    DEVICE, TOPK_SELECT = args.device, args.topk_select
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("gpu_lab needs CUDA (--device cpu with small --set sizes is a smoke test only)")
         return 2
@@ -263,11 +312,11 @@ def main() -> int:
     for stage in args.redo:
         state.pop(stage, None)
     chosen = (args.precision, args.autocast)
-    precisions = [FP32] if chosen == FP32 else [FP32, chosen]
+    precisions = [FP32] if chosen == FP32 else ([chosen] if args.no_reference else [FP32, chosen])
     extra = [f"train.compile={args.compile}", *args.extra]
     state["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     state["torch"] = torch.__version__
-    state["chosen"] = {"matmul_precision": chosen[0], "autocast": chosen[1], "compile": args.compile}
+    state["chosen"] = {"matmul_precision": chosen[0], "autocast": chosen[1], "compile": args.compile, "topk_select": TOPK_SELECT}
 
     def save() -> None:
         write_text_atomic(state_path, json.dumps(state, indent=1))
@@ -294,6 +343,11 @@ def main() -> int:
 def print_table(state: dict) -> None:
     print(f"\n{state['device']}, torch {state['torch']}, chosen {state['chosen']}")
     for mechanism, row in state.get("check", {}).items():
+        if mechanism == "step_graph":
+            print(
+                f"check step-graph vs compiled step, {row['steps']} steps: worst param rel err {row['worst_param_rel_err']:.2e}"
+            )
+            continue
         print(
             f"check {mechanism:7s} fast vs exact: loss {row['loss_fast']:.6f} vs {row['loss_exact']:.6f}, worst grad rel err {row['worst_grad_rel_err']:.2e}"
         )

@@ -26,7 +26,7 @@ SCHEDULES = ("constant", "step", "cosine")
 TRAIN_LOSSES = ("full_eval", "running")
 DEVICES = ("cpu", "cuda", "auto")
 BATCHED_MODES = ("exact", "fast")
-COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead")
+COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead", "step-graph")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 AUTOCASTS = ("none", "bf16")
 TOPK_SELECTS = ("torch", "triton")
@@ -101,7 +101,10 @@ class TrainConfig:
             dropout stream, torch.compile on CUDA). Default: "exact".
         batched_max_runs: most runs folded into one model; 0 = every seed. Default: 0.
         compile: torch.compile of the batched fast step: "auto" (default mode on CUDA, off on
-            CPU), "eager" (no compile), "default" or "reduce-overhead" (CUDA graphs). Default: "auto".
+            CPU), "eager" (no compile), "default", "reduce-overhead" (CUDA graphs of the forward
+            and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default
+            mode and the whole step, forward, backward, clipping and update, replayed as one CUDA
+            graph). Default: "auto".
         matmul_precision: ``torch.set_float32_matmul_precision`` while training: "highest" (fp32),
             "high" (TF32 on CUDA) or "medium". Default: "highest".
         autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".

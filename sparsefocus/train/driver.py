@@ -173,7 +173,87 @@ def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
         return None
     if train.compile == "auto":
         return "default" if device.type == "cuda" else None
+    if train.compile == "step-graph":
+        return "default"  # the step's own CUDA graph holds the compiled kernels
     return train.compile
+
+
+def _check_step_graph(config: ExperimentConfig, device: torch.device) -> bool:
+    """Whether the whole training step is one CUDA graph; refuses what it cannot capture."""
+    if config.train.compile != "step-graph":
+        return False
+    optim = config.optim
+    if config.train.batched_mode != "fast" or device.type != "cuda":
+        raise ValueError("train.compile=step-graph needs train.batched_mode=fast on a CUDA device")
+    if optim.name != "sgd" or optim.momentum or optim.weight_decay:
+        raise ValueError("train.compile=step-graph supports plain SGD only (optim.name=sgd, no momentum, no weight decay)")
+    return True
+
+
+class StepGraph:
+    """The fast step (rows, forward, backward, per-run clipping, SGD update, running sums) of
+    full batches recorded once as a CUDA graph and replayed: one launch instead of hundreds.
+
+    The step reads the batch's row indices from a static [R, B] buffer and the learning rate from a
+    0-d device tensor, both refreshed before each replay without a host sync. The first ``warmup``
+    steps run uncaptured on a side stream (they compile the forward and settle the allocator), as
+    torch.cuda.graphs asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
+    ``torch.optim.SGD`` computes without momentum or weight decay; the optimiser then has no state.
+    """
+
+    def __init__(self, trainer: "GroupTrainer", warmup: int = 2) -> None:
+        self.trainer, self.warmup = trainer, warmup
+        self.params = [p for p in trainer.model.parameters() if p.requires_grad]
+        device = trainer.device
+        self.index = torch.zeros(trainer.runs, trainer.train_cfg.batch_size, dtype=torch.long, device=device)
+        self.neg_lr = torch.zeros((), device=device)
+        self.loss_sum = torch.zeros(trainer.runs, dtype=torch.float64, device=device)
+        self.correct = torch.zeros(trainer.runs, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.steps = 0
+
+    def _body(self) -> None:
+        trainer = self.trainer
+        inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, self.index)
+        loss, losses, right = trainer.forward(inputs, targets)
+        loss.backward()
+        if trainer.config.optim.grad_clip > 0:
+            trainer.clip(self.params, trainer.config.optim.grad_clip)
+        with torch.no_grad():
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, self.neg_lr)
+            torch._foreach_add_([p for p in self.params if p.grad is not None], grads)
+            self.loss_sum += losses.detach().sum(dim=1, dtype=torch.float64)
+            self.correct += right.sum(dim=1)
+
+    def step(self, index: Tensor, lr: float) -> None:
+        """One training step on the rows ``index`` [R, B] at learning rate ``lr``."""
+        self.index.copy_(index)
+        self.neg_lr.fill_(-lr)
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        for p in self.params:
+            p.grad = None
+        if self.steps < self.warmup:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._body()
+            torch.cuda.current_stream().wait_stream(side)
+            self.steps += 1
+            return
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._body()
+        self.graph.replay()  # capturing records the step without running it
+
+    def take_sums(self) -> tuple[Tensor, Tensor]:
+        """The per-run (loss sum, correct count) of the steps since the last call; resets them."""
+        sums = (self.loss_sum.clone(), self.correct.clone())
+        self.loss_sum.zero_()
+        self.correct.zero_()
+        return sums
 
 
 class GroupTrainer:
@@ -214,6 +294,7 @@ class GroupTrainer:
         self.clip: Callable[..., Tensor] = functools.partial(clip_per_run_, exact=self.exact)
         if _compile_mode(self.train_cfg, device) is not None:
             self.clip = torch.compile(self.clip)  # ~2 kernels instead of ~3 per parameter
+        self.step_graph = StepGraph(self) if _check_step_graph(self.config, device) else None
 
     def _make_forward(self) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
         """(inputs [R*B, L], targets [R*B]) -> (sum over runs of each run's mean loss, per-example
@@ -252,7 +333,12 @@ class GroupTrainer:
         correct = torch.zeros(self.runs, dtype=torch.long, device=self.device)
         params = [p for p in self.model.parameters()]
         for start in range(0, n, batch):
-            inputs, targets = self.rows(self.train_inputs, self.train_targets, orders[:, start : start + batch])
+            index = orders[:, start : start + batch]  # [R, B]
+            if self.step_graph is not None and index.shape[1] == batch:
+                self.step_graph.step(index, self.optimizer.param_groups[0]["lr"])
+                self.scheduler.step()
+                continue
+            inputs, targets = self.rows(self.train_inputs, self.train_targets, index)
             loss, losses, right = self.forward(inputs, targets)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -262,6 +348,9 @@ class GroupTrainer:
             self.scheduler.step()
             loss_sum += losses.detach().sum(dim=1, dtype=torch.float64)
             correct += right.sum(dim=1)
+        if self.step_graph is not None:
+            graphed_loss, graphed_correct = self.step_graph.take_sums()
+            loss_sum, correct = loss_sum + graphed_loss, correct + graphed_correct
         return loss_sum / n, correct.double() / n
 
     @torch.no_grad()

@@ -242,3 +242,56 @@ def test_fast_fold_computes_each_models_logits(mechanism, layout):
     expected = torch.cat([model(inputs) for model in models])
     got = fold_models(models, mode="fast").eval()(inputs.repeat(len(models), 1))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["train.batched_mode=fast"], "needs train.batched_mode=fast on a CUDA device"),
+        (["train.batched_mode=exact"], "needs train.batched_mode=fast on a CUDA device"),
+    ],
+)
+def test_step_graph_refuses_what_it_cannot_capture(overrides, message, tmp_path):
+    cfg = config(tmp_path, "train.batched=true", "train.compile=step-graph", "mechanisms=[FULL]", *overrides)
+    with pytest.raises(ValueError, match=message):
+        run_experiment(cfg, quiet=True)
+
+
+def test_step_graph_refuses_momentum(monkeypatch, tmp_path):
+    """The captured update is plain SGD; momentum or weight decay would be silently dropped."""
+    from sparsefocus.train import driver
+
+    cfg = config(tmp_path, "train.batched=true", "train.compile=step-graph", "train.batched_mode=fast", "optim.momentum=0.9")
+    with pytest.raises(ValueError, match="plain SGD only"):
+        driver._check_step_graph(cfg, torch.device("cuda"))
+    assert not driver._check_step_graph(config(tmp_path, "train.batched=true"), torch.device("cuda"))
+
+
+def test_step_graph_body_is_the_fast_step(tmp_path):
+    """The step the CUDA graph records (rows, forward, backward, per-run clipping, p -= lr * g,
+    running sums), run uncaptured on the CPU, equals the fast loop's step with torch.optim.SGD."""
+    from sparsefocus.train.driver import GroupTrainer, StepGraph, build_datas
+    from sparsefocus.train.loop import RunSpec
+
+    cfg = config(tmp_path, "model.dropout=0.0", "mechanisms=[TOPK:3]", "train.batched=true", "train.batched_mode=fast")
+    datas = build_datas(cfg, SEEDS, torch.device("cpu"))
+    specs = [RunSpec(tmp_path / str(s), cfg, "default", "TOPK:3", s) for s in SEEDS]
+    plain, graphed = (GroupTrainer(specs, datas, torch.device("cpu")) for _ in range(2))
+    body = StepGraph(graphed)
+    params = list(plain.model.parameters())
+    for step in range(3):
+        index = torch.arange(step * 10, step * 10 + 15).remainder(40).expand(len(SEEDS), -1)
+        loss, losses, _ = plain.forward(*plain.rows(plain.train_inputs, plain.train_targets, index))
+        plain.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        plain.clip(params, cfg.optim.grad_clip)
+        plain.optimizer.step()
+        body.index.copy_(index)
+        body.neg_lr.fill_(-cfg.optim.lr)
+        for p in body.params:
+            p.grad = None
+        body._body()
+    for (name, want), got in zip(plain.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    sums, _ = body.take_sums()
+    assert sums.shape == (len(SEEDS),) and bool((sums > 0).all()) and not bool(body.loss_sum.any())
