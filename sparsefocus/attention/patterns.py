@@ -10,8 +10,6 @@ a Triton path. ``parse_pattern`` accepts the Semantic Focus paper's notation (``
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -44,6 +42,10 @@ def register(cls: type["Pattern"]) -> type["Pattern"]:
     PATTERNS[key] = cls
     for alias in cls.aliases:
         _ALIASES[alias.lower()] = key
+    # Read by the string parser: plain class attributes, so that torch.compile can trace a parse
+    # (dataclasses.fields and typing.get_type_hints are not traceable).
+    cls._field_names = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[attr-defined]
+    cls._field_kinds = typing.get_type_hints(cls)  # type: ignore[attr-defined]
     return cls
 
 
@@ -199,7 +201,16 @@ def pattern_class(name: str) -> type[Pattern]:
     return PATTERNS[key]
 
 
-_POSITIONAL_GROUP = re.compile(r"^\s*([^()\s]+)\s*\(\s*([^()\s]+)\s*\)\s*$")
+def _positional_group(item: str) -> list[str]:
+    """'5(1)' -> ['5', '1'] (a value and its group count); anything else -> [item]. String
+    methods rather than a regex, so that torch.compile traces it."""
+    head, bracket, tail = item.partition("(")
+    if not bracket or not tail.endswith(")"):
+        return [item]
+    head, tail = head.strip(), tail[:-1].strip()
+    if not head or not tail or any(c in head + tail for c in "() \t"):
+        return [item]
+    return [head, tail]
 
 
 def _split_values(body: str) -> list[str]:
@@ -217,16 +228,9 @@ def _split_values(body: str) -> list[str]:
     return [p.strip() for p in parts if p.strip()]
 
 
-@functools.lru_cache(maxsize=None)
-def _field_types(cls: type[Pattern]) -> dict[str, Any]:
-    """A pattern class's resolved field types, once per class: ``typing.get_type_hints`` costs
-    about half a millisecond, and patterns are parsed on every ``sparse_attention`` call."""
-    return typing.get_type_hints(cls)
-
-
 def _convert(cls: type[Pattern], field_name: str, raw: str) -> Any:
     """Turn the text of one parameter into its field's type (int, float, str or bool)."""
-    kind = _field_types(cls)[field_name]
+    kind = cls._field_kinds[field_name]  # type: ignore[attr-defined]
     try:
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0"):
@@ -238,7 +242,7 @@ def _convert(cls: type[Pattern], field_name: str, raw: str) -> Any:
 
 
 def _parse_body(cls: type[Pattern], body: str) -> dict[str, Any]:
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = cls._field_names  # type: ignore[attr-defined]
     positional = list(cls.positional)
     values: dict[str, Any] = {}
     for item in _split_values(body):
@@ -249,9 +253,7 @@ def _parse_body(cls: type[Pattern], body: str) -> dict[str, Any]:
                 raise ValueError(f"pattern {cls.name} has no parameter {key!r}; valid parameters: {', '.join(names) or 'none'}")
             values[key] = _convert(cls, key, raw)
             continue
-        group = _POSITIONAL_GROUP.match(item)
-        raws = list(group.groups()) if group else [item]
-        for raw in raws:
+        for raw in _positional_group(item):
             if not positional:
                 raise ValueError(
                     f"pattern {cls.name}: too many positional values in {body!r}; "

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import yaml
 from torch import Tensor, nn
 
+from sparsefocus.layers import SparseAttention
 from sparsefocus.models import Decoder, Encoder, ModelConfig, mechanism_label
 from sparsefocus.tasks.base import TaskData
 from sparsefocus.tasks.lm import perplexity
@@ -171,12 +172,16 @@ def train_epoch(
     order = torch.randperm(count, generator=generator) if config.train.shuffle else torch.arange(count)
     order = order.to(data.train_inputs.device)
     loss_sum, correct, count = 0.0, 0, 0
+    aux_layers = [m for m in model.modules() if isinstance(m, SparseAttention) and m.pattern.has_aux_loss]
     for start in range(0, order.shape[0], config.train.batch_size):
         batch = order[start : start + config.train.batch_size]
         logits, targets = scored_logits(model, data.train_inputs[batch], data.train_targets[batch])
         loss, right, scored = loss_and_counts(logits, targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        # a mechanism's auxiliary loss (DSA's indexer distillation) trains what the task loss cannot
+        # reach; the logged loss stays the task's
+        objective = loss + sum(m.aux_loss for m in aux_layers) if aux_layers else loss
+        objective.backward()
         if config.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
         optimizer.step()
@@ -241,6 +246,14 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("."): data}
 
 
+def _default_keys() -> dict[str, Any]:
+    """Flattened ``config.model.*``, ``config.optim.*`` and ``config.train.*`` defaults, as a
+    ``config.yaml`` records them."""
+    defaults = ExperimentConfig().to_dict()
+    sections = {name: defaults[name] for name in ("model", "optim", "train")}
+    return _flatten(yaml.safe_load(yaml.safe_dump({"config": sections})))
+
+
 def check_run_folder(spec: RunSpec) -> tuple[str, int]:
     """State of a run folder: ("new", 0), ("partial", epochs done) or ("done", epochs).
 
@@ -253,9 +266,12 @@ def check_run_folder(spec: RunSpec) -> tuple[str, int]:
         return "new", 0
     old = _flatten(yaml.safe_load(record_path.read_text()) or {})
     new = _flatten(yaml.safe_load(yaml.safe_dump(spec.record())))
+    defaults = _default_keys()
     for key in sorted(set(old) | set(new)):
         if key.removeprefix("config.") in RESUME_FREE_KEYS:
             continue
+        if key not in old and key in defaults and new.get(key) == defaults[key]:
+            continue  # a key added after the folder was written, at its default: the old behaviour
         if old.get(key) != new.get(key):
             raise ValueError(
                 f"{spec.run_dir} was trained with {key}={old.get(key)!r}, the config now says {new.get(key)!r}; "

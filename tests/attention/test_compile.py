@@ -130,3 +130,22 @@ def test_triton_selections_have_no_graph_break(example):
     explanation = torch._dynamo.explain(layer)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if parse_pattern(e).make_parameters(HEADS) == {}])
+def test_functional_api_compiles_with_a_pattern_string(example):
+    """``sparse_attention(q, k, v, "BAND:5(1)")`` inside a fullgraph-compiled function: the string
+    is parsed while tracing (no graph break) and the result equals eager."""
+    from sparsefocus.attention import sparse_attention
+
+    spec = parse_pattern(example)
+    if spec.needs_hidden or spec.make_layer_parameters(HEADS * HEAD_DIM, HEADS, HEADS, HEAD_DIM, HEAD_DIM):
+        pytest.skip(f"{example} needs the layer's hidden states or parameters")
+    n = _length(spec)
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM) for _ in range(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: sparse_attention(q, k, v, example, impl="reference"), backend="eager", fullgraph=True
+    )
+    torch.testing.assert_close(compiled(q, k, v), sparse_attention(q, k, v, example, impl="reference"))

@@ -189,3 +189,48 @@ def test_demo_trains_its_four_mechanisms_and_prints_the_report(tmp_path, capsys)
     assert "Wall-clock time measured by the trainer" in text and "in 1 invocation that trained" in text
     for label in ("FULL", "TOPK:5", "BAND:5(1)", "BLOC:5(1)"):
         assert f"| {label} | 1 |" in text
+
+
+def _drop_key(record_path, section: str, key: str) -> None:
+    import yaml
+
+    record = yaml.safe_load(record_path.read_text())
+    del record["config"][section][key]
+    record_path.write_text(yaml.safe_dump(record, sort_keys=False))
+
+
+def test_a_folder_written_before_a_key_existed_resumes_at_its_default(tmp_path):
+    """A config.yaml that lacks a key added later (here train.shuffle and model.pad_to_multiple_of_k)
+    is the default's behaviour: the run resumes; a non-default value for that key is refused."""
+    from sparsefocus.train.loop import check_run_folder
+
+    config = tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1")
+    run_experiment(config, quiet=True)
+    record = tmp_path / "exp/default/FULL/seed-1/config.yaml"
+    _drop_key(record, "train", "shuffle")
+    _drop_key(record, "model", "pad_to_multiple_of_k")
+    spec = RunSpec(record.parent, config, "default", "FULL", 1)
+    assert check_run_folder(spec) == ("done", 1)
+    changed = RunSpec(
+        record.parent, tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.shuffle=false"), "default", "FULL", 1
+    )
+    with pytest.raises(ValueError, match="train.shuffle=None, the config now says False"):
+        check_run_folder(changed)
+
+
+def test_training_adds_the_dsa_indexer_loss(tmp_path):
+    """DSA's indexer is reached only through its auxiliary loss (the selection has no gradient):
+    the training loop adds it, so the indexer weights move; the logged loss is the task's."""
+    from sparsefocus.layers import SparseAttention
+
+    config = tiny(tmp_path, "mechanisms=['dsa:k=5,heads=2,dim=4']", "train.epochs=1", "model.paper_mode=false")
+    data = build_data(config, 1, torch.device("cpu"))
+    torch.manual_seed(1)
+    before = build_model(config.model, "dsa:k=5,heads=2,dim=4", data)
+    names = [n for n, _ in before.named_parameters() if "dsa_" in n]
+    assert names and any(isinstance(m, SparseAttention) for m in before.modules())
+    spec = RunSpec(tmp_path / "run", config, "default", "dsa:k=5,heads=2,dim=4", 1)
+    train_run(spec)
+    after = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["model"]
+    initial = dict(before.named_parameters())
+    assert all(not torch.equal(after[n], initial[n].detach()) for n in names)
