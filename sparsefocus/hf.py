@@ -12,8 +12,10 @@ mask function for, which would silently drop the padding. Ours returns only the 
 module (``is_causal``), and the pattern decides which keys each query keeps. With a KV cache the
 queries are the last positions of the keys (``causal=True`` with N < M in ``sparse_attention``).
 
-Refused with a clear error: nonzero attention dropout, packed sequences (``cu_seq_lens_q/k`` or
-position-id packing), sliding-window or other custom masks, caches whose keys extend past the
+Packed sequences (documents concatenated in a row, marked by ``position_ids`` that restart, or by
+FlashAttention's ``cu_seq_lens_q/k``) run through ``sparse_attention(cu_seqlens=...)``: each
+document is attended alone. Refused with a clear error: nonzero attention dropout, packing with
+padding or a cache, sliding-window or other custom masks, caches whose keys extend past the
 queries (``StaticCache``), and patterns with their own q/k width (ZETA's ``dk``: HF attention modules
 project q and k to the head width; use ``sparsefocus.SparseAttention`` or the library's models).
 Trainable mechanism parameters (a gate's weights) are not created in HF models: the pattern's
@@ -32,7 +34,6 @@ from torch import Tensor
 from sparsefocus.attention import parse_pattern, sparse_attention
 from sparsefocus.attention.patterns import Pattern
 
-PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens_q", "cu_seqlens_k")
 REGISTERED: dict[str, Pattern] = {}
 
 
@@ -115,12 +116,10 @@ def make_attention_function(spec: Pattern, impl: str = "auto") -> Callable[..., 
                 f"sparsefocus attention ({spec.label()}) has no attention dropout; got dropout={dropout} "
                 "(set the config's attention_dropout to 0)"
             )
-        packed = [name for name in PACKED_KWARGS if kwargs.get(name) is not None]
-        if packed:
-            raise ValueError(
-                f"sparsefocus attention ({spec.label()}) does not take packed sequences ({', '.join(packed)}); "
-                "pad the batch instead"
-            )
+        documents = packed_documents(attention_mask, kwargs, query.shape[0], query.shape[2])
+        if documents is not None:
+            out = _packed_attention(spec, impl, query, key, value, documents, scaling, _is_causal(module, is_causal))
+            return out.transpose(1, 2).contiguous(), None
         causal = _is_causal(module, is_causal)
         out = sparse_attention(
             query,
@@ -136,6 +135,52 @@ def make_attention_function(spec: Pattern, impl: str = "auto") -> Callable[..., 
 
     attention.__name__ = f"sparsefocus_{spec.name}_attention"
     return attention
+
+
+def document_ids(mask: Tensor) -> Tensor | None:
+    """[B, S] long document index of each position when ``mask`` [B, 1, S, S] bool is packed
+    documents (block diagonal, causal or not, every query seeing at least itself), else None. A
+    document starts where a query cannot see the key just before it."""
+    rows = mask[:, 0]  # [B, S, S]
+    n = rows.shape[-1]
+    sees_previous = rows.diagonal(offset=-1, dim1=-2, dim2=-1)  # [B, S-1]
+    starts = torch.cat([torch.ones_like(rows[:, :, 0][:, :1]), ~sees_previous], dim=1)
+    ids = starts.long().cumsum(-1) - 1  # [B, S]
+    same = ids[:, :, None] == ids[:, None, :]  # [B, S, S]
+    causal = same & torch.ones(n, n, dtype=torch.bool, device=mask.device).tril()
+    return ids if bool(torch.equal(rows, causal) or torch.equal(rows, same)) else None
+
+
+def packed_documents(attention_mask: Tensor | None, kwargs: dict, batch: int, length: int) -> Tensor | None:
+    """[B, S] document ids of a packed batch, or None for an ordinary (padded) one.
+
+    Packing arrives as the dense block-diagonal mask our mask function builds when transformers
+    packs through ``position_ids``, or as FlashAttention's ``cu_seq_lens_q/k`` (equal, batch 1)."""
+    cuts = kwargs.get("cu_seq_lens_q", kwargs.get("cu_seqlens_q"))
+    if cuts is not None:
+        other = kwargs.get("cu_seq_lens_k", kwargs.get("cu_seqlens_k"))
+        if batch != 1 or (other is not None and not torch.equal(other, cuts)):
+            raise ValueError("sparsefocus attention takes packed sequences as one row with cu_seq_lens_q == cu_seq_lens_k")
+        lengths = (cuts[1:] - cuts[:-1]).long()
+        return torch.repeat_interleave(torch.arange(lengths.shape[0], device=cuts.device), lengths)[None]
+    if attention_mask is None or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool:
+        return None
+    if attention_mask.shape[2] != length or attention_mask.shape[3] != length or length < 2:
+        return None
+    ids = document_ids(attention_mask)
+    return ids if ids is not None and bool(ids[:, -1].gt(0).any()) else None
+
+
+def _packed_attention(spec, impl, query, key, value, documents, scaling, causal) -> Tensor:
+    """Each row's documents attended alone through ``sparse_attention(cu_seqlens=...)``:
+    query [B, H, S, D], documents [B, S] -> [B, H, S, Dv]."""
+    outs = []
+    for row in range(query.shape[0]):
+        counts = torch.bincount(documents[row])
+        cu_seqlens = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        part = (query[row : row + 1], key[row : row + 1], value[row : row + 1])
+        outs.append(sparse_attention(*part, spec, causal=causal, scale=scaling, cu_seqlens=cu_seqlens, impl=impl))
+    return torch.cat(outs)
 
 
 def _is_causal(module: torch.nn.Module, is_causal: bool | None) -> bool:
@@ -173,8 +218,9 @@ def make_mask_function(name: str) -> Callable[..., Tensor | None]:
         attention_mask: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor | None:
-        _check_mask_function(name, mask_function)
         _check_queries_are_last(name, kv_length, kv_offset, kwargs)
+        if not _is_plain(mask_function):
+            return _packed_mask(name, batch_size, kv_length, kv_offset, mask_function, attention_mask, kwargs)
         if attention_mask is None:
             return None
         padding = attention_mask.bool()
@@ -186,18 +232,37 @@ def make_mask_function(name: str) -> Callable[..., Tensor | None]:
     return sparsefocus_mask
 
 
-def _check_mask_function(name: str, mask_function: Callable | None) -> None:
-    """Accept the plain causal or bidirectional mask only: anything else (packing, sliding
-    windows, or/and overlays) would be a selection the pattern does not know about."""
+def _is_plain(mask_function: Callable | None) -> bool:
+    """The plain causal or bidirectional mask (the pattern then decides the keys)."""
     from transformers import masking_utils
 
     plain = (None, masking_utils.causal_mask_function, getattr(masking_utils, "bidirectional_mask_function", None))
-    if mask_function not in plain:
+    return mask_function in plain
+
+
+def _packed_mask(
+    name: str, batch_size: int, kv_length: int, kv_offset: int, mask_function: Callable | None, attention_mask, kwargs
+) -> Tensor:
+    """The dense [B, 1, S, S] bool mask of packed documents (transformers packs through
+    ``position_ids``); any other custom mask (a sliding window, an overlay) is refused by name."""
+    assert mask_function is not None, "None is the plain mask"
+    device = attention_mask.device if attention_mask is not None else kwargs.get("device")
+    rows = torch.arange(batch_size, device=device)[:, None, None, None]
+    positions = torch.arange(kv_offset, kv_offset + kv_length, device=device)
+    try:
+        dense = mask_function(rows, torch.zeros_like(rows), positions[None, None, :, None], positions[None, None, None, :])
+        dense = torch.as_tensor(dense, device=device).expand(batch_size, 1, kv_length, kv_length).bool()
+    except (RuntimeError, IndexError, TypeError):
+        dense = None
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if kv_offset != 0 or dense is None or padded or document_ids(dense) is None:
         raise ValueError(
-            f"attention implementation {name!r} takes plain causal or bidirectional masks with padding only; "
-            f"the model asked for {getattr(mask_function, '__name__', mask_function)!r} (packed sequences, a sliding "
-            "window or a custom overlay): pad instead of packing, or set sliding_window=None"
+            f"attention implementation {name!r} takes plain causal or bidirectional masks with padding, or packed "
+            f"documents without padding or cache; the model asked for {getattr(mask_function, '__name__', mask_function)!r} "
+            "(a sliding window, a custom overlay, or packing with padding or a cache): set sliding_window=None, or pad "
+            "instead of packing"
         )
+    return dense
 
 
 def _check_queries_are_last(name: str, kv_length: int, kv_offset: int, kwargs: dict) -> None:

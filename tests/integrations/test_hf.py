@@ -149,16 +149,68 @@ def test_attention_dropout_is_refused():
         model(ids)
 
 
-def test_packed_sequences_are_refused():
-    _, model = _models("sf-test-packed", "TOPK:3")
-    ids, _ = _batch()
-    positions = torch.cat([torch.arange(6), torch.arange(7)])[None].expand(2, -1)
-    with pytest.raises(ValueError, match="packed sequences"):
-        model(ids, position_ids=positions, use_cache=False)
+def _documents_alone(model, ids, lengths):
+    """Logits of each document run by itself, concatenated: [1, sum(lengths), V]."""
+    parts, start = [], 0
+    for n in lengths:
+        parts.append(model(ids[:, start : start + n], use_cache=False).logits)
+        start += n
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("pattern", ["FULL", "TOPK:3", "BAND:2"])
+def test_packed_documents_through_position_ids_are_attended_alone(pattern):
+    """Documents packed in one row (position_ids restart at each): every document's logits equal
+    its logits alone, and FULL equals transformers' sdpa on the same packed row."""
+    ref, model = _models(f"sf-test-packed-{pattern}", pattern)
+    lengths = [6, 4, 7]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    packed = model(ids, position_ids=positions, use_cache=False).logits
+    torch.testing.assert_close(packed, _documents_alone(model, ids, lengths), rtol=1e-4, atol=1e-5)
+    if pattern == "FULL":
+        torch.testing.assert_close(packed, ref(ids, position_ids=positions, use_cache=False).logits, rtol=1e-4, atol=1e-5)
+    two_rows = model(ids.expand(2, -1), position_ids=positions.expand(2, -1), use_cache=False).logits
+    torch.testing.assert_close(two_rows, packed.expand(2, -1, -1), rtol=1e-4, atol=1e-5)
+
+
+def test_packed_documents_through_cu_seq_lens():
+    """FlashAttention's packing kwargs give the documents-alone result too."""
+    _, model = _models("sf-test-packed-cu", "TOPK:3")
+    lengths = [5, 8]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    cuts = torch.tensor([0, 5, 13], dtype=torch.int32)
+    out = model(
+        ids, position_ids=positions, cu_seq_lens_q=cuts, cu_seq_lens_k=cuts, max_length_q=8, max_length_k=8, use_cache=False
+    )
+    torch.testing.assert_close(out.logits, _documents_alone(model, ids, lengths), rtol=1e-4, atol=1e-5)
     attention = sfhf.make_attention_function(sfhf.build_pattern("FULL"))
     q = torch.randn(1, 2, 5, 8)
-    with pytest.raises(ValueError, match="cu_seq_lens_q"):
-        attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="cu_seq_lens_q == cu_seq_lens_k"):
+        attention(torch.nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 2, 5]), cu_seq_lens_k=torch.tensor([0, 3, 5]))
+
+
+def test_packing_with_padding_is_refused():
+    from transformers import masking_utils
+
+    mask_function = sfhf.make_mask_function("sf-test-packed-pad")
+    documents = torch.tensor([[0, 0, 1, 1, 1]])
+    packed = masking_utils.and_masks(masking_utils.causal_mask_function, masking_utils.packed_sequence_mask_function(documents))
+    dense = mask_function(1, 5, 0, packed, None)
+    assert dense.shape == (1, 1, 5, 5) and sfhf.document_ids(dense).tolist() == documents.tolist()
+    with pytest.raises(ValueError, match="packing with padding"):
+        mask_function(1, 5, 0, packed, torch.tensor([[1, 1, 1, 1, 0]]))
+
+
+def test_document_ids_read_only_block_diagonal_masks():
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    packed = causal.clone()
+    packed[2:, :2] = False  # documents [0, 2) and [2, 5)
+    assert sfhf.document_ids(packed[None, None]).tolist() == [[0, 0, 1, 1, 1]]
+    assert sfhf.document_ids(causal[None, None]).tolist() == [[0, 0, 0, 0, 0]]
+    window = causal & torch.ones(5, 5, dtype=torch.bool).triu(-1)  # a sliding window of 2
+    assert sfhf.document_ids(window[None, None]) is None
 
 
 def test_static_cache_is_refused():
