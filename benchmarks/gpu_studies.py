@@ -1,0 +1,124 @@
+"""Advance the paper's Figure-1 studies on one GPU across calls of a few minutes each.
+
+Each call unpacks the study folder a previous call returned (``--inbox``, parts of a tar.gz),
+trains with the budget driver until ``--budget`` seconds are spent, and packs the study folder
+again into parts of at most 15 MiB under ``--out`` (without the task cache), with a progress line
+in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
+call. The studies (six mechanisms, the paper's 10 seeds, ReLU, batched fast mode):
+
+    even_pairs         experiments/nnch_even_pairs.yaml          100 epochs, fp32
+    missing_duplicate  experiments/nnch_missing_duplicate.yaml   250 epochs, fp32
+    listops_fig1a      experiments/listops.yaml                  200 epochs, ``--precision``
+
+Usage (one H200):
+    python benchmarks/gpu_studies.py --study even_pairs --out $OUT --inbox studies_in --budget 480
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparsefocus.train.checkpoint import write_text_atomic
+from sparsefocus.train.config import PAPER_SEEDS, load_config
+from sparsefocus.train.driver import Budget
+from sparsefocus.train.experiment import progress_line, run_experiment
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE_1 = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
+STUDIES = {
+    "even_pairs": "nnch_even_pairs.yaml",
+    "missing_duplicate": "nnch_missing_duplicate.yaml",
+    "listops_fig1a": "listops.yaml",
+}
+PART_BYTES = 15 * 2**20
+
+
+def study_config(study: str, work: Path, precision: str, autocast: str, compile_mode: str):
+    overrides = [
+        f"out_dir={work}",
+        f"name={study}",
+        f"mechanisms={json.dumps(FIGURE_1)}",
+        f"seeds={PAPER_SEEDS}",
+        "settings={}",
+        "model.activation=relu",
+        "train.device=cuda",
+        "train.batched=true",
+        "train.batched_mode=fast",
+        f"train.compile={compile_mode}",
+        "train.task_cache=true",
+        f"train.matmul_precision={precision}",
+        f"train.autocast={autocast}",
+    ]
+    return load_config(ROOT / "experiments" / STUDIES[study], overrides)
+
+
+def unpack(inbox: Path, study: str, work: Path) -> bool:
+    """Extract ``<inbox>/<study>.tgz.partNN`` (concatenated in order) into ``work``."""
+    parts = sorted(inbox.glob(f"{study}.tgz.part*"))
+    if not parts:
+        return False
+    data = b"".join(p.read_bytes() for p in parts)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+        archive.extractall(work, filter="data")
+    return True
+
+
+def pack(work: Path, study: str, out: Path) -> list[Path]:
+    """The study folder as a tar.gz split into parts of at most 15 MiB (the task cache left out)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        archive.add(work / study, arcname=study, filter=lambda info: None if ".task-cache" in info.name else info)
+    data = buffer.getvalue()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for index, start in enumerate(range(0, len(data), PART_BYTES)):
+        path = out / f"{study}.tgz.part{index:02d}"
+        path.write_bytes(data[start : start + PART_BYTES])
+        paths.append(path)
+    return paths
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--study", required=True, choices=sorted(STUDIES))
+    parser.add_argument("--out", required=True, help="where the packed study and its progress line go")
+    parser.add_argument("--inbox", default="studies_in", help="folder with the parts a previous call returned")
+    parser.add_argument("--work", default="/tmp/sparsefocus-studies", help="where the study trains")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds of training this call")
+    parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
+    parser.add_argument("--autocast", default="none", choices=("none", "bf16"))
+    parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph"))
+    args = parser.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    resumed = unpack(Path(args.inbox), args.study, work)
+    config = study_config(args.study, work, args.precision, args.autocast, args.compile)
+    began = time.time()
+    run_experiment(config, quiet=True, budget=Budget(args.budget))
+    line, complete = progress_line(config)
+    parts = pack(work, args.study, out)
+    record = {
+        "study": args.study,
+        "resumed": resumed,
+        "progress": line,
+        "complete": complete,
+        "seconds": round(time.time() - began, 1),
+        "parts": [p.name for p in parts],
+        "settings": {"precision": args.precision, "autocast": args.autocast, "compile": args.compile},
+    }
+    write_text_atomic(out / f"{args.study}_progress.json", json.dumps(record, indent=1))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

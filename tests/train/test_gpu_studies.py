@@ -1,0 +1,44 @@
+"""benchmarks/gpu_studies.py: a study folder packed into parts and unpacked again is the same
+folder (the task cache left out), and the study configs are the paper's Figure-1 grid."""
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def studies():
+    spec = importlib.util.spec_from_file_location("gpu_studies", ROOT / "benchmarks" / "gpu_studies.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pack_and_unpack_keep_the_study_folder(studies, tmp_path, monkeypatch):
+    work = tmp_path / "work" / "even_pairs" / "default" / "FULL" / "seed-1"
+    work.mkdir(parents=True)
+    (work / "metrics.jsonl").write_text('{"epoch": 1}\n')
+    (work / "checkpoint.pt").write_bytes(random.Random(0).randbytes(30_000))  # incompressible
+    cache = tmp_path / "work" / "even_pairs" / ".task-cache"
+    cache.mkdir()
+    (cache / "seed-1.pt").write_bytes(b"cached")
+    monkeypatch.setattr(studies, "PART_BYTES", 10_000)  # several parts
+    parts = studies.pack(tmp_path / "work", "even_pairs", tmp_path / "out")
+    assert len(parts) >= 2 and all(p.stat().st_size <= 10_000 for p in parts)
+    assert studies.unpack(tmp_path / "out", "even_pairs", tmp_path / "again")
+    again = tmp_path / "again" / "even_pairs" / "default" / "FULL" / "seed-1"
+    assert (again / "checkpoint.pt").read_bytes() == (work / "checkpoint.pt").read_bytes()
+    assert (again / "metrics.jsonl").read_text() == '{"epoch": 1}\n'
+    assert not (tmp_path / "again" / "even_pairs" / ".task-cache").exists()
+    assert not studies.unpack(tmp_path / "empty", "even_pairs", tmp_path / "none")
+
+
+@pytest.mark.parametrize("study, epochs", [("even_pairs", 100), ("missing_duplicate", 250), ("listops_fig1a", 200)])
+def test_study_configs_are_the_figure_1_grid(studies, study, epochs, tmp_path):
+    config = studies.study_config(study, tmp_path, "highest", "none", "step-graph")
+    assert config.mechanisms == studies.FIGURE_1 and len(config.seeds) == 10
+    assert config.train.epochs == epochs and config.model.activation == "relu" and config.settings == {}
