@@ -212,12 +212,10 @@ def sparse_attention(
 def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, impl: str, **kwargs):
     """Each document of a packed batch through ``sparse_attention`` alone."""
     cuts = check_cu_seqlens(cu_seqlens, q, k, None)  # sparse_attention checked the padding
-    chosen = "lean" if impl == "auto" else impl
-    if chosen not in ("reference", "lean"):
-        raise ValueError(f"cu_seqlens runs on the reference and lean paths only, got impl={impl!r}")
     for a, b in itertools.pairwise(cuts):
         check_alignment(spec, b - a, b - a, kwargs["causal"])
-    return packed_attention(lambda qd, kd, vd: sparse_attention(qd, kd, vd, spec, impl=chosen, **kwargs), q, k, v, cuts)
+    # every path, Triton included, runs each document as its own call (the impl resolves per call)
+    return packed_attention(lambda qd, kd, vd: sparse_attention(qd, kd, vd, spec, impl=impl, **kwargs), q, k, v, cuts)
 
 
 def _lse(spec: Pattern, impl: str, q: Tensor, k: Tensor, decoding: bool, causal: bool, **kwargs) -> Tensor:

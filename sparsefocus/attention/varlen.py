@@ -4,7 +4,7 @@
 FlashAttention's varlen functions take them. Every document is attended alone: no query sees
 a key of another document, and no statistic of a mechanism (TOPK's choice, BAND's window edges,
 ZETA's key sort and causal mean) reads another document, because each document runs through the
-pattern's path by itself. The reference and lean paths only; the cut points are read on the
+pattern's path by itself (any path: one call per document); the cut points are read on the
 host (one device-to-host copy per call on CUDA).
 """
 
