@@ -19,7 +19,7 @@ row chunks and only the top-k lists are kept.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -45,6 +45,7 @@ from sparsefocus.attention.patterns import (
 SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)
 WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
+EXPANDED_INDEX_BYTES = 2**30  # largest per-head copy of the shared key lists one kernel call gets
 
 
 @register
@@ -138,11 +139,9 @@ class DSA(Pattern):
         return indexed_attention_ref(q, k, v, index.expand(q.shape[0], q.shape[1], -1, -1), scale=scale)
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
-        from sparsefocus.kernels.indexed import indexed_attention
-
         index, tensors = self._lists(q, k, causal, key_padding_mask, params)
         self._store_loss(q, k, index, tensors, scale, params)
-        return indexed_attention(q, k, v, index.expand(q.shape[0], q.shape[1], -1, -1), scale=scale)
+        return indexed_per_group(q, k, v, index, scale)
 
     def _store_loss(self, q, k, index, tensors, scale, params) -> None:
         if self._wants_loss(params):
@@ -151,6 +150,36 @@ class DSA(Pattern):
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
         index, _ = self._lists(q, k, causal, key_padding_mask, params)
         return mask_from_indices(index[:, :, rows], k.shape[2])
+
+
+def indexed_per_group(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: float) -> Tensor:
+    """The indexed kernel over lists shared by every head: q [B, Hq, N, D], k, v [B, Hk, N, *],
+    index [B, 1, N, K] int32 -> [B, Hq, N, Dv].
+
+    The kernel reads one list per query head, so the shared lists are expanded (and copied) to
+    [B, Hq, N, K]: 34 GB of int32 at B=4, Hq=16, N=64K, K=2048. Above ``EXPANDED_INDEX_BYTES`` the
+    kv groups run one call each, with the lists expanded over one group's query heads only."""
+    from sparsefocus.kernels.indexed import indexed_attention
+
+    batch, q_heads = q.shape[:2]
+    kv_heads = k.shape[1]
+    if batch * q_heads * index.shape[2] * index.shape[3] * 4 <= EXPANDED_INDEX_BYTES or kv_heads == 1:
+        return cast(Tensor, indexed_attention(q, k, v, index.expand(batch, q_heads, -1, -1), scale=scale))
+    group = q_heads // kv_heads
+    parts = [
+        cast(
+            Tensor,
+            indexed_attention(
+                q[:, g * group : (g + 1) * group],
+                k[:, g : g + 1],
+                v[:, g : g + 1],
+                index.expand(batch, group, -1, -1),
+                scale=scale,
+            ),
+        )
+        for g in range(kv_heads)
+    ]
+    return torch.cat(parts, dim=1)  # [B, Hq, N, Dv]
 
 
 def index_scores(iq: Tensor, ik: Tensor, w: Tensor) -> Tensor:

@@ -90,3 +90,27 @@ def test_kl_on_every_third_row_matches_the_dense_definition():
     lean = run_with_grads(spec, "lean", x, q, k, v, weights, aux_key="dsa_indexer_kl")
     for name, a, b in zip(NAMES + list(weights), ref, lean):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_dsa_per_group_calls_equal_one_call(monkeypatch):
+    """Above the expanded-lists limit the kv groups run one kernel call each (no [B, Hq, N, K]
+    copy of the shared lists): the same output and gradients as one call."""
+    spec = sf.parse_pattern("dsa:k=7,heads=2,dim=8")
+    x, q, k, v, weights = dsa_case(spec, n=29)
+    one = run_with_grads(spec, "triton", x, q, k, v, weights, None, aux_key="dsa_indexer_kl")
+    from sparsefocus.kernels import indexed
+
+    calls = []
+    real = indexed.indexed_attention
+
+    def counting(q, k, v, index, **kwargs):
+        calls.append(tuple(index.shape[:2]))
+        return real(q, k, v, index, **kwargs)
+
+    monkeypatch.setattr(dsa, "EXPANDED_INDEX_BYTES", 0)
+    monkeypatch.setattr(indexed, "indexed_attention", counting)
+    grouped = run_with_grads(spec, "triton", x, q, k, v, weights, None, aux_key="dsa_indexer_kl")
+    monkeypatch.undo()
+    assert calls == [(2, 2), (2, 2)]  # one call per kv group, lists expanded over its 2 query heads
+    for name, a, b in zip(NAMES + list(weights), one, grouped):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
