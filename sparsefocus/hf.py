@@ -14,8 +14,9 @@ queries are the last positions of the keys (``causal=True`` with N < M in ``spar
 
 Packed sequences (documents concatenated in a row, marked by ``position_ids`` that restart, or by
 FlashAttention's ``cu_seq_lens_q/k``) run through ``sparse_attention(cu_seqlens=...)``: each
-document is attended alone. Refused with a clear error: nonzero attention dropout, packing with
-padding or a cache, sliding-window or other custom masks, caches whose keys extend past the
+document is attended alone. Attention dropout (training) runs on the materialised weights, as
+transformers' eager attention does. Refused with a clear error: dropout with packing or with a
+non-softmax pattern, packing with padding or a cache, sliding-window or other custom masks, caches whose keys extend past the
 queries (``StaticCache``), and patterns with their own q/k width (ZETA's ``dk``: HF attention modules
 project q and k to the head width; use ``sparsefocus.SparseAttention`` or the library's models).
 Trainable mechanism parameters (a gate's weights) are not created in HF models: the pattern's
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sparsefocus.attention import parse_pattern, sparse_attention
+from sparsefocus.attention import parse_pattern, selection_mask, sparse_attention
 from sparsefocus.attention.patterns import Pattern
 
 REGISTERED: dict[str, Pattern] = {}
@@ -111,12 +112,13 @@ def make_attention_function(spec: Pattern, impl: str = "auto") -> Callable[..., 
         is_causal: bool | None = None,
         **kwargs: Any,
     ) -> tuple[Tensor, None]:
-        if dropout:
-            raise ValueError(
-                f"sparsefocus attention ({spec.label()}) has no attention dropout; got dropout={dropout} "
-                "(set the config's attention_dropout to 0)"
-            )
         documents = packed_documents(attention_mask, kwargs, query.shape[0], query.shape[2])
+        if dropout:
+            if documents is not None:
+                raise ValueError(f"sparsefocus attention ({spec.label()}) takes attention dropout on unpacked batches only")
+            mask = key_padding_from_mask(attention_mask, key.shape[2])
+            out = dropout_attention(spec, query, key, value, mask, _is_causal(module, is_causal), scaling, dropout)
+            return out.transpose(1, 2).contiguous(), None
         if documents is not None:
             out = _packed_attention(spec, impl, query, key, value, documents, scaling, _is_causal(module, is_causal))
             return out.transpose(1, 2).contiguous(), None
@@ -135,6 +137,36 @@ def make_attention_function(spec: Pattern, impl: str = "auto") -> Callable[..., 
 
     attention.__name__ = f"sparsefocus_{spec.name}_attention"
     return attention
+
+
+def dropout_attention(
+    spec: Pattern,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    causal: bool,
+    scaling: float | None,
+    dropout: float,
+) -> Tensor:
+    """Attention with dropout on the weights, as transformers' eager attention applies it:
+    softmax over the pattern's kept keys, then ``F.dropout(weights, dropout)`` on the dense
+    [B, Hq, S, M] weights (the same draw as eager's for the same generator state), then the values.
+    Materialises the weights, so it is for training at the lengths eager attention handles.
+    Patterns whose weights are not a softmax over their kept keys (sparsemax, entmax) are refused."""
+    from sparsefocus.attention.common import expand_kv
+    from sparsefocus.attention.patterns import Pattern as Base
+
+    if type(spec).reference is not Base.reference:
+        raise ValueError(f"sparsefocus attention ({spec.label()}) has no attention dropout: its weights are not a softmax")
+    keep = selection_mask(spec, query, key, causal=causal, key_padding_mask=key_padding_mask)  # [B, Hq, S, M]
+    heads = query.shape[1]
+    key, value = expand_kv(key, heads), expand_kv(value, heads)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, Hq, S, M]
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")).float(), dim=-1).nan_to_num(0.0).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
+    return torch.matmul(weights, value)  # [B, Hq, S, Dv]
 
 
 def document_ids(mask: Tensor) -> Tensor | None:

@@ -141,11 +141,47 @@ def test_zeta_is_refused_with_what_it_needs():
         sfhf.register("sf-test-zeta", "zeta:k=4")
 
 
-def test_attention_dropout_is_refused():
-    _, model = _models("sf-test-dropout", "FULL", config=_config(attention_dropout=0.1))
+def test_attention_dropout_draws_what_eager_attention_draws():
+    """Training with attention_dropout: FULL through our function equals transformers' eager
+    attention under the same generator state (the same dense weights dropped by the same draw),
+    outputs and gradients; a sparse pattern's dropped weights stay inside its causal selection."""
+    config = _config(attention_dropout=0.2)
+    _, model = _models("sf-test-dropout", "FULL", config=config)
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager")
+    eager.load_state_dict(model.state_dict())
+    ids, mask = _batch()
+    real = mask.bool()
+    results = []
+    for net in (eager, model):
+        net.train()
+        torch.manual_seed(5)
+        logits = net(ids, attention_mask=mask).logits
+        logits[real].float().square().mean().backward()  # padded rows differ (eager: uniform weights)
+        results.append((logits.detach(), [p.grad.clone() for p in net.parameters()]))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-5)
+    for a, b in zip(want_grads, got_grads):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+    torch.manual_seed(5)
+    assert not torch.allclose(model(ids, attention_mask=mask).logits, model.eval()(ids, attention_mask=mask).logits)
+
+    _, band = _models("sf-test-dropout-band", "BAND:2", config=config)
+    band.train()
+    changed = ids.clone()
+    changed[:, 9:] = (changed[:, 9:] + 1) % VOCAB
+    torch.manual_seed(6)
+    before = band(ids).logits
+    torch.manual_seed(6)
+    after = band(changed).logits
+    torch.testing.assert_close(after[:, :9], before[:, :9])  # no position reads a later token
+
+
+def test_attention_dropout_is_refused_where_weights_are_not_a_softmax():
+    _, model = _models("sf-test-dropout-sparsemax", "sparsemax", config=_config(attention_dropout=0.1))
     ids, _ = _batch()
     model.train()
-    with pytest.raises(ValueError, match="has no attention dropout"):
+    with pytest.raises(ValueError, match="its weights are not a softmax"):
         model(ids)
 
 
