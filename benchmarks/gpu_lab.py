@@ -124,11 +124,25 @@ def check(out: Path, extra: list[str]) -> dict:
     return results
 
 
+def train_step(trainer: GroupTrainer, index: torch.Tensor, params: list) -> None:
+    """One fast training step on the rows ``index`` [R, B]: the recorded graph's replay when the
+    trainer has one, else forward, backward, per-run clipping and the optimiser."""
+    from sparsefocus.train.batched import clip_per_run_
+
+    if trainer.step_graph is not None:
+        trainer.step_graph.step(index, trainer.optimizer.param_groups[0]["lr"])
+        return
+    loss, _, _ = trainer.forward(*trainer.rows(trainer.train_inputs, trainer.train_targets, index))
+    trainer.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    clip_per_run_(params, trainer.config.optim.grad_clip, exact=False)
+    trainer.optimizer.step()
+
+
 def check_step_graph(out: Path, extra: list[str], steps: int = 5) -> dict:
     """``train.compile=step-graph`` against the compiled step without a graph (FULL, fp32, dropout
     0): per-run parameters after ``steps`` full-batch steps (2 warm-up, the capture, replays); and,
     with dropout, that replays of one batch draw new masks (their losses differ)."""
-    from sparsefocus.train.batched import clip_per_run_
 
     finals = {}
     for mode in ("default", "step-graph"):
@@ -140,14 +154,7 @@ def check_step_graph(out: Path, extra: list[str], steps: int = 5) -> dict:
             params = list(trainer.model.parameters())
             trainer.model.train()
             for i in range(steps):
-                if trainer.step_graph is not None:
-                    trainer.step_graph.step(order[i], trainer.config.optim.lr)
-                    continue
-                loss, _, _ = trainer.forward(*trainer.rows(trainer.train_inputs, trainer.train_targets, order[i]))
-                trainer.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                clip_per_run_(params, trainer.config.optim.grad_clip, exact=False)
-                trainer.optimizer.step()
+                train_step(trainer, order[i], params)
             synchronize()
             finals[mode] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     worst = max(
@@ -188,18 +195,7 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
     order = torch.stack([torch.randperm(trainer.train_inputs.shape[1], device=DEVICE) for _ in range(trainer.runs)])
 
     def step(i: int) -> None:
-        from sparsefocus.train.batched import clip_per_run_
-
-        index = order[:, i * batch : (i + 1) * batch]
-        if trainer.step_graph is not None:
-            trainer.step_graph.step(index, trainer.optimizer.param_groups[0]["lr"])
-            return
-        inputs, targets = trainer.rows(trainer.train_inputs, trainer.train_targets, index)
-        loss, _, _ = trainer.forward(inputs, targets)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        clip_per_run_(params, trainer.config.optim.grad_clip, exact=False)
-        trainer.optimizer.step()
+        train_step(trainer, order[:, i * batch : (i + 1) * batch], params)
 
     trainer.model.train()
     began = time.perf_counter()

@@ -154,17 +154,17 @@ def dropout_attention(
     [B, Hq, S, M] weights (the same draw as eager's for the same generator state), then the values.
     Materialises the weights, so it is for training at the lengths eager attention handles.
     Patterns whose weights are not a softmax over their kept keys (sparsemax, entmax) are refused."""
-    from sparsefocus.attention.common import expand_kv
-    from sparsefocus.attention.patterns import Pattern as Base
+    from sparsefocus.attention.common import expand_kv, masked_softmax
+    from sparsefocus.models.blocks import is_softmax_over_kept_keys
 
-    if type(spec).reference is not Base.reference:
+    if not is_softmax_over_kept_keys(spec):
         raise ValueError(f"sparsefocus attention ({spec.label()}) has no attention dropout: its weights are not a softmax")
     keep = selection_mask(spec, query, key, causal=causal, key_padding_mask=key_padding_mask)  # [B, Hq, S, M]
     heads = query.shape[1]
     key, value = expand_kv(key, heads), expand_kv(value, heads)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, Hq, S, M]
-    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")).float(), dim=-1).nan_to_num(0.0).to(query.dtype)
+    weights = masked_softmax(scores.float(), keep).to(query.dtype)  # rows keeping no key: zeros
     weights = torch.nn.functional.dropout(weights, p=dropout, training=True)
     return torch.matmul(weights, value)  # [B, Hq, S, Dv]
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -220,9 +220,10 @@ class StepGraph:
         if trainer.config.optim.grad_clip > 0:
             trainer.clip(self.params, trainer.config.optim.grad_clip)
         with torch.no_grad():
-            grads = [p.grad for p in self.params if p.grad is not None]
+            live: list[Tensor] = [p for p in self.params if p.grad is not None]
+            grads: list[Tensor] = [cast(Tensor, p.grad) for p in live]
             torch._foreach_mul_(grads, self.neg_lr)
-            torch._foreach_add_([p for p in self.params if p.grad is not None], grads)
+            torch._foreach_add_(live, grads)
             self.loss_sum += losses.detach().sum(dim=1, dtype=torch.float64)
             self.correct += right.sum(dim=1)
 

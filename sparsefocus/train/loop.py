@@ -21,6 +21,7 @@ import yaml
 from torch import Tensor, nn
 
 from sparsefocus.layers import SparseAttention
+from sparsefocus.layers.attention import total_aux_loss
 from sparsefocus.models import Decoder, Encoder, ModelConfig, mechanism_label
 from sparsefocus.tasks.base import TaskData
 from sparsefocus.tasks.lm import perplexity
@@ -172,7 +173,7 @@ def train_epoch(
     order = torch.randperm(count, generator=generator) if config.train.shuffle else torch.arange(count)
     order = order.to(data.train_inputs.device)
     loss_sum, correct, count = 0.0, 0, 0
-    aux_layers = [m for m in model.modules() if isinstance(m, SparseAttention) and m.pattern.has_aux_loss]
+    has_aux = any(isinstance(m, SparseAttention) and m.pattern.has_aux_loss for m in model.modules())
     for start in range(0, order.shape[0], config.train.batch_size):
         batch = order[start : start + config.train.batch_size]
         logits, targets = scored_logits(model, data.train_inputs[batch], data.train_targets[batch])
@@ -180,7 +181,7 @@ def train_epoch(
         optimizer.zero_grad(set_to_none=True)
         # a mechanism's auxiliary loss (DSA's indexer distillation) trains what the task loss cannot
         # reach; the logged loss stays the task's
-        objective = loss + sum(m.aux_loss for m in aux_layers) if aux_layers else loss
+        objective = loss + total_aux_loss(model) if has_aux else loss
         objective.backward()
         if config.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.optim.grad_clip)
