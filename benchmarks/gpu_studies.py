@@ -10,8 +10,14 @@ call. The studies (six mechanisms, the paper's 10 seeds, ReLU, batched fast mode
     missing_duplicate  experiments/nnch_missing_duplicate.yaml   250 epochs, fp32
     listops_fig1a      experiments/listops.yaml                  200 epochs, ``--precision``
 
+The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
+each in turn, each on its own CUDA stream). ``--check`` first trains a small even-pairs grid with
+dropout both one group at a time and concurrently and records how far the two differ
+(``<out>/concurrent_check.json``): each group keeps its own dropout stream, so they differ only
+by the GPU's non-deterministic summation order.
+
 Usage (one H200):
-    python benchmarks/gpu_studies.py --study even_pairs --out $OUT --inbox studies_in --budget 480
+    python benchmarks/gpu_studies.py --study even_pairs --out $OUT --inbox studies_in --budget 480 --check
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ STUDIES = {
 PART_BYTES = 15 * 2**20
 
 
-def study_config(study: str, work: Path, precision: str, autocast: str, compile_mode: str):
+def study_config(study: str, work: Path, precision: str, autocast: str, compile_mode: str, concurrent: int = 1):
     overrides = [
         f"out_dir={work}",
         f"name={study}",
@@ -56,8 +62,51 @@ def study_config(study: str, work: Path, precision: str, autocast: str, compile_
         "train.task_cache=true",
         f"train.matmul_precision={precision}",
         f"train.autocast={autocast}",
+        f"train.concurrent_groups={concurrent}",
     ]
     return load_config(ROOT / "experiments" / STUDIES[study], overrides)
+
+
+def check_concurrent(out: Path, work: Path, compile_mode: str) -> dict:
+    """FULL, TOPK:5 and BAND:5(1) on a small even-pairs grid with dropout, 3 seeds, 3 epochs: one
+    group at a time against all three concurrently. Returns the largest differences."""
+    tiny = [
+        "task.num_train=500",
+        "task.num_valid=200",
+        "model.blocks=2",
+        "train.epochs=3",
+        "seeds=[1,2,3]",
+        'mechanisms=["FULL", "TOPK:5", "BAND:5(1)"]',
+    ]
+    metrics = {}
+    for width in (1, 3):
+        config = load_config(
+            ROOT / "experiments" / STUDIES["even_pairs"],
+            [
+                f"out_dir={work / 'check'}",
+                f"name=width-{width}",
+                "settings={}",
+                "train.device=cuda",
+                "train.batched=true",
+                "train.batched_mode=fast",
+                f"train.compile={compile_mode}",
+                f"train.concurrent_groups={width}",
+                *tiny,
+            ],
+        )
+        root = run_experiment(config, quiet=True)
+        metrics[width] = {
+            str(path.parent.relative_to(root)): [json.loads(line) for line in path.read_text().splitlines()]
+            for path in sorted(root.glob("*/*/seed-*/metrics.jsonl"))
+        }
+    worst = {key: 0.0 for key in ("train_loss", "train_acc", "valid_loss", "valid_acc")}
+    for run, lines in metrics[1].items():
+        for want, got in zip(lines, metrics[3][run], strict=True):
+            for key in worst:
+                worst[key] = max(worst[key], abs(want[key] - got[key]))
+    record = {"runs": len(metrics[1]), "epochs": 3, "max_abs_diff": worst, "compile": compile_mode}
+    write_text_atomic(out / "concurrent_check.json", json.dumps(record, indent=1))
+    return record
 
 
 def unpack(inbox: Path, study: str, work: Path) -> bool:
@@ -92,18 +141,23 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="where the packed study and its progress line go")
     parser.add_argument("--inbox", default="studies_in", help="folder with the parts a previous call returned")
     parser.add_argument("--work", default="/tmp/sparsefocus-studies", help="where the study trains")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds of training this call")
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds of this call, the check included")
     parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"))
     parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph"))
+    parser.add_argument("--concurrent", type=int, default=len(FIGURE_1), help="mechanism groups trained at once")
+    parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
     args = parser.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget)  # the check's time counts towards it
+    if args.check:
+        print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
-    config = study_config(args.study, work, args.precision, args.autocast, args.compile)
+    config = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent)
     began = time.time()
-    run_experiment(config, quiet=True, budget=Budget(args.budget))
+    run_experiment(config, quiet=True, budget=budget)
     line, complete = progress_line(config)
     parts = pack(work, args.study, out)
     record = {
@@ -113,7 +167,12 @@ def main() -> int:
         "complete": complete,
         "seconds": round(time.time() - began, 1),
         "parts": [p.name for p in parts],
-        "settings": {"precision": args.precision, "autocast": args.autocast, "compile": args.compile},
+        "settings": {
+            "precision": args.precision,
+            "autocast": args.autocast,
+            "compile": args.compile,
+            "concurrent": args.concurrent,
+        },
     }
     write_text_atomic(out / f"{args.study}_progress.json", json.dumps(record, indent=1))
     print(json.dumps(record))

@@ -100,6 +100,10 @@ class TrainConfig:
             materialised attention: equals ``train_run``) or "fast" (fused attention, one shared
             dropout stream, torch.compile on CUDA). Default: "exact".
         batched_max_runs: most runs folded into one model; 0 = every seed. Default: 0.
+        concurrent_groups: folded models (groups of one setting and mechanism) the batched path
+            trains at once in one process, a step of each in turn, each on its own CUDA stream so
+            that small models share the GPU; each keeps its own dropout stream, so results do not
+            depend on it. Default: 1.
         compile: torch.compile of the batched fast step: "auto" (default mode on CUDA, off on
             CPU), "eager" (no compile), "default", "reduce-overhead" (CUDA graphs of the forward
             and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default
@@ -131,6 +135,7 @@ class TrainConfig:
     batched: bool = False
     batched_mode: str = "exact"
     batched_max_runs: int = 0
+    concurrent_groups: int = 1
     compile: str = "auto"
     matmul_precision: str = "highest"
     autocast: str = "none"
@@ -159,6 +164,9 @@ class TrainConfig:
         _choice("train.topk_select", self.topk_select, TOPK_SELECTS)
         if self.batched_max_runs < 0:
             raise ValueError(f"train.batched_max_runs must be >= 0, got {self.batched_max_runs}")
+        _positive("train.concurrent_groups", self.concurrent_groups)
+        if self.concurrent_groups > 1 and not self.batched:
+            raise ValueError("train.concurrent_groups is read by the batched path only: set train.batched=true")
         if not self.batched and self.autocast != "none":
             raise ValueError("train.autocast is read by the batched path only: set train.batched=true")
         if self.batched and self.jobs > 1:

@@ -11,6 +11,7 @@ forward and loss are compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -20,7 +21,7 @@ import math
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -266,7 +267,7 @@ class GroupTrainer:
         device: where the model and the data live.
     """
 
-    def __init__(self, specs: list[RunSpec], datas: list[TaskData], device: torch.device) -> None:
+    def __init__(self, specs: list[RunSpec], datas: list[TaskData], device: torch.device, fresh_compiler: bool = True) -> None:
         self.specs, self.device, self.config = specs, device, specs[0].config
         self.train_cfg = self.config.train
         self.exact = self.train_cfg.batched_mode == "exact"
@@ -291,15 +292,16 @@ class GroupTrainer:
             self.optimizer, lambda step: lr_factor(self.config.optim, step, self.steps_per_epoch, epochs)
         )
         self.generators = [torch.Generator().manual_seed(spec.seed) for spec in specs]
-        self.forward = self._make_forward()
+        self.forward = self._make_forward(fresh_compiler)
         self.clip: Callable[..., Tensor] = functools.partial(clip_per_run_, exact=self.exact)
         if _compile_mode(self.train_cfg, device) is not None:
             self.clip = torch.compile(self.clip)  # ~2 kernels instead of ~3 per parameter
         self.step_graph = StepGraph(self) if _check_step_graph(self.config, device) else None
 
-    def _make_forward(self) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
+    def _make_forward(self, fresh_compiler: bool) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
         """(inputs [R*B, L], targets [R*B]) -> (sum over runs of each run's mean loss, per-example
-        loss [R, B], per-example correct [R, B]); compiled in fast mode on CUDA."""
+        loss [R, B], per-example correct [R, B]); compiled in fast mode on CUDA. ``fresh_compiler``
+        resets dynamo first (trainers that live at the same time keep each other's compiled code)."""
         runs = self.runs
         autocast = self.train_cfg.autocast == "bf16"
 
@@ -313,7 +315,8 @@ class GroupTrainer:
         mode = _compile_mode(self.train_cfg, self.device)
         if mode is None:
             return forward_loss
-        torch._dynamo.reset()  # each group's closure would otherwise count towards dynamo's recompile limit
+        if fresh_compiler:
+            torch._dynamo.reset()  # each group's closure would otherwise count towards dynamo's recompile limit
         return torch.compile(forward_loss, mode=mode, dynamic=False)
 
     def rows(self, inputs: Tensor, targets: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
@@ -321,9 +324,10 @@ class GroupTrainer:
         run = torch.arange(self.runs, device=index.device)[:, None]
         return inputs[run, index].flatten(0, 1), targets[run, index].flatten(0, 1)
 
-    def train_epoch(self) -> tuple[Tensor, Tensor]:
-        """One shuffled pass per run (each run's order from its own generator, as ``train_epoch``).
-        Returns the running per-run (loss sum, correct count) on the device."""
+    def epoch_steps(self) -> Generator[None, None, tuple[Tensor, Tensor]]:
+        """One shuffled pass per run (each run's order from its own generator, as ``train_epoch``),
+        yielding after every step so that several parts can take turns. Returns the running
+        per-run (mean loss, accuracy) on the device."""
         self.model.train()
         n, batch = self.train_inputs.shape[1], self.train_cfg.batch_size
         if self.train_cfg.shuffle:
@@ -338,6 +342,7 @@ class GroupTrainer:
             if self.step_graph is not None and index.shape[1] == batch:
                 self.step_graph.step(index, self.optimizer.param_groups[0]["lr"])
                 self.scheduler.step()
+                yield
                 continue
             inputs, targets = self.rows(self.train_inputs, self.train_targets, index)
             loss, losses, right = self.forward(inputs, targets)
@@ -349,10 +354,15 @@ class GroupTrainer:
             self.scheduler.step()
             loss_sum += losses.detach().sum(dim=1, dtype=torch.float64)
             correct += right.sum(dim=1)
+            yield
         if self.step_graph is not None:
             graphed_loss, graphed_correct = self.step_graph.take_sums()
             loss_sum, correct = loss_sum + graphed_loss, correct + graphed_correct
         return loss_sum / n, correct.double() / n
+
+    def train_epoch(self) -> tuple[Tensor, Tensor]:
+        """``epoch_steps`` run to the end."""
+        return _drain(self.epoch_steps())
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
@@ -369,21 +379,25 @@ class GroupTrainer:
             correct += right.sum(dim=1)
         return loss_sum / n, correct.double() / n
 
-    def epoch_metrics(self, epoch: int, running: tuple[Tensor, Tensor], lr: float, seconds: float) -> list[dict]:
-        """One metrics line per run (one host read for the whole group)."""
+    def metrics_table(self, running: tuple[Tensor, Tensor]) -> Tensor:
+        """[4, R] (train loss, train accuracy, held-out loss, held-out accuracy) on the device."""
         if self.train_cfg.train_loss == "full_eval":
             train = self.evaluate(self.train_inputs, self.train_targets)
         else:
             train = running
         valid = self.evaluate(self.valid_inputs, self.valid_targets)
-        table = torch.stack([*train, *valid]).cpu().tolist()  # [4, R]
+        return torch.stack([*train, *valid])
+
+    def metric_lines(self, epoch: int, table: Tensor, lr: float, seconds: float) -> list[dict]:
+        """One metrics line per run from ``metrics_table``'s table (one host read for the group)."""
+        rows = table.cpu().tolist()  # [4, R]
         return [
             {
                 "epoch": epoch,
-                "train_loss": table[0][r],
-                "train_acc": table[1][r],
-                "valid_loss": table[2][r],
-                "valid_acc": table[3][r],
+                "train_loss": rows[0][r],
+                "train_acc": rows[1][r],
+                "valid_loss": rows[2][r],
+                "valid_acc": rows[3][r],
                 "lr": lr,
                 "seconds": round(seconds, 4),
             }
@@ -454,6 +468,56 @@ def _save_all(trainer: GroupTrainer, epoch: int, finished: bool, metrics: list[l
         save_checkpoint(spec.run_dir / "checkpoint.pt", trainer.state(r, epoch, finished, metrics[r]))
 
 
+def _drain(steps: Generator[None, None, Any]) -> Any:
+    """Run a step generator to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+
+
+class PartRun:
+    """The runs of one folded part (``GroupTrainer``) advancing one epoch at a time, with their
+    folders: started or resumed on construction, metrics written after every epoch, checkpoints
+    every ``train.checkpoint_every`` epochs and at the last, and on ``stop``."""
+
+    def __init__(self, specs: list[RunSpec], datas: list[TaskData], device: torch.device, fresh_compiler: bool = True) -> None:
+        self.specs = specs
+        self.trainer = GroupTrainer(specs, datas, device, fresh_compiler)
+        self.epoch, self.metrics = _start_or_resume(self.trainer)
+        self.saved = self.epoch
+        self.total, self.every = self.trainer.train_cfg.epochs, self.trainer.train_cfg.checkpoint_every
+        self.lr = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return self.epoch >= self.total
+
+    def steps(self) -> Generator[None, None, tuple[Tensor, Tensor]]:
+        """The next epoch's training steps (see ``GroupTrainer.epoch_steps``)."""
+        self.trainer.reseed(self.epoch + 1)
+        self.lr = self.trainer.optimizer.param_groups[0]["lr"]
+        return (yield from self.trainer.epoch_steps())
+
+    def end_epoch(self, table: Tensor, seconds: float) -> None:
+        """Log the epoch whose ``metrics_table`` is ``table`` (``seconds``: its training time)."""
+        self.epoch += 1
+        lines = self.trainer.metric_lines(self.epoch, table, self.lr, seconds)
+        for r, spec in enumerate(self.specs):
+            self.metrics[r].append(lines[r])
+            _write_metrics(spec.run_dir, self.metrics[r])
+        if self.finished or self.epoch % self.every == 0:
+            _save_all(self.trainer, self.epoch, self.finished, self.metrics)
+            self.saved = self.epoch
+
+    def stop(self) -> None:
+        """Checkpoint every run at the epoch reached (a budget stop)."""
+        if self.saved != self.epoch:
+            _save_all(self.trainer, self.epoch, False, self.metrics)
+            self.saved = self.epoch
+
+
 def train_part(
     specs: list[RunSpec],
     datas: list[TaskData],
@@ -463,31 +527,163 @@ def train_part(
 ) -> bool:
     """Train runs of one data shape as one folded model until ``train.epochs`` or the budget.
     Returns True when they finished. A stop saves every run at the epoch reached."""
-    trainer = GroupTrainer(specs, datas, device)
-    start, metrics = _start_or_resume(trainer)
-    total, every = trainer.train_cfg.epochs, trainer.train_cfg.checkpoint_every
-    saved = start
-    for epoch in range(start + 1, total + 1):
+    part = PartRun(specs, datas, device)
+    while not part.finished:
         if budget is not None and not budget.allows():
-            if saved != epoch - 1:
-                _save_all(trainer, epoch - 1, False, metrics)
+            part.stop()
             return False
         began = time.perf_counter()
-        trainer.reseed(epoch)
-        lr = trainer.optimizer.param_groups[0]["lr"]
-        running = trainer.train_epoch()
-        lines = trainer.epoch_metrics(epoch, running, lr, time.perf_counter() - began)
-        for r, spec in enumerate(specs):
-            metrics[r].append(lines[r])
-            _write_metrics(spec.run_dir, metrics[r])
-        if epoch == total or epoch % every == 0:
-            _save_all(trainer, epoch, epoch == total, metrics)
-            saved = epoch
+        running = _drain(part.steps())
+        seconds = time.perf_counter() - began
+        part.end_epoch(part.trainer.metrics_table(running), seconds)
         if budget is not None:
             budget.record(time.perf_counter() - began)
         if on_epoch is not None:
             on_epoch(len(specs))
     return True
+
+
+class _Lane:
+    """One part of ``train_parts_together`` with its own CUDA stream and its own state of the
+    default generator, swapped in around everything the part does: its dropout draws are then
+    those it would make alone, however the parts interleave."""
+
+    def __init__(self, make: Callable[[], PartRun], device: torch.device, on_epoch: Callable[[int], None] | None) -> None:
+        self.device, self.on_epoch = device, on_epoch
+        generator = default_generator(device)
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(device))  # the data were loaded there
+        # CUDA: a state object of its own (a graph replay advances the state it was captured with);
+        # CPU: the state's bytes, swapped in and out
+        self.cuda_rng = generator.clone_state() if self.cuda else None
+        self.cpu_rng = None if self.cuda else generator.get_state()
+        with self.turn():
+            self.part = make()
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """This lane's stream and generator state for the ``with`` body."""
+        generator = default_generator(self.device)
+        if self.cuda_rng is not None:
+            previous = generator.graphsafe_get_state()
+            generator.graphsafe_set_state(self.cuda_rng)
+            try:
+                with torch.cuda.stream(self.stream):
+                    yield
+            finally:
+                generator.graphsafe_set_state(previous)
+            return
+        saved = generator.get_state()
+        generator.set_state(cast(Tensor, self.cpu_rng))
+        try:
+            yield
+        finally:
+            self.cpu_rng = generator.get_state()
+            generator.set_state(saved)
+
+    def close(self) -> None:
+        """Wait for the lane's work before its tensors are freed."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def _epoch_in_turns(lanes: list[_Lane]) -> None:
+    """One epoch of every lane, a training step of each in turn, then every lane's evaluation
+    queued before any is read."""
+    began = time.perf_counter()
+    epochs = [lane.part.steps() for lane in lanes]  # generators: each runs inside its lane's turn
+    running: list[Any] = [None] * len(lanes)
+    pending = list(range(len(lanes)))
+    while pending:
+        for index in list(pending):
+            with lanes[index].turn():
+                try:
+                    next(epochs[index])
+                except StopIteration as stop:
+                    running[index] = stop.value
+                    pending.remove(index)
+    seconds = time.perf_counter() - began
+    tables = []
+    for lane, sums in zip(lanes, running):
+        with lane.turn():
+            tables.append(lane.part.trainer.metrics_table(sums))
+    for lane, table in zip(lanes, tables):
+        with lane.turn():
+            lane.part.end_epoch(table, seconds)
+        if lane.on_epoch is not None:
+            lane.on_epoch(len(lane.part.specs))
+
+
+def train_parts_together(
+    parts: list[tuple[Callable[[], PartRun], Callable[[int], None] | None]],
+    width: int,
+    device: torch.device,
+    budget: Budget | None = None,
+) -> bool:
+    """Train folded parts ``width`` at a time in one process, in lock step: every step of every
+    active part is queued in turn on the part's own CUDA stream, so the small kernels of several
+    models overlap on the GPU. ``parts``: (make the part, its epoch callback), in order; a part
+    starts when a lane frees. Each part's results are those it gets trained alone (its own
+    generator state, see ``_Lane``). Returns True when all finished; a budget stop saves every
+    active part at the epoch reached."""
+    torch._dynamo.reset()  # the parts keep their compiled code, so they may not reset it themselves
+    with _recompile_limit(8 * width):  # each live part's closures count towards it
+        return _run_lanes(list(parts), width, device, budget)
+
+
+def _run_lanes(
+    queue: list[tuple[Callable[[], PartRun], Callable[[int], None] | None]],
+    width: int,
+    device: torch.device,
+    budget: Budget | None,
+) -> bool:
+    lanes: list[_Lane] = []
+    try:
+        while queue or lanes:
+            if budget is not None and not budget.allows():
+                for lane in lanes:
+                    with lane.turn():
+                        lane.part.stop()
+                return False
+            while queue and len(lanes) < width:
+                make, on_epoch = queue.pop(0)
+                lane = _Lane(make, device, on_epoch)
+                if lane.part.finished:
+                    lane.close()
+                else:
+                    lanes.append(lane)
+            if not lanes:
+                continue
+            began = time.perf_counter()
+            _epoch_in_turns(lanes)
+            if budget is not None:
+                budget.record(time.perf_counter() - began)
+            for lane in [lane for lane in lanes if lane.part.finished]:
+                lane.close()
+                lanes.remove(lane)
+        return True
+    finally:
+        for lane in lanes:
+            lane.close()
+
+
+def _recompile_limit(limit: int) -> Any:
+    """A context raising dynamo's per-function recompile limit to ``limit`` (named
+    ``cache_size_limit`` before torch 2.6)."""
+    config = torch._dynamo.config
+    key = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    return config.patch(**{key: max(limit, getattr(config, key))})
+
+
+def _folded_parts(specs: list[RunSpec], datas: list[TaskData]) -> list[list[int]]:
+    """Indices of the runs folded together: data of one shape, at most ``train.batched_max_runs``."""
+    by_shape: dict[tuple, list[int]] = {}
+    for index, data in enumerate(datas):
+        by_shape.setdefault(_shape_key(data), []).append(index)
+    size = specs[0].config.train.batched_max_runs or len(specs)
+    return [members[at : at + size] for members in by_shape.values() for at in range(0, len(members), size)]
 
 
 def train_group(specs: list[RunSpec], budget: Budget | None = None, on_epoch: Callable[[int], None] | None = None) -> bool:
@@ -497,19 +693,39 @@ def train_group(specs: list[RunSpec], budget: Budget | None = None, on_epoch: Ca
     device = resolve_device(config.train.device)
     with matmul_precision(config.train.matmul_precision):
         datas = build_datas(config, [spec.seed for spec in specs], device)
-        parts: dict[tuple, list[int]] = {}
-        for index, data in enumerate(datas):
-            parts.setdefault(_shape_key(data), []).append(index)
-        size = config.train.batched_max_runs or len(specs)
-        for members in parts.values():
-            for at in range(0, len(members), size):
-                chosen = members[at : at + size]
-                if budget is not None and not budget.allows():
-                    return False
-                done = train_part([specs[i] for i in chosen], [datas[i] for i in chosen], device, budget, on_epoch)
-                if not done:
-                    return False
+        for chosen in _folded_parts(specs, datas):
+            if budget is not None and not budget.allows():
+                return False
+            done = train_part([specs[i] for i in chosen], [datas[i] for i in chosen], device, budget, on_epoch)
+            if not done:
+                return False
     return True
+
+
+def train_groups_together(
+    groups: list[list[RunSpec]],
+    width: int,
+    budget: Budget | None = None,
+    on_epochs: list[Callable[[int], None]] | None = None,
+) -> bool:
+    """``train_group`` for several groups at once: their folded parts go through
+    ``train_parts_together`` ``width`` at a time. The groups must share the device and the matmul
+    precision (one process, one setting of it). ``on_epochs``: one epoch callback per group."""
+    configs = [group[0].config for group in groups]
+    devices = {config.train.device for config in configs}
+    precisions = {config.train.matmul_precision for config in configs}
+    if len(devices) > 1 or len(precisions) > 1:
+        raise ValueError("train.concurrent_groups > 1 needs one train.device and one train.matmul_precision across settings")
+    device = resolve_device(configs[0].train.device)
+    parts: list[tuple[Callable[[], PartRun], Callable[[int], None] | None]] = []
+    with matmul_precision(configs[0].train.matmul_precision):
+        for index, specs in enumerate(groups):
+            datas = build_datas(specs[0].config, [spec.seed for spec in specs], device)
+            callback = on_epochs[index] if on_epochs is not None else None
+            for chosen in _folded_parts(specs, datas):
+                make = functools.partial(PartRun, [specs[i] for i in chosen], [datas[i] for i in chosen], device, False)
+                parts.append((make, callback))
+        return train_parts_together(parts, width, device, budget)
 
 
 def check_batched(settings: list[tuple[str, ExperimentConfig]]) -> None:

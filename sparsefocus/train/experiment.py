@@ -24,7 +24,7 @@ from sparsefocus.models.blocks import is_softmax_over_kept_keys
 from sparsefocus.models.config import block_patterns, mechanism_label
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, expand_settings, make_task_config, to_yaml
-from sparsefocus.train.driver import Budget, check_batched, group_specs, train_group
+from sparsefocus.train.driver import Budget, check_batched, group_specs, train_group, train_groups_together
 from sparsefocus.train.loop import RunSpec, check_run_folder, resolve_device, train_run
 from sparsefocus.train.workers import TIMING_NAME, WorkerPool, append_timing, lock_runs, machine, train_timed
 
@@ -227,27 +227,58 @@ def _add_timing(root: Path, progress: dict[str, int], seconds: float, context: d
 def _run_batched(
     todo: list[tuple[RunSpec, int]], budget: Budget | None, bar: tqdm, progress: dict[str, int], context: dict[str, Any]
 ) -> None:
-    """Unfinished runs grouped by (setting, mechanism, epoch reached), each group one folded model.
-    Each run's ``timing.json`` gets the group's wall-clock time (shared by the runs folded together)."""
+    """Unfinished runs grouped by (setting, mechanism, epoch reached), each group one folded model;
+    with ``train.concurrent_groups`` > 1 that many folded models train at once. Each run's
+    ``timing.json`` gets its group's wall-clock time (shared by the runs folded together, and with
+    concurrent groups counted from the start of their joint training)."""
     start = {spec.run_dir: epochs for spec, epochs in todo}
-    for group in group_specs([spec for spec, _ in todo], [epochs for _, epochs in todo]):
+    groups = group_specs([spec for spec, _ in todo], [epochs for _, epochs in todo])
+    timers = [_GroupTimer(group, start, bar, progress, context) for group in groups]
+    width = groups[0][0].config.train.concurrent_groups if groups else 1
+    if width > 1:
+        bar.set_postfix_str(f"{len(groups)} groups, {width} at a time")
+        try:
+            train_groups_together(groups, width, budget, on_epochs=[timer.on_epoch for timer in timers])
+        finally:
+            for timer in timers:
+                timer.close(concurrent_groups=width)
+        return
+    for group, timer in zip(groups, timers):
         bar.set_postfix_str(f"{group[0].label} x {len(group)} seeds")
-        began, trained = time.perf_counter(), [0]
-
-        def on_epoch(count: int = 1) -> None:
-            bar.update(count)
-            progress["epochs"] += count
-            trained[0] += count  # noqa: B023  (train_group calls it within this iteration only)
-
-        allowed = train_group(group, budget, on_epoch=on_epoch)
-        epochs = trained[0] // len(group)
-        if epochs:
-            segment = {"seconds": round(time.perf_counter() - began, 3), "folded_runs": len(group), **context}
-            for spec in group:
-                first = start[spec.run_dir]
-                append_timing(spec.run_dir, {"from_epoch": first + 1, "to_epoch": first + epochs} | segment)
+        timer.begin()
+        try:
+            allowed = train_group(group, budget, on_epoch=timer.on_epoch)
+        finally:
+            timer.close()
         if not allowed:
             return
+
+
+class _GroupTimer:
+    """Counts one group's trained epochs and appends its wall-clock segment to each run's timing."""
+
+    def __init__(self, group: list[RunSpec], start: dict[Path, int], bar: tqdm, progress: dict[str, int], context: dict) -> None:
+        self.group, self.start, self.bar, self.progress, self.context = group, start, bar, progress, context
+        self.began = self.ended = time.perf_counter()
+        self.trained = 0
+
+    def begin(self) -> None:
+        self.began = time.perf_counter()
+
+    def on_epoch(self, count: int = 1) -> None:
+        self.bar.update(count)
+        self.progress["epochs"] += count
+        self.trained += count
+        self.ended = time.perf_counter()
+
+    def close(self, **extra: Any) -> None:
+        epochs = self.trained // len(self.group)
+        if not epochs:
+            return
+        segment = {"seconds": round(self.ended - self.began, 3), "folded_runs": len(self.group), **extra, **self.context}
+        for spec in self.group:
+            first = self.start[spec.run_dir]
+            append_timing(spec.run_dir, {"from_epoch": first + 1, "to_epoch": first + epochs} | segment)
 
 
 def progress_line(config: ExperimentConfig) -> tuple[str, bool]:

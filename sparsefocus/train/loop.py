@@ -45,6 +45,7 @@ RESUME_FREE_KEYS = (
     "train.num_gpus",
     "train.batched",
     "train.batched_max_runs",
+    "train.concurrent_groups",
     "train.compile",
     "train.task_cache",
 )

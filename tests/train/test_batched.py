@@ -295,3 +295,46 @@ def test_step_graph_body_is_the_fast_step(tmp_path):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
     sums, _ = body.take_sums()
     assert sums.shape == (len(SEEDS),) and bool((sums > 0).all()) and not bool(body.loss_sum.any())
+
+
+CONCURRENT = ["model.dropout=0.1", "mechanisms=[FULL,BAND:3(1),TOPK:3]", "train.batched=true", "train.batched_mode=fast"]
+
+
+@pytest.fixture(scope="module")
+def one_at_a_time(tmp_path_factory):
+    """Fast batched groups with dropout trained one after the other, two runs per folded model
+    (3 mechanisms x parts of 2 and 1 seeds: 6 folded models)."""
+    root = run_experiment(config(tmp_path_factory.mktemp("sequential"), *CONCURRENT, "train.batched_max_runs=2"), quiet=True)
+    return metrics_of(root), params_of(root)
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_concurrent_groups_give_what_each_group_gives_alone(one_at_a_time, width, tmp_path):
+    """Steps of several folded models interleaved (each its own dropout stream) equal the models
+    trained one after the other, bit for bit; a part starts when another finishes."""
+    cfg = config(tmp_path, *CONCURRENT, "train.batched_max_runs=2", f"train.concurrent_groups={width}")
+    root = run_experiment(cfg, quiet=True)
+    metrics, params = one_at_a_time
+    assert_same_metrics(metrics, metrics_of(root), rtol=0.0)
+    assert_same_params(params, params_of(root), atol=0.0)
+    timings = [json.loads(p.read_text()) for p in root.glob("*/*/seed-*/timing.json")]
+    assert timings and all(t[-1]["concurrent_groups"] == width and t[-1]["to_epoch"] == 3 for t in timings)
+
+
+def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at_a_time, tmp_path):
+    cfg = config(tmp_path, *CONCURRENT, "train.batched_max_runs=2", "train.concurrent_groups=3")
+    root = run_experiment(cfg, quiet=True, budget=EpochBudget(2))  # epochs 1 and 2 of the first 3 parts
+    done = {run: len(lines) for run, lines in metrics_of(root).items()}
+    assert done == {f"default/{m}/seed-{s}": 2 for m, s in [("FULL", 1), ("FULL", 2), ("FULL", 3), ("BAND-3-1", 1), ("BAND-3-1", 2)]}
+    assert all(not load_checkpoint(p)["finished"] for p in root.glob("*/*/seed-*/checkpoint.pt"))
+    run_experiment(cfg, quiet=True)
+    metrics, params = one_at_a_time
+    assert_same_metrics(metrics, metrics_of(root), rtol=0.0)
+    assert_same_params(params, params_of(root), atol=0.0)
+
+
+def test_concurrent_groups_need_the_batched_path(tmp_path):
+    with pytest.raises(ValueError, match="train.concurrent_groups is read by the batched path only"):
+        config(tmp_path, "train.concurrent_groups=2")
+    with pytest.raises(ValueError, match="train.concurrent_groups must be"):
+        config(tmp_path, "train.batched=true", "train.concurrent_groups=0")
