@@ -295,7 +295,8 @@ class GroupTrainer:
         self.forward = self._make_forward(fresh_compiler)
         self.clip: Callable[..., Tensor] = functools.partial(clip_per_run_, exact=self.exact)
         if _compile_mode(self.train_cfg, device) is not None:
-            self.clip = torch.compile(self.clip)  # ~2 kernels instead of ~3 per parameter
+            # ~2 kernels instead of ~3 per parameter; static shapes, as trainers alive at once differ in them
+            self.clip = torch.compile(self.clip, dynamic=False)
         self.step_graph = StepGraph(self) if _check_step_graph(self.config, device) else None
 
     def _make_forward(self, fresh_compiler: bool) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]:
@@ -629,7 +630,7 @@ def train_parts_together(
     generator state, see ``_Lane``). Returns True when all finished; a budget stop saves every
     active part at the epoch reached."""
     torch._dynamo.reset()  # the parts keep their compiled code, so they may not reset it themselves
-    with _recompile_limit(8 * width):  # each live part's closures count towards it
+    with _recompile_limit(8 * len(parts)):  # every part's closures count towards it (none is reset)
         return _run_lanes(list(parts), width, device, budget)
 
 
