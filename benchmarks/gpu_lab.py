@@ -286,6 +286,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--fidelity-epochs", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
     parser.add_argument("--min-stage", type=float, default=240.0, help="seconds left needed to start the throughput stage")
+    parser.add_argument("--no-study", action="store_true", help="stop after the fidelity stage")
     parser.add_argument("--redo", action="append", default=[], help="stage to run again: check, throughput, fidelity")
     parser.add_argument(
         "--set", action="append", default=[], dest="extra", metavar="KEY=VALUE", help="override for every ListOps config"
@@ -329,7 +330,7 @@ def main() -> int:
     if not state.get("fidelity", {}).get("finished") and left() > args.margin + 120:
         state["fidelity"] = fidelity(out, precisions, extra, args.fidelity_epochs, Budget(left() - args.margin))
         save()
-    if left() > args.margin + 60:
+    if not args.no_study and left() > args.margin + 60:
         state["study"] = study(out, chosen, extra, Budget(left() - args.margin))
         save()
     print_table(state)
