@@ -469,6 +469,12 @@ def _save_all(trainer: GroupTrainer, epoch: int, finished: bool, metrics: list[l
         save_checkpoint(spec.run_dir / "checkpoint.pt", trainer.state(r, epoch, finished, metrics[r]))
 
 
+def _wait(device: torch.device) -> None:
+    """Wait for the device's queued work (once per epoch, where the metrics are read anyway)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _drain(steps: Generator[None, None, Any]) -> Any:
     """Run a step generator to its end; its return value."""
     while True:
@@ -535,6 +541,7 @@ def train_part(
             return False
         began = time.perf_counter()
         running = _drain(part.steps())
+        _wait(device)  # the steps run asynchronously: time them, not their queueing
         seconds = time.perf_counter() - began
         part.end_epoch(part.trainer.metrics_table(running), seconds)
         if budget is not None:
@@ -605,6 +612,7 @@ def _epoch_in_turns(lanes: list[_Lane]) -> None:
                 except StopIteration as stop:
                     running[index] = stop.value
                     pending.remove(index)
+    _wait(lanes[0].device)
     seconds = time.perf_counter() - began
     tables = []
     for lane, sums in zip(lanes, running):

@@ -156,7 +156,9 @@ def _train(
     todo = [(spec, epochs) for spec, (state, epochs) in zip(specs, states) if state != "done"]
     jobs = min(config.train.jobs, max(len(todo), 1))
     threads = config.train.threads or max(1, (os.cpu_count() or 1) // jobs)
-    context = {"jobs": jobs, "threads": threads, **machine()}
+    context: dict[str, Any] = {"jobs": jobs, "threads": threads, **machine()}
+    if config.train.batched:
+        context |= {"batched": True, "concurrent_groups": config.train.concurrent_groups}
     progress = {"runs": 0, "epochs": 0}
     total = sum(spec.config.train.epochs for spec in specs)
     began = time.perf_counter()
@@ -241,7 +243,7 @@ def _run_batched(
             train_groups_together(groups, width, budget, on_epochs=[timer.on_epoch for timer in timers])
         finally:
             for timer in timers:
-                timer.close(concurrent_groups=width)
+                timer.close()
         return
     for group, timer in zip(groups, timers):
         bar.set_postfix_str(f"{group[0].label} x {len(group)} seeds")
@@ -271,11 +273,11 @@ class _GroupTimer:
         self.trained += count
         self.ended = time.perf_counter()
 
-    def close(self, **extra: Any) -> None:
+    def close(self) -> None:
         epochs = self.trained // len(self.group)
         if not epochs:
             return
-        segment = {"seconds": round(self.ended - self.began, 3), "folded_runs": len(self.group), **extra, **self.context}
+        segment = {"seconds": round(self.ended - self.began, 3), "folded_runs": len(self.group), **self.context}
         for spec in self.group:
             first = self.start[spec.run_dir]
             append_timing(spec.run_dir, {"from_epoch": first + 1, "to_epoch": first + epochs} | segment)
