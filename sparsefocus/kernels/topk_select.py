@@ -25,6 +25,11 @@ diagonal, the end of the keys or a padding mask pay for masks:
    keeps the keys above T and the first ties at T by position. No host synchronisation: the
    rows are found and redone on the device, so the selection is capturable in a CUDA graph.
 
+Short rows (M <= ``SHORT_MAX_M`` keys, kk <= ``SHORT_MAX_K``) take one launch instead: a program
+scores BLOCK_M query rows against all M keys at once (one [BLOCK_M, next_pow2(M)] ``tl.dot``
+tile held in registers) and keeps the kk best by kk rounds of row maxima, ties to the smaller
+position. The sweeps above pay off only when a row of scores no longer fits in registers.
+
 ``topk_select`` is the custom op ``sparsefocus::topk_select`` (fixed output shape, no gradient):
 torch.compile treats it as one opaque call and never traces or recompiles the kernels.
 Memory: O(N kk) scratch.
@@ -47,6 +52,8 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
 MAX_KERNEL_K = 128
+SHORT_MAX_M = 1024
+SHORT_MAX_K = 32
 FALLBACK_ROW_CHUNK = 1024
 BISECTION_STEPS = 16
 INT32_MIN = tl.constexpr(-(2**31))
@@ -354,6 +361,39 @@ def _store_ranked(packed, OUT, row_offs, store_ok, KK: tl.constexpr):
 
 
 @triton.jit
+def _short_kernel(
+    Q,
+    K,
+    PAD,
+    OUT,
+    N,
+    M,
+    HQ,
+    GROUP,
+    D: tl.constexpr,
+    KK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Rows of at most BLOCK_N keys: scores [BM, BN] of every key at once, then KK rounds of row
+    maxima (the smallest position among equal maxima), -1 once a row has no allowed key left."""
+    rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
+    s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, 0, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
+    s = tl.where(allowed, s, float("-inf"))
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    for rank in tl.static_range(KK):
+        top = tl.max(s, axis=1)  # [BM]
+        position = tl.min(tl.where(s == top[:, None], cols[None, :], BLOCK_N), axis=1)
+        tl.store(OUT + row_offs * KK + rank, tl.where(top == float("-inf"), -1, position), mask=row_ok)
+        s = tl.where(cols[None, :] == position[:, None], float("-inf"), s)
+
+
+@triton.jit
 def _ordered_tile(
     q,
     k_ptr,
@@ -570,6 +610,37 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     return out, count
 
 
+def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    """The one-launch selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32."""
+    batch, q_heads, n_queries, dim = q.shape
+    n_keys = k.shape[2]
+    out = torch.empty(batch, q_heads, n_queries, kk, dtype=torch.int32, device=q.device)
+    pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
+    block_n = max(16, triton.next_power_of_2(n_keys))
+    # [16, BN] fp32 scores: 16 rows, the fewest a tl.dot takes, keep the registers for the row
+    tiles = dict(BLOCK_M=16, num_warps=4 if block_n <= 256 else 8) if q.is_cuda else dict(BLOCK_M=16)
+    grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
+    _short_kernel[grid](
+        q,
+        k,
+        pad,
+        out,
+        n_queries,
+        n_keys,
+        q_heads,
+        q_heads // k.shape[1],
+        D=dim,
+        KK=kk,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        CAUSAL=causal,
+        HAS_PAD=key_padding_mask is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **tiles,
+    )
+    return out
+
+
 def _packed_scores(scores: Tensor) -> Tensor:
     """int64 keys ordered like (score, -position) along the last dim of fp32 scores [..., M]."""
     bits = scores.contiguous().view(torch.int32).long()
@@ -653,6 +724,8 @@ def _topk_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mas
     ``MAX_KERNEL_K`` and for empty inputs. q: [B, Hq, N, D]; k: [B, Hk, M, D] in q's dtype."""
     if kk > MAX_KERNEL_K or q.shape[2] == 0 or k.shape[2] == 0:
         return topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+    if k.shape[2] <= SHORT_MAX_M and kk <= SHORT_MAX_K:
+        return _launch_short(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask)
     return _launch(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask)[0]
 
 

@@ -281,6 +281,10 @@ class RunAttention(nn.Module):
         )
 
 
+MASKED_SELECTION_MAX_KEYS = 4096
+"""Longest key rows for which fast-mode TOPK attends through a boolean [B, H, N, M] mask."""
+
+
 def _select(q: Tensor, k: Tensor, pattern: TopK | BottomK, topk_select: str) -> Tensor:
     """[B, H, N, K] long key positions of each query's k largest (smallest) scores, no gradient;
     scores in fp32 (outside autocast) so that the choice does not follow bf16 rounding."""
@@ -324,8 +328,10 @@ def fused_paper_attention(
 
     q, k, v: [B, H, N, D] (k, v already expanded to H heads). FULL -> SDPA; an input-agnostic
     pattern -> SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
-    causality -> scores of the k chosen keys only (``gathered_attention``); anything else -> the
-    dense masked softmax. Returns [B, H, N, D]. The dropout masks are drawn from the default
+    causality -> SDPA with the chosen keys as a boolean mask (rows of at most
+    ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys' gradients,
+    which serialises on keys that many queries choose) or the scores of the k chosen keys only
+    (``gathered_attention``, O(N k) memory); anything else -> the dense masked softmax. Returns [B, H, N, D]. The dropout masks are drawn from the default
     generator (not the single model's draws).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -335,7 +341,11 @@ def fused_paper_attention(
     if plain and fixed_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=fixed_mask, dropout_p=dropout_p, scale=scale)
     if plain and isinstance(pattern, (TopK, BottomK)):
-        return gathered_attention(q, k, v, _select(q, k, pattern, topk_select), scale, dropout_p)
+        index = _select(q, k, pattern, topk_select)  # [B, H, N, K]
+        if k.shape[-2] > MASKED_SELECTION_MAX_KEYS:
+            return gathered_attention(q, k, v, index, scale, dropout_p)
+        keep = torch.zeros(*index.shape[:-1], k.shape[-2], dtype=torch.bool, device=q.device).scatter_(-1, index, True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale)
     keep = selection_mask(pattern, q, k, causal=causal, key_padding_mask=key_padding_mask)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, N, M]
     weights = F.dropout(scores.masked_fill(~keep, PAPER_FILL).softmax(dim=-1), dropout_p, training=True)

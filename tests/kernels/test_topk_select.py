@@ -1,4 +1,4 @@
-"""The fused top-k selection kernel against the PyTorch selections: exact positions (same tie
+"""The fused top-k selection sweep kernels against the PyTorch selections: exact positions (same tie
 rule), causal and padded keys never chosen, -1 fill for short rows, overflowing rows redone on
 the device, the op's registration (opcheck)."""
 
@@ -11,6 +11,13 @@ from sparsefocus.kernels import topk_select as topk_select_module
 from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def sweep_kernels(monkeypatch):
+    """These tests are of the sweep kernels at small sizes, which would take the one-launch
+    kernel of short rows (tests/kernels/test_topk_select_short.py)."""
+    monkeypatch.setattr(topk_select_module, "SHORT_MAX_M", 0)
 
 
 @pytest.mark.parametrize(

@@ -338,3 +338,23 @@ def test_concurrent_groups_need_the_batched_path(tmp_path):
         config(tmp_path, "train.concurrent_groups=2")
     with pytest.raises(ValueError, match="train.concurrent_groups must be"):
         config(tmp_path, "train.batched=true", "train.concurrent_groups=0")
+
+
+@pytest.mark.parametrize("pattern", ["TOPK:4", "BOTK:4"])
+def test_fast_selection_by_mask_equals_the_gathered_keys(pattern, monkeypatch):
+    """Fast-mode TOPK/BOTK through SDPA with a boolean mask of the chosen keys gives the outputs
+    and gradients of the gathered-keys form (used above MASKED_SELECTION_MAX_KEYS keys)."""
+    from sparsefocus.attention import parse_pattern
+    from sparsefocus.train import batched
+
+    q, k, v = (torch.randn(3, 2, 23, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(3, 2, 23, 8, dtype=torch.float64)
+    results = []
+    for limit in (4096, 0):
+        monkeypatch.setattr(batched, "MASKED_SELECTION_MAX_KEYS", limit)
+        out = fused_paper_attention(
+            q, k, v, parse_pattern(pattern), fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.0
+        )
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for name, masked, gathered in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(masked, gathered, rtol=1e-10, atol=1e-12, msg=name)

@@ -1,0 +1,71 @@
+"""The one-launch top-k selection of short rows (at most ``SHORT_MAX_M`` keys) against the
+PyTorch selection: exact positions with the same tie rule, causal and padded keys never chosen,
+-1 for rows with fewer allowed keys, GQA, and the op's registration (opcheck)."""
+
+import pytest
+import torch
+
+from sparsefocus.kernels import topk_select as topk_select_module
+from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Which launcher each selection used."""
+    used = []
+    for name in ("_launch_short", "_launch"):
+        original = getattr(topk_select_module, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            used.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(topk_select_module, name, spy)
+    return used
+
+
+@pytest.mark.parametrize(
+    "n,m,kk,causal,padded",
+    [
+        (1, 1, 1, True, False),
+        (7, 7, 3, True, False),
+        (37, 45, 5, False, False),  # the paper's ListOps shape in small: 45 keys, 5 kept
+        (63, 63, 5, True, False),
+        (100, 37, 8, False, True),
+        (33, 100, 32, True, True),
+    ],
+)
+def test_short_rows_select_what_torch_selects(n, m, kk, causal, padded, launches):
+    q = torch.randn(2, 4, n, 5, device=DEVICE)
+    k = torch.randn(2, 2, m, 5, device=DEVICE)
+    key_padding_mask = torch.rand(2, m, device=DEVICE) > 0.3 if padded else None
+    got = topk_select(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+    assert launches == ["_launch_short"]
+    assert got.shape == (2, 4, n, kk) and got.dtype == torch.int32
+    assert torch.equal(got, topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask))
+
+
+def test_short_rows_break_ties_by_position_and_fill_minus_one(launches):
+    q, k = torch.ones(1, 1, 20, 4, device=DEVICE), torch.ones(1, 1, 20, 4, device=DEVICE)
+    got = topk_select(q, k, 3, causal=True)
+    assert launches == ["_launch_short"]
+    assert got[0, 0, 0].tolist() == [0, -1, -1] and got[0, 0, 1].tolist() == [0, 1, -1]
+    assert (got[0, 0, 2:] == torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)).all()
+
+
+def test_long_rows_and_large_k_keep_the_sweep_kernels(monkeypatch, launches):
+    monkeypatch.setattr(topk_select_module, "SHORT_MAX_M", 16)
+    q, k = torch.randn(1, 1, 9, 4, device=DEVICE), torch.randn(1, 1, 40, 4, device=DEVICE)
+    assert torch.equal(topk_select(q, k, 4), topk_select_torch(q, k, 4))
+    monkeypatch.setattr(topk_select_module, "SHORT_MAX_M", 1024)
+    monkeypatch.setattr(topk_select_module, "SHORT_MAX_K", 2)
+    assert torch.equal(topk_select(q, k, 4), topk_select_torch(q, k, 4))
+    assert launches == ["_launch", "_launch"]
+
+
+def test_short_rows_op_passes_opcheck():
+    q, k = torch.randn(1, 2, 20, 4, device=DEVICE), torch.randn(1, 1, 20, 4, device=DEVICE)
+    key_padding_mask = torch.rand(1, 20, device=DEVICE) > 0.3
+    torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask))
