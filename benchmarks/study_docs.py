@@ -1,0 +1,71 @@
+"""Write a finished study's committed record into ``docs/studies/<study>/``.
+
+The study's own ``notes.md`` there (how the study was run, and our results beside the paper's
+claims, written by hand) goes at the top of ``report.md``; then ``sparsefocus report`` writes
+the tables, ``curves.png`` and ``summary.json`` (per mechanism and seed the per-epoch metrics,
+the median curves and the speed-up statistics) from the experiment folder, and the dispersion
+analysis (``sparsefocus analyze --seed paper``, if it was run into ``<experiment>/analysis``)
+is copied beside them as ``dispersion.md`` / ``dispersion.json``.
+
+Usage:
+    sparsefocus analyze runs/even_pairs --seed paper      # optional: the dispersion table
+    python benchmarks/study_docs.py runs/even_pairs docs/studies/nnch_even_pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sparsefocus.train.report import write_report
+
+COPIED = {"report.md": "report.md", "curves.png": "curves.png", "summary.json": "summary.json"}
+ANALYSIS = {"analysis.md": "dispersion.md", "analysis.json": "dispersion.json"}
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` through a temporary name in the target folder."""
+    temporary = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(source, temporary)
+    temporary.replace(target)
+
+
+def write_study(experiment: Path, out: Path) -> list[Path]:
+    """Report ``experiment`` with ``out/notes.md`` as its preface and copy the record into ``out``."""
+    notes = out / "notes.md"
+    if not notes.exists():
+        raise ValueError(f"{notes} is missing: write how the study was run and what it found first")
+    preface = [*notes.read_text().rstrip("\n").splitlines(), ""]
+    write_report(experiment, preface=preface)
+    written = []
+    for source, target in COPIED.items():
+        copy_atomic(experiment / source, out / target)
+        written.append(out / target)
+    for source, target in ANALYSIS.items():
+        if (experiment / "analysis" / source).exists():
+            copy_atomic(experiment / "analysis" / source, out / target)
+            written.append(out / target)
+    return written
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiment", type=Path, help="the finished experiment folder (holding experiment.yaml)")
+    parser.add_argument("out", type=Path, help="the study's docs folder, holding its notes.md")
+    args = parser.parse_args()
+    try:
+        written = write_study(args.experiment, args.out)
+    except ValueError as error:
+        print(f"study_docs: error: {error}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
