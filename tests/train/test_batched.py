@@ -325,7 +325,9 @@ def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at
     cfg = config(tmp_path, *CONCURRENT, "train.batched_max_runs=2", "train.concurrent_groups=3")
     root = run_experiment(cfg, quiet=True, budget=EpochBudget(2))  # epochs 1 and 2 of the first 3 parts
     done = {run: len(lines) for run, lines in metrics_of(root).items()}
-    assert done == {f"default/{m}/seed-{s}": 2 for m, s in [("FULL", 1), ("FULL", 2), ("FULL", 3), ("BAND-3-1", 1), ("BAND-3-1", 2)]}
+    assert done == {
+        f"default/{m}/seed-{s}": 2 for m, s in [("FULL", 1), ("FULL", 2), ("FULL", 3), ("BAND-3-1", 1), ("BAND-3-1", 2)]
+    }
     assert all(not load_checkpoint(p)["finished"] for p in root.glob("*/*/seed-*/checkpoint.pt"))
     run_experiment(cfg, quiet=True)
     metrics, params = one_at_a_time
