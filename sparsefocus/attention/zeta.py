@@ -342,6 +342,19 @@ class Zeta(Pattern):
             )
         return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 
+    def start_cache(self, k: Tensor, v: Tensor):
+        """The decoding cache after a causal call over k, v (``zeta_decode.ZetaCache``)."""
+        from sparsefocus.attention.zeta_decode import start_cache
+
+        return start_cache(self, k, v)
+
+    def decode_step(self, q: Tensor, k_new: Tensor, v_new: Tensor, cache, params=None):
+        """(output, cache) of one new position from a ``ZetaCache``, without re-sorting the keys
+        (``zeta_decode.decode_step``)."""
+        from sparsefocus.attention.zeta_decode import decode_step
+
+        return decode_step(self, q, k_new, v_new, cache, params)
+
     def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool) -> Tensor:
         """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
 

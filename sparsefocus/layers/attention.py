@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -79,22 +81,37 @@ class SparseAttention(nn.Module):
         past_kv: keys [B, Hk, P, Dqk] and values [B, Hk, P, Dh] of the P earlier positions
         (causal layers only); x holds the next N positions, which attend bottom-right over all
         P + N keys, so stepping token by token gives the rows of the whole-sequence call.
-        key_padding_mask is then [B, P + N].
+        key_padding_mask is then [B, P + N]. A ZETA layer returns its own cache (it reads as
+        (k, v)); given one back with a single new position and no padding mask, the step
+        searches the cached sorted key codes instead of re-sorting and recomputing every row.
         """
         q, k, v = self.project(x)
-        if past_kv is not None:
-            if not self.causal:
-                raise ValueError("past_kv needs a causal SparseAttention: a cache only makes sense for decoding")
-            k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # [B, Hk, P+N, *]
+        if past_kv is not None and not self.causal:
+            raise ValueError("past_kv needs a causal SparseAttention: a cache only makes sense for decoding")
         params = self.mechanism_params(x)
-        out = sparse_attention(
-            q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
-        )  # [B, H, N, Dh]
+        stepper = getattr(self.pattern, "decode_step", None)
+        if stepper is not None and hasattr(past_kv, "sorted_codes") and x.shape[1] == 1 and key_padding_mask is None:
+            out, cache = stepper(q, k, v, past_kv, params)  # one position from the pattern's own cache
+        else:
+            if past_kv is not None:
+                k, v = torch.cat([past_kv[0], k], dim=2), torch.cat([past_kv[1], v], dim=2)  # [B, Hk, P+N, *]
+            out = sparse_attention(
+                q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
+            )  # [B, H, N, Dh]
+            cache = self._cache(k, v, key_padding_mask) if use_cache else (k, v)
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [B, N, H*Dh]
         aux = params.get(AUX_KEY, {}) if params else {}
         self.aux_loss = sum(aux.values(), x.new_zeros((), dtype=torch.float32))
         out = self.dropout(self.out_proj(out))
-        return (out, (k, v)) if use_cache else out
+        return (out, cache) if use_cache else out
+
+    def _cache(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Any:
+        """The cache returned with ``use_cache``: the pattern's own decoding cache where it has one
+        (ZETA: sorted key codes and running sums; it reads as (k, v)), else (k, v)."""
+        start = getattr(self.pattern, "start_cache", None)
+        if start is None or not self.causal or key_padding_mask is not None:
+            return (k, v)
+        return start(k, v)
 
     def mechanism_params(self, x: Tensor) -> dict | None:
         """The ``params`` of ``sparse_attention``: the mechanism's parameters, plus the input x for
