@@ -88,13 +88,24 @@ def _merge(sorted_codes: Tensor, order: Tensor, codes: Tensor, first: int) -> tu
 
 
 def decode_step(
-    spec: Zeta, q: Tensor, k_new: Tensor, v_new: Tensor, cache: ZetaCache, params: dict | None = None
+    spec: Zeta,
+    q: Tensor,
+    k_new: Tensor,
+    v_new: Tensor,
+    cache: ZetaCache,
+    params: dict | None = None,
+    *,
+    kernel: str = "auto",
 ) -> tuple[Tensor, ZetaCache]:
     """The output [B, Hq, 1, Dv] of the query q [B, Hq, 1, D] at position M - 1 for the new key
     and value k_new [B, Hk, 1, D], v_new [B, Hk, 1, Dv], and the updated cache.
 
     Equals ``sparse_attention(q, k, v, spec, causal=True)[:, :, -1:]`` over all M keys (the
-    lean path's selection and the indexed reference's Cauchy attention). No key padding."""
+    lean path's selection, then Cauchy attention over the chosen keys and the mean). No key
+    padding. ``kernel``: "reference" (``indexed_attention_ref``), "triton" (the fused indexed
+    kernel) or "auto" (triton on CUDA). Default: "auto"."""
+    if kernel not in ("auto", "reference", "triton"):
+        raise ValueError(f"zeta decode_step: kernel must be auto, reference or triton, got {kernel!r}")
     if q.shape[2] != 1 or k_new.shape[2] != 1:
         raise ValueError(f"zeta decode_step takes one new position, got {q.shape[2]} queries and {k_new.shape[2]} keys")
     k, v = torch.cat([cache.k, k_new], dim=2), torch.cat([cache.v, v_new], dim=2)  # [B, Hk, M, *]
@@ -110,7 +121,10 @@ def decode_step(
     index = _selection(spec, q, k, sorted_codes, order, prefix, bits)  # [B, Hq, 1, K]
     mean_k, mean_v = (key_sum / n_keys).to(k.dtype), (value_sum / n_keys).to(v.dtype)  # [B, Hk, 1, *]
     present = torch.ones(q.shape[0], 1, 1, dtype=torch.bool, device=q.device)
-    out = indexed_attention_ref(
+    attend = indexed_attention_ref
+    if kernel == "triton" or (kernel == "auto" and q.is_cuda):
+        from sparsefocus.kernels.indexed import indexed_attention as attend  # type: ignore[assignment]
+    out = attend(
         q,
         k,
         v,

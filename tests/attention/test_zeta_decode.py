@@ -47,6 +47,16 @@ def test_the_cache_keeps_the_searchable_keys_sorted_as_a_fresh_sort_would():
     torch.testing.assert_close(cache.key_sum, k.sum(2, keepdim=True))
 
 
+def test_a_step_through_the_triton_kernel_equals_the_reference_step():
+    pattern = parse_pattern("zeta:k=4,window=6,chunks=3,local=3,sink=1")
+    q, k, v = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 30, 3), torch.randn(1, 2, 30, 8)
+    cache = start_cache(pattern, k[:, :, :-1], v[:, :, :-1])
+    steps = [decode_step(pattern, q, k[:, :, -1:], v[:, :, -1:], cache, kernel=kernel)[0] for kernel in ("reference", "triton")]
+    torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="kernel must be auto, reference or triton"):
+        decode_step(pattern, q, k[:, :, -1:], v[:, :, -1:], cache, kernel="cuda")
+
+
 def test_a_step_takes_one_position():
     pattern = parse_pattern("zeta:k=3")
     cache = start_cache(pattern, torch.randn(1, 1, 4, 3), torch.randn(1, 1, 4, 2))
