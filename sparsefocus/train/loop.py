@@ -46,6 +46,7 @@ RESUME_FREE_KEYS = (
     "train.batched",
     "train.batched_max_runs",
     "train.concurrent_groups",
+    "train.checkpoint_every",
     "train.compile",
     "train.task_cache",
 )

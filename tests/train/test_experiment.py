@@ -218,6 +218,18 @@ def test_a_folder_written_before_a_key_existed_resumes_at_its_default(tmp_path):
         check_run_folder(changed)
 
 
+@pytest.mark.parametrize("key, value", [("train.checkpoint_every", 3), ("train.concurrent_groups", 2)])
+def test_keys_that_do_not_change_results_may_change_between_calls(key, value, tmp_path):
+    from sparsefocus.train.loop import check_run_folder
+
+    run_experiment(tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.batched=true"), quiet=True)
+    again = tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.batched=true", f"{key}={value}")
+    assert check_run_folder(RunSpec(tmp_path / "exp/default/FULL/seed-1", again, "default", "FULL", 1)) == ("done", 1)
+    other = tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.batched=true", "train.batch_size=3")
+    with pytest.raises(ValueError, match="train.batch_size"):
+        check_run_folder(RunSpec(tmp_path / "exp/default/FULL/seed-1", other, "default", "FULL", 1))
+
+
 def test_training_adds_the_dsa_indexer_loss(tmp_path):
     """DSA's indexer is reached only through its auxiliary loss (the selection has no gradient):
     the training loop adds it, so the indexer weights move; the logged loss is the task's."""
