@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
+from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models.blocks import (
@@ -221,23 +222,28 @@ class RunAttention(nn.Module):
     def __init__(self, modules: list[SparseAttention], exact: bool, rng: RunRandomness | None, topk_select: str) -> None:
         super().__init__()
         first = modules[0]
-        if len(first.mechanism):
-            raise ValueError(f"train.batched cannot fold {first.pattern.label()}: its trainable parameters are not per run")
+        self.paper = isinstance(first, PaperAttention)
+        if len(first.mechanism) and self.paper:
+            raise ValueError(f"train.batched cannot fold {first.pattern.label()} in paper_mode: its trainable parameters")
         self.pattern, self.heads, self.kv_heads = first.pattern, first.heads, first.kv_heads
         self.causal, self.impl, self.head_dim, self.qk_dim = first.causal, first.impl, first.head_dim, first.qk_dim
         self.exact, self.runs, self.rng, self.topk_select = exact, len(modules), rng, topk_select
-        self.paper = isinstance(first, PaperAttention)
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
             setattr(self, name, RunLinear([getattr(m, name) for m in modules], exact))
         p = first.attention_dropout if isinstance(first, PaperAttention) else first.dropout.p
         self.dropout = RunDropout(p, self.runs, rng, always=self.paper)
+        # the mechanism's own parameters (ZETA's widths, NSA's gates, DSA's indexer): [R, ...] each
+        self.mechanism = nn.ParameterDict({name: _stack([m.mechanism[name] for m in modules]) for name in first.mechanism})
+        self.aux_loss: Tensor = torch.zeros(())
 
     # Borrowed: it reads only the projections and head sizes, which RunAttention has too.
     project = SparseAttention.project
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)  # type: ignore[misc]  # [R*B, H, N, D]; a borrowed method (see project)
-        if not self.paper:
+        if len(self.mechanism):
+            out = self.per_run_core(x, q, k, v, key_padding_mask)
+        elif not self.paper:
             out = sparse_attention(q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl)
         elif self.exact:
             masks = _runs_of(key_padding_mask, self.runs) if key_padding_mask is not None else [None] * self.runs
@@ -248,6 +254,28 @@ class RunAttention(nn.Module):
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [R*B, N, H*Dh]
         out = self.out_proj(out)
         return out if self.paper else self.dropout(out)
+
+    def per_run_core(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """A mechanism with its own parameters: one ``sparse_attention`` call per run with that
+        run's parameters (and hidden states, for mechanisms that read them); the runs' auxiliary
+        losses are summed into ``aux_loss`` (the folded loss sums the runs' losses)."""
+        masks = _runs_of(key_padding_mask, self.runs) if key_padding_mask is not None else [None] * self.runs
+        parts = zip(_runs_of(x, self.runs), _runs_of(q, self.runs), _runs_of(k, self.runs), _runs_of(v, self.runs), masks)
+        outs, aux = [], []
+        for run, (x_r, q_r, k_r, v_r, mask_r) in enumerate(parts):
+            params: dict = {name: value[run] for name, value in self.mechanism.items()}
+            if self.pattern.needs_hidden:
+                params[HIDDEN_KEY] = x_r
+            if self.pattern.has_aux_loss:
+                params[AUX_KEY] = {}
+            outs.append(
+                sparse_attention(
+                    q_r, k_r, v_r, self.pattern, causal=self.causal, key_padding_mask=mask_r, impl=self.impl, params=params
+                )
+            )
+            aux += list(params.get(AUX_KEY, {}).values())
+        self.aux_loss = sum(aux, x.new_zeros((), dtype=torch.float32))
+        return torch.cat(outs)
 
     def paper_core(self, run: int, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
         """``PaperAttention``'s computation for one run's slice, its dropout from that run's state."""

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from sparsefocus.tasks.base import TaskData
 from sparsefocus.train.batched import (
+    RunAttention,
     RunRandomness,
     clip_per_run_,
     default_generator,
@@ -305,13 +306,18 @@ class GroupTrainer:
         resets dynamo first (trainers that live at the same time keep each other's compiled code)."""
         runs = self.runs
         autocast = self.train_cfg.autocast == "bf16"
+        # mechanisms with auxiliary losses (DSA's indexer): each run's objective adds its own, as train_run's
+        aux_layers = [m for m in self.model.modules() if isinstance(m, RunAttention) and m.pattern.has_aux_loss]
 
         def forward_loss(inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=autocast):
                 logits = self.model(inputs)  # [R*B, C]
             losses = F.cross_entropy(logits.float(), targets, reduction="none").view(runs, -1)  # [R, B]
             correct = (logits.argmax(-1) == targets).view(runs, -1)
-            return losses.mean(dim=1).sum(), losses, correct
+            objective = losses.mean(dim=1).sum()
+            for layer in aux_layers:
+                objective = objective + layer.aux_loss
+            return objective, losses, correct
 
         mode = _compile_mode(self.train_cfg, self.device)
         if mode is None:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+from sparsefocus.layers import SparseAttention
 from sparsefocus.models import Encoder, ModelConfig
 from sparsefocus.train.batched import (
     RunRandomness,
@@ -185,16 +187,38 @@ def _full():
     return parse_pattern("FULL")
 
 
-def test_fold_refuses_a_mechanism_with_trainable_parameters():
-    from sparsefocus.attention.patterns import PATTERNS
+def test_fold_refuses_a_mechanism_with_trainable_parameters_in_paper_mode():
+    model = Encoder(ModelConfig(blocks=1, dim=8, mlp_dim=8), "zeta:k=3", vocab_size=4, num_classes=2, max_len=16)
+    fold_models([model, model], mode="fast")  # outside paper_mode they fold, per run
+    from sparsefocus.models.blocks import PaperAttention
 
-    name = next((n for n, cls in PATTERNS.items() if cls.examples and _has_parameters(cls.examples[0])), None)
-    if name is None:
-        pytest.skip("no registered pattern with trainable parameters")
-    spec = PATTERNS[name].examples[0]
-    model = Encoder(ModelConfig(blocks=1, dim=8, mlp_dim=8), spec, vocab_size=4, num_classes=2, max_len=16)
-    with pytest.raises(ValueError, match="trainable parameters are not per run"):
-        fold_models([model, model], mode="fast")
+    class Stub(PaperAttention):  # the paper's attention refuses such patterns itself; a stub reaches the fold
+        def __init__(self) -> None:
+            SparseAttention.__init__(self, 8, 1, "zeta:k=3")
+            self.attention_dropout = 0.0
+
+    with pytest.raises(ValueError, match="cannot fold zeta.* in paper_mode"):
+        fold_models([nn.Sequential(Stub()), nn.Sequential(Stub())], mode="fast")
+
+
+PER_RUN = ["zeta:k=3,window=4,chunks=2,local=2,sink=1", "dsa:k=5,heads=2,dim=4", "nsa:block=4,top=3,cmp=4,stride=2,window=4"]
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+@pytest.mark.parametrize("mechanism", PER_RUN)
+def test_batched_mechanisms_with_their_own_parameters_equal_single_runs(mechanism, mode, tmp_path):
+    """ZETA's widths and sink, DSA's indexer (with its auxiliary loss) and NSA's gates and
+    compression fold as [R, ...] parameters and run per run: batched training gives each seed's
+    single-run metrics and parameters (dropout 0)."""
+    common = ["model.dropout=0.0", "model.paper_mode=false", f"mechanisms=['{mechanism}']", "train.epochs=2"]
+    single = run_experiment(config(tmp_path / "single", *common), quiet=True)
+    batched = run_experiment(
+        config(tmp_path / "batched", *common, "train.batched=true", f"train.batched_mode={mode}"), quiet=True
+    )
+    assert_same_metrics(metrics_of(single), metrics_of(batched), rtol=1e-5)
+    assert_same_params(params_of(single), params_of(batched), atol=1e-5)
+    names = [name for name in params_of(batched)[next(iter(params_of(batched)))] if ".mechanism." in name]
+    assert names, "the mechanism's parameters are in each run's checkpoint"
 
 
 def _has_parameters(spec: str) -> bool:
