@@ -23,7 +23,8 @@ from sparsefocus.layers import SparseAttention
 class AttentionCall:
     """One forward call of one attention layer.
 
-    q: [B, H, N, Dqk]; k: [B, H, M, Dqk] (GQA already expanded); key_padding_mask: [B, M] bool or None.
+    q: [B, H, N, Dqk]; k: [B, H, M, Dqk] (GQA already expanded); key_padding_mask: [B, M] bool or
+    None; x: the layer's input [B, N, dim] (mechanisms that read it, such as DSA's indexer).
     """
 
     layer: str
@@ -31,9 +32,13 @@ class AttentionCall:
     q: Tensor
     k: Tensor
     key_padding_mask: Tensor | None
+    x: Tensor | None = None
 
     @property
-    def params(self) -> dict[str, Tensor] | None:
+    def params(self) -> dict | None:
+        """The ``params`` the layer passed: its mechanism's parameters, plus x where it reads it."""
+        if self.x is not None:
+            return self.module.mechanism_params(self.x)
         return dict(self.module.mechanism) or None
 
     def scores(self) -> Tensor:
@@ -73,7 +78,7 @@ def _hook(name: str, callback: Callable[[AttentionCall], None]):
         padding = args[1] if len(args) > 1 else kwargs.get("key_padding_mask")
         with torch.no_grad():
             q, k, _ = module.project(x)
-        callback(AttentionCall(name, module, q, expand_kv(k, q.shape[1]), padding))
+        callback(AttentionCall(name, module, q, expand_kv(k, q.shape[1]), padding, x))
 
     return hook
 

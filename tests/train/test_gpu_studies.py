@@ -42,3 +42,11 @@ def test_study_configs_are_the_figure_1_grid(studies, study, epochs, tmp_path):
     config = studies.study_config(study, tmp_path, "highest", "none", "step-graph")
     assert config.mechanisms == studies.FIGURE_1 and len(config.seeds) == 10
     assert config.train.epochs == epochs and config.model.activation == "relu" and config.settings == {}
+
+
+def test_the_open_question_study_keeps_its_nine_mechanisms(studies, tmp_path):
+    config = studies.study_config("listops_open", tmp_path, "high", "bf16", "step-graph", 6)
+    labels = [m.split(":")[0] for m in config.mechanisms]
+    assert labels == ["FULL", "TOPK", "zeta", "moba", "quest", "nsa", "dsa", "lsh", "entmax"]
+    assert not config.model.paper_mode and config.train.epochs == 200 and len(config.seeds) == 10
+    assert config.train.concurrent_groups == 6 and config.train.autocast == "bf16"
