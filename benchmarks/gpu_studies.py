@@ -51,7 +51,10 @@ OWN_MECHANISMS = ("listops_open",)  # studies that keep their config's mechanism
 PART_BYTES = 15 * 2**20
 
 
-def study_config(study: str, work: Path, precision: str, autocast: str, compile_mode: str, concurrent: int = 1):
+def study_config(
+    study: str, work: Path, precision: str, autocast: str, compile_mode: str, concurrent: int = 1, extra: tuple[str, ...] = ()
+):
+    """The study's config as this script trains it; ``extra`` overrides come last."""
     overrides = [
         f"out_dir={work}",
         f"name={study}",
@@ -68,6 +71,7 @@ def study_config(study: str, work: Path, precision: str, autocast: str, compile_
         f"train.autocast={autocast}",
         f"train.concurrent_groups={concurrent}",
         "train.checkpoint_every=10",  # a budget stop saves every run anyway; 60 saves an epoch cost ~10%
+        *extra,
     ]
     return load_config(ROOT / "experiments" / STUDIES[study], overrides)
 
@@ -85,19 +89,8 @@ def check_concurrent(out: Path, work: Path, compile_mode: str) -> dict:
     ]
     metrics = {}
     for width in (1, 3):
-        config = load_config(
-            ROOT / "experiments" / STUDIES["even_pairs"],
-            [
-                f"out_dir={work / 'check'}",
-                f"name=width-{width}",
-                "settings={}",
-                "train.device=cuda",
-                "train.batched=true",
-                "train.batched_mode=fast",
-                f"train.compile={compile_mode}",
-                f"train.concurrent_groups={width}",
-                *tiny,
-            ],
+        config = study_config(
+            "even_pairs", work / "check", "highest", "none", compile_mode, width, (f"name=width-{width}", *tiny)
         )
         root = run_experiment(config, quiet=True)
         metrics[width] = {

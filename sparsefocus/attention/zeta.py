@@ -507,7 +507,9 @@ def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int, dedup: bool) 
     """Keep the ``width`` candidates nearest to each query (with ``dedup``, repeats counted once;
     only several curves can propose a key twice); equal distances go to the smaller position.
 
-    q: [B, H, R, D]; k: [B, H, M, D]; candidates: [B, H, R, C] (-1 unused) -> [B, H, R, width].
+    q: [B, H, R, D]; k: [B, Hk, M, D] with H % Hk == 0 (query head h reads key head h // (H // Hk),
+    so keys need not be expanded, nor upcast beyond the candidates: the distances are in q's
+    dtype); candidates: [B, H, R, C] (-1 unused) -> [B, H, R, width].
     """
     candidates, _ = candidates.sort(dim=-1)  # by position: the stable sort below then breaks ties by it
     if dedup:
@@ -515,8 +517,8 @@ def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int, dedup: bool) 
         repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
         candidates = torch.where(repeated, torch.full_like(candidates, -1), candidates)
     batch, heads, rows, count = candidates.shape
-    flat = candidates.clamp_min(0).reshape(batch, heads, rows * count, 1)
-    keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1])).view(batch, heads, rows, count, -1)
+    flat = candidates.clamp_min(0).reshape(batch, k.shape[1], -1, 1)  # [B, Hk, G*R*C, 1]: a kv head's query heads
+    keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1])).view(batch, heads, rows, count, -1).to(q.dtype)
     distance = (q[..., None, :] - keys).pow(2).sum(-1)  # [B, H, R, C]
     distance = distance.masked_fill(candidates < 0, float("inf"))
     if count < width:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import expand_kv, indexed_attention_ref, upcast
+from sparsefocus.attention.common import indexed_attention_ref, upcast
 from sparsefocus.attention.zeta import Zeta, _codes, _local_band, _nearest, _window_candidates, code_bits
 
 
@@ -156,4 +156,4 @@ def _selection(spec: Zeta, q: Tensor, k: Tensor, sorted_codes: Tensor, order: Te
         band = _local_band(slice(n_keys - 1, n_keys), prefix, spec.local, real, heads)  # [B, Hq, 1, local]
         candidates = torch.cat([candidates, band], dim=-1)
     width = min(spec.k, spec.curves * spec.window + spec.local)
-    return _nearest(q32, expand_kv(upcast(k), heads), candidates, width, dedup=spec.curves > 1)
+    return _nearest(q32, k, candidates, width, dedup=spec.curves > 1)  # gathers the candidates of the kv heads only

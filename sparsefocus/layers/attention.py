@@ -90,7 +90,8 @@ class SparseAttention(nn.Module):
             raise ValueError("past_kv needs a causal SparseAttention: a cache only makes sense for decoding")
         params = self.mechanism_params(x)
         stepper = getattr(self.pattern, "decode_step", None)
-        if stepper is not None and hasattr(past_kv, "sorted_codes") and x.shape[1] == 1 and key_padding_mask is None:
+        own_cache = past_kv is not None and not isinstance(past_kv, tuple)  # the pattern's (start_cache), not (k, v)
+        if stepper is not None and own_cache and x.shape[1] == 1 and key_padding_mask is None:
             out, cache = stepper(q, k, v, past_kv, params)  # one position from the pattern's own cache
         else:
             if past_kv is not None:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY
+from sparsefocus.attention.patterns import AUX_KEY
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models.blocks import (
@@ -236,8 +236,9 @@ class RunAttention(nn.Module):
         self.mechanism = nn.ParameterDict({name: _stack([m.mechanism[name] for m in modules]) for name in first.mechanism})
         self.aux_loss: Tensor = torch.zeros(())
 
-    # Borrowed: it reads only the projections and head sizes, which RunAttention has too.
+    # Borrowed: they read only the projections, head sizes, pattern and mechanism, which RunAttention has too.
     project = SparseAttention.project
+    mechanism_params = SparseAttention.mechanism_params
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)  # type: ignore[misc]  # [R*B, H, N, D]; a borrowed method (see project)
@@ -263,11 +264,8 @@ class RunAttention(nn.Module):
         parts = zip(_runs_of(x, self.runs), _runs_of(q, self.runs), _runs_of(k, self.runs), _runs_of(v, self.runs), masks)
         outs, aux = [], []
         for run, (x_r, q_r, k_r, v_r, mask_r) in enumerate(parts):
-            params: dict = {name: value[run] for name, value in self.mechanism.items()}
-            if self.pattern.needs_hidden:
-                params[HIDDEN_KEY] = x_r
-            if self.pattern.has_aux_loss:
-                params[AUX_KEY] = {}
+            params = cast(dict, self.mechanism_params(x_r))  # type: ignore[misc]  # the params, x_r, an aux dict ...
+            params |= {name: value[run] for name, value in self.mechanism.items()}  # ... with this run's slices
             outs.append(
                 sparse_attention(
                     q_r, k_r, v_r, self.pattern, causal=self.causal, key_padding_mask=mask_r, impl=self.impl, params=params
@@ -359,8 +357,9 @@ def fused_paper_attention(
     causality -> SDPA with the chosen keys as a boolean mask (rows of at most
     ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys' gradients,
     which serialises on keys that many queries choose) or the scores of the k chosen keys only
-    (``gathered_attention``, O(N k) memory); anything else -> the dense masked softmax. Returns [B, H, N, D]. The dropout masks are drawn from the default
-    generator (not the single model's draws).
+    (``gathered_attention``, O(N k) memory); anything else -> the dense masked softmax. Returns
+    [B, H, N, D]. The dropout masks are drawn from the default generator (not the single model's
+    draws).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     plain = key_padding_mask is None and not causal

@@ -565,14 +565,14 @@ class _Lane:
     def __init__(self, make: Callable[[], PartRun], device: torch.device, on_epoch: Callable[[int], None] | None) -> None:
         self.device, self.on_epoch = device, on_epoch
         generator = default_generator(device)
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the data were loaded there
         # CUDA: a state object of its own (a graph replay advances the state it was captured with);
         # CPU: the state's bytes, swapped in and out
-        self.cuda_rng = generator.clone_state() if self.cuda else None
-        self.cpu_rng = None if self.cuda else generator.get_state()
+        self.cuda_rng = generator.clone_state() if cuda else None
+        self.cpu_rng = None if cuda else generator.get_state()
         with self.turn():
             self.part = make()
 

@@ -132,15 +132,20 @@ def test_triton_selections_have_no_graph_break(example):
     assert explanation.graph_count == 1
 
 
-@pytest.mark.parametrize("example", [e for e in EXAMPLES if parse_pattern(e).make_parameters(HEADS) == {}])
+def _functional(example: str) -> bool:
+    """Whether a pattern runs through the functional API alone (no layer parameters or hidden states)."""
+    spec = parse_pattern(example)
+    layer = spec.make_layer_parameters(HEADS * HEAD_DIM, HEADS, HEADS, HEAD_DIM, HEAD_DIM)
+    return spec.make_parameters(HEADS) == {} and not spec.needs_hidden and not layer
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if _functional(e)])
 def test_functional_api_compiles_with_a_pattern_string(example):
     """``sparse_attention(q, k, v, "BAND:5(1)")`` inside a fullgraph-compiled function: the string
     is parsed while tracing (no graph break) and the result equals eager."""
     from sparsefocus.attention import sparse_attention
 
     spec = parse_pattern(example)
-    if spec.needs_hidden or spec.make_layer_parameters(HEADS * HEAD_DIM, HEADS, HEADS, HEAD_DIM, HEAD_DIM):
-        pytest.skip(f"{example} needs the layer's hidden states or parameters")
     n = _length(spec)
     torch.manual_seed(1)
     q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM) for _ in range(3))
