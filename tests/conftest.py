@@ -14,10 +14,11 @@ _empty = torch.empty
 
 def _nan_empty(*args, **kwargs):
     out = _empty(*args, **kwargs)
-    if out.is_floating_point():
-        out.fill_(float("nan"))
-    elif out.dtype in (torch.int32, torch.int64):
-        out.fill_(-(2**30))
+    with torch.no_grad():  # also a leaf made with requires_grad=True (torch.utils.checkpoint makes one)
+        if out.is_floating_point():
+            out.fill_(float("nan"))
+        elif out.dtype in (torch.int32, torch.int64):
+            out.fill_(-(2**30))
     return out
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from sparsefocus.attention.common import (
     DEFAULT_ROW_CHUNK,
     causal_row_mask,
+    expand_kv,
     mask_from_indices,
     row_slice,
     upcast,
@@ -39,9 +40,11 @@ def select_extreme_keys(
     q: Tensor, k: Tensor, rows: slice, count: int, largest: bool, causal: bool, key_padding_mask: Tensor | None
 ) -> Tensor:
     """Indices [B, H, len(rows), min(count, M)] of each query's largest (or smallest) allowed
-    scores q.k; -1 where a row has fewer allowed keys than ``count``. No gradient."""
+    scores q.k; -1 where a row has fewer allowed keys than ``count``. No gradient. k may have
+    fewer (kv) heads than q: each kv head serves its group of query heads."""
     with torch.no_grad():
-        scores = torch.matmul(upcast(q[:, :, rows]), upcast(k).transpose(-1, -2))  # [B, H, C, M]
+        keys = upcast(expand_kv(k, q.shape[1]))  # [B, H, M, D]
+        scores = torch.matmul(upcast(q[:, :, rows]), keys.transpose(-1, -2))  # [B, H, C, M]
         if not largest:
             scores = -scores
         scores = scores.masked_fill(~allowed_keys(q, k, rows, causal, key_padding_mask), float("-inf"))

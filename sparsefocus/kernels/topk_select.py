@@ -375,16 +375,34 @@ def _short_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Rows of at most BLOCK_N keys: scores [BM, BN] of every key at once, then KK rounds of row
-    maxima (the smallest position among equal maxima), -1 once a row has no allowed key left."""
-    rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
-    s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, 0, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
-    s = tl.where(allowed, s, float("-inf"))
+    maxima (the smallest position among equal maxima), -1 once a row has no allowed key left.
+
+    The scores are summed over slices of BLOCK_DC dimensions: a whole [BN, BD] fp32 key tile
+    (256 KiB at BN=1024, D=64) does not fit in shared memory, a [BN, BLOCK_DC] slice does."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
+    k_ptr, pad_ptr = K + kv_bh.to(tl.int64) * M * D, PAD + (bh // HQ).to(tl.int64) * M
     cols = tl.arange(0, BLOCK_N)
+    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DC):
+        offs_d = d0 + tl.arange(0, BLOCK_DC)
+        q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=(rows[:, None] < N) & (offs_d[None, :] < D), other=0.0)
+        k = tl.load(k_ptr + cols[:, None] * D + offs_d[None, :], mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0)
+        s += tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BM, BN]
+    allowed = cols[None, :] < M
+    if CAUSAL:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    if HAS_PAD:
+        allowed = allowed & (tl.load(pad_ptr + cols, mask=cols < M, other=0) != 0)[None, :]
+    s = tl.where(allowed, s, float("-inf"))
     row_ok = rows < N
     for rank in tl.static_range(KK):
         top = tl.max(s, axis=1)  # [BM]
@@ -633,6 +651,7 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
         KK=kk,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_DC=16,
         CAUSAL=causal,
         HAS_PAD=key_padding_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -1,5 +1,6 @@
 """Bottom-right causal alignment: the last N queries against all M keys equal the last N rows of
-the square causal call, for every registered pattern's examples, on the reference and lean paths."""
+the square causal call, for every registered pattern's examples, on the reference and lean paths,
+and on the Triton paths on a GPU machine (where every case runs on CUDA)."""
 
 import pytest
 import torch
@@ -9,6 +10,8 @@ from sparsefocus.attention import PATTERNS
 
 EXAMPLES = [example for cls in PATTERNS.values() for example in cls.examples]
 LENGTHS = (23, 36, 64)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["reference", "lean", "triton"] if DEVICE == "cuda" else ["reference", "lean"]
 
 
 def _length(pattern):
@@ -29,19 +32,21 @@ def _inputs(m, heads=4, kv_heads=2, dim=8, seed=0, qk_dim=None):
     q = torch.randn(2, heads, m, qk_dim or dim, generator=gen)
     k = torch.randn(2, kv_heads, m, qk_dim or dim, generator=gen)
     v = torch.randn(2, kv_heads, m, dim + 3, generator=gen)
-    return q, k, v
+    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
 
 
 def _params(pattern):
     spec = sf.parse_pattern(pattern)
     made = spec.make_parameters(4)
-    return {name: p.detach() for name, p in made.items()} or None
+    return {name: p.detach().to(DEVICE) for name, p in made.items()} or None
 
 
 @pytest.mark.parametrize("pattern", EXAMPLES)
-@pytest.mark.parametrize("impl", ["reference", "lean"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("n", [1, 5])
 def test_last_queries_equal_last_rows_of_the_square_call(pattern, impl, n):
+    if impl not in sf.parse_pattern(pattern).impls:
+        pytest.skip(f"{pattern} has no {impl} path")
     m = _length(pattern)
     q, k, v = _inputs(m, qk_dim=sf.parse_pattern(pattern).qk_dim(8))
     params = _params(pattern)
@@ -52,15 +57,18 @@ def test_last_queries_equal_last_rows_of_the_square_call(pattern, impl, n):
 
 
 @pytest.mark.parametrize("pattern", ["FULL", "BAND:5(1)", "TOPK:5", "BLOC:9(3)", "zeta:k=4,window=6,chunks=3,local=3"])
-def test_decoding_gradients_match_the_square_call(pattern):
+@pytest.mark.parametrize("impl", IMPLS[1:])
+def test_decoding_gradients_match_the_square_call(pattern, impl):
+    if impl not in sf.parse_pattern(pattern).impls:
+        pytest.skip(f"{pattern} has no {impl} path")
     m, n = 23, 4
     q, k, v = _inputs(m)
-    weight = torch.cos(torch.arange(2 * 4 * n * 11, dtype=torch.float32)).reshape(2, 4, n, 11)
+    weight = torch.cos(torch.arange(2 * 4 * n * 11, dtype=torch.float32, device=DEVICE)).reshape(2, 4, n, 11)
 
     def grads(last_only):
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         if last_only:
-            out = sf.sparse_attention(leaves[0][:, :, -n:], leaves[1], leaves[2], pattern, causal=True, impl="lean")
+            out = sf.sparse_attention(leaves[0][:, :, -n:], leaves[1], leaves[2], pattern, causal=True, impl=impl)
         else:
             out = sf.sparse_attention(*leaves, pattern, causal=True, impl="reference")[:, :, -n:]
         (out * weight).sum().backward()
@@ -72,7 +80,7 @@ def test_decoding_gradients_match_the_square_call(pattern):
 
 def test_decoding_respects_key_padding():
     q, k, v = _inputs(23)
-    padding = torch.ones(2, 23, dtype=torch.bool)
+    padding = torch.ones(2, 23, dtype=torch.bool, device=DEVICE)
     padding[1, :6] = False
     for pattern in ("FULL", "TOPK:5", "BAND:4"):
         square = sf.sparse_attention(q, k, v, pattern, causal=True, key_padding_mask=padding, impl="reference")

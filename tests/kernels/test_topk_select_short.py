@@ -69,3 +69,14 @@ def test_short_rows_op_passes_opcheck():
     q, k = torch.randn(1, 2, 20, 4, device=DEVICE), torch.randn(1, 1, 20, 4, device=DEVICE)
     key_padding_mask = torch.rand(1, 20, device=DEVICE) > 0.3
     torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask))
+
+
+@pytest.mark.parametrize("m", [601, topk_select_module.SHORT_MAX_M])
+def test_the_longest_short_rows_at_a_wide_head(m, launches):
+    """A [BN, 64] fp32 key tile at BN = 1024 would not fit in shared memory: the kernel sums the
+    scores over slices of dimensions; the ListOps rows (about 600 keys, D = 64) are of this size."""
+    q = torch.randn(1, 2, 19, 64, device=DEVICE)
+    k = torch.randn(1, 1, m, 64, device=DEVICE)
+    got = topk_select(q, k, 5, causal=False)
+    assert launches == ["_launch_short"]
+    assert torch.equal(got, topk_select_torch(q, k, 5, causal=False))

@@ -1,5 +1,6 @@
 """``sparse_attention(..., impl="triton")`` equals ``impl="reference"`` (outputs and grads) for
-TOPK and BAND, the two patterns whose Triton path is the kernels of this package."""
+TOPK and BAND, the two patterns whose Triton path is the kernels of this package, and BOTK, whose
+selection runs in PyTorch before the same attention kernel; 4 query heads share 2 kv heads."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from sparsefocus.attention import sparse_attention
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("pattern", ["TOPK:5", "BAND:5(1)"])
+@pytest.mark.parametrize("pattern", ["TOPK:5", "BAND:5(1)", "BOTK:3"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_triton_impl_matches_reference(pattern, causal):
     q = torch.randn(2, 4, 37, 8, device=DEVICE, requires_grad=True)
