@@ -227,7 +227,8 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
 
 
 def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epochs: int, budget: Budget) -> dict:
-    """FULL and TOPK:5 curves, 3 seeds, at each precision; the largest per-epoch differences."""
+    """FULL and TOPK:5 curves, 3 seeds, at fp32 and the chosen precision (``precisions``: the
+    reference first); the largest per-epoch differences next to the spread between seeds."""
     curves = {}
     for precision in precisions:
         config = listops(
@@ -240,8 +241,16 @@ def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epo
             curves[(label(precision), spec.label, spec.seed)] = lines
     if any(len(lines) < epochs for lines in curves.values()):
         return {"finished": False}
-    reference, chosen = label(precisions[0]), label(precisions[-1])
-    summary = {"finished": True}
+    return compare_curves(curves, label(precisions[0]), label(precisions[-1]), epochs)
+
+
+def compare_curves(curves: dict, reference: str, chosen: str, epochs: int) -> dict:
+    """Per mechanism and metric: the largest |chosen - reference| over epochs and seeds, the mean
+    seed standard deviation of the reference, and both median curves. ``curves``: (precision
+    label, mechanism, seed) -> per-epoch metric dicts."""
+    if reference == chosen:
+        raise ValueError(f"the fidelity check compares two precisions, got {reference} twice")
+    summary: dict = {"finished": True, "reference": reference, "chosen": chosen}
     for mechanism in ("FULL", "TOPK:5"):
         for key in ("train_loss", "valid_acc"):
             gaps, spreads = [], []
@@ -251,14 +260,11 @@ def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epo
                 gaps.append(max(abs(x - y) for x, y in zip(a, b)))
                 spreads.append(statistics.pstdev(a))
             summary[f"{mechanism}/{key}"] = {"max_gap": round(max(gaps), 5), "seed_std_mean": round(statistics.mean(spreads), 5)}
-            summary[f"{mechanism}/{key}/{reference}"] = [
-                round(statistics.median(curves[(reference, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4)
-                for e in range(epochs)
-            ]
-            summary[f"{mechanism}/{key}/{chosen}"] = [
-                round(statistics.median(curves[(chosen, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4)
-                for e in range(epochs)
-            ]
+            for name in (reference, chosen):
+                summary[f"{mechanism}/{key}/{name}"] = [
+                    round(statistics.median(curves[(name, mechanism, s)][e][key] for s in PAPER_SEEDS[:3]), 4)
+                    for e in range(epochs)
+                ]
     return summary
 
 
@@ -309,7 +315,8 @@ def main() -> int:
     for stage in args.redo:
         state.pop(stage, None)
     chosen = (args.precision, args.autocast)
-    precisions = [FP32] if chosen == FP32 else ([chosen] if args.no_reference else [FP32, chosen])
+    timed = [FP32] if chosen == FP32 else ([chosen] if args.no_reference else [FP32, chosen])
+    compared = [FP32, chosen]  # the fidelity stage always has its fp32 reference
     extra = [f"train.compile={args.compile}", *args.extra]
     state["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     state["torch"] = torch.__version__
@@ -325,10 +332,11 @@ def main() -> int:
         state["check"] = check(out, extra)
         save()
     if "throughput" not in state and left() > args.min_stage:
-        state["throughput"] = throughput(out, precisions, extra, args.steps, args.compile)
+        state["throughput"] = throughput(out, timed, extra, args.steps, args.compile)
         save()
-    if not state.get("fidelity", {}).get("finished") and left() > args.margin + 120:
-        state["fidelity"] = fidelity(out, precisions, extra, args.fidelity_epochs, Budget(left() - args.margin))
+    fidelity_due = chosen != FP32 and not state.get("fidelity", {}).get("finished")
+    if fidelity_due and left() > args.margin + 120:
+        state["fidelity"] = fidelity(out, compared, extra, args.fidelity_epochs, Budget(left() - args.margin))
         save()
     if not args.no_study and left() > args.margin + 60:
         state["study"] = study(out, chosen, extra, Budget(left() - args.margin))

@@ -1,14 +1,16 @@
-"""ZETA's decoding cache: a step from the cache (sorted key codes merged, never re-sorted;
-running sums for the mean token) gives the last row of the causal call over all keys, for one
-and several curves, the local band, the sink, GQA and odd sizes; the layer uses it."""
+"""ZETA's decoding cache: a step from the cache (sorted runs of key codes merged, never re-sorted;
+capacity buffers written in place; running sums for the mean token) gives the last row of the
+causal call over all keys, for one and several curves, the local band, the sink, GQA and odd
+sizes, across buffer growths and run merges; the runs give the window of one fresh sort; earlier
+caches keep their positions; the layer uses it."""
 
 import pytest
 import torch
 
 from sparsefocus import SparseAttention
 from sparsefocus.attention import parse_pattern, sparse_attention
-from sparsefocus.attention.zeta import _codes, code_bits
-from sparsefocus.attention.zeta_decode import ZetaCache, decode_step, start_cache
+from sparsefocus.attention.zeta import _codes, _window_candidates, code_bits
+from sparsefocus.attention.zeta_decode import ZetaCache, _block_runs, _run_windows, _runs_after, decode_step, start_cache
 
 SPECS = [
     "zeta:k=4,window=6,chunks=3,local=3",
@@ -49,7 +51,8 @@ def test_the_cache_keeps_the_searchable_keys_sorted_as_a_fresh_sort_would():
 
 def test_a_step_through_the_triton_kernel_equals_the_reference_step():
     pattern = parse_pattern("zeta:k=4,window=6,chunks=3,local=3,sink=1")
-    q, k, v = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 30, 3), torch.randn(1, 2, 30, 8)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel in the interpreter
+    q, k, v = (torch.randn(*shape, device=device) for shape in ((1, 4, 1, 3), (1, 2, 30, 3), (1, 2, 30, 8)))
     cache = start_cache(pattern, k[:, :, :-1], v[:, :, :-1])
     steps = [decode_step(pattern, q, k[:, :, -1:], v[:, :, -1:], cache, kernel=kernel)[0] for kernel in ("reference", "triton")]
     torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-6)
@@ -78,3 +81,90 @@ def test_a_zeta_layer_decodes_from_its_own_cache():
         several, cache = layer(x[:, 18:], past_kv=cache, use_cache=True)  # several positions: the call, a new cache
         torch.testing.assert_close(several, layer(x)[:, 18:], rtol=1e-5, atol=1e-6)
         assert isinstance(cache, ZetaCache) and torch.equal(cache.sorted_codes, start_cache(layer.pattern, *cache).sorted_codes)
+
+
+def _set_bits(n):
+    return [1 << bit for bit in reversed(range(n.bit_length())) if n >> bit & 1]
+
+
+@pytest.mark.parametrize("spec", ["zeta:k=4,window=6,chunks=16,local=3,bits=3", "zeta:k=5,window=5,curves=3,chunks=9,local=2"])
+@pytest.mark.parametrize("heads, kv_heads", [(3, 3), (6, 2)])
+def test_long_decoding_across_buffer_growths_and_run_merges_gives_every_last_row(spec, heads, kv_heads):
+    pattern = parse_pattern(spec)
+    n = 157
+    q = torch.randn(2, heads, n, 3, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, n, 3, dtype=torch.float64)
+    v = torch.randn(2, kv_heads, n, 7, dtype=torch.float64)
+    cache = start_cache(pattern, k[:, :, :2], v[:, :, :2], capacity=2)
+    capacities, top_runs = {cache.capacity}, set()
+    for t in range(2, n):
+        buffers = cache.buffers
+        out, cache = decode_step(pattern, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], cache)
+        if cache.buffers is not buffers:  # fresh buffers: poison the unwritten positions, no step may read them
+            cache.buffers.key[:, :, t + 1 :], cache.buffers.value[:, :, t + 1 :] = float("nan"), float("nan")
+        whole = sparse_attention(q[:, :, : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], pattern, causal=True, impl="lean")
+        torch.testing.assert_close(out, whole[:, :, -1:], rtol=1e-12, atol=1e-12, msg=f"position {t}")
+        assert torch.equal(cache.k, k[:, :, : t + 1]) and torch.equal(cache.v, v[:, :, : t + 1]) and len(cache) == 2
+        assert [run.size for run in cache.runs] == _set_bits(cache.prefix)
+        capacities.add(cache.capacity)
+        top_runs.add(cache.runs[0].size if cache.runs else 0)
+    assert sorted(capacities) == [2, 16, 32, 64, 128, 256]  # full buffers double (at least MIN_CAPACITY)
+    assert {8, 16, 32, 64, 128} <= top_runs  # the prefix's top bit rose several times: every run merged into one
+
+
+def test_a_cache_reads_as_views_of_its_buffers_and_keeps_its_positions_after_later_steps():
+    pattern = parse_pattern("zeta:k=3,window=4,chunks=3,local=2")
+    k, v = torch.randn(1, 2, 12, 3), torch.randn(1, 2, 12, 4)
+    first = start_cache(pattern, k[:, :, :9], v[:, :, :9])
+    assert first.capacity == 16 and first.k.data_ptr() == first.buffers.key.data_ptr()
+    _, second = decode_step(pattern, torch.randn(1, 2, 1, 3), k[:, :, 9:10], v[:, :, 9:10], first)
+    assert second.buffers is first.buffers  # written in place: no copy of the cache
+    assert torch.equal(first.k, k[:, :, :9]) and torch.equal(second.k, k[:, :, :10]) and torch.equal(second.v, v[:, :, :10])
+    assert torch.equal(second[0], second.k) and torch.equal(second[1], second.v)
+    torch.testing.assert_close(second.key_sum, k[:, :, :10].sum(2, keepdim=True))
+
+
+def test_a_step_from_an_earlier_cache_copies_while_a_later_one_is_alive_and_reuses_the_buffers_once_it_is_not():
+    pattern = parse_pattern("zeta:k=3,window=4,chunks=3,local=2")
+    q, k, v = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 11, 3), torch.randn(1, 2, 11, 4)
+    other_k, other_v = torch.randn(1, 2, 1, 3), torch.randn(1, 2, 1, 4)
+    first = start_cache(pattern, k[:, :, :10], v[:, :, :10])
+    _, kept = decode_step(pattern, q, k[:, :, 10:], v[:, :, 10:], first)
+    out, branch = decode_step(pattern, q, other_k, other_v, first)  # a branch: ``kept`` reads position 10
+    assert branch.buffers is not kept.buffers and torch.equal(kept.k, k) and torch.equal(kept.v, v)
+    assert torch.equal(branch.k, torch.cat([k[:, :, :10], other_k], dim=2))
+    whole = sparse_attention(q.expand(1, 4, 11, 3), branch.k, branch.v, pattern, causal=True, impl="lean")
+    torch.testing.assert_close(out, whole[:, :, -1:])
+    buffers = kept.buffers
+    del kept
+    _, again = decode_step(pattern, q, other_k, other_v, first)
+    assert again.buffers is buffers and torch.equal(again.k, branch.k)
+
+
+def test_a_step_refuses_a_new_key_of_another_shape_than_the_cache():
+    pattern = parse_pattern("zeta:k=3")
+    cache = start_cache(pattern, torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 2))
+    with pytest.raises(ValueError, match="k_new must be"):
+        decode_step(pattern, torch.randn(1, 2, 1, 3), torch.randn(1, 1, 1, 3), torch.randn(1, 2, 1, 2), cache)
+    with pytest.raises(ValueError, match="capacity 3 is below the 4 positions"):
+        start_cache(pattern, torch.randn(1, 2, 4, 3), torch.randn(1, 2, 4, 2), capacity=3)
+
+
+@pytest.mark.parametrize("window", [1, 4, 7, 64])
+def test_sorted_runs_give_the_window_candidates_of_one_fresh_sort_with_many_ties(window):
+    curves, batch, kv_heads, group = 2, 2, 3, 2
+    generator = torch.Generator().manual_seed(window)
+    codes = torch.randint(1, 7, (curves, batch, kv_heads, 211), generator=generator)  # few values: long runs of ties
+    runs, prefix = _block_runs(codes[..., :0], 0), 0
+    while prefix < codes.shape[-1]:
+        grown = min(codes.shape[-1], prefix + int(torch.randint(1, 9, (), generator=generator)))
+        runs = _runs_after(runs, codes[..., prefix:grown], prefix, grown)
+        prefix = grown
+        assert [run.size for run in runs] == _set_bits(prefix)
+        queries = torch.randint(0, 8, (curves, batch, kv_heads, group), generator=generator)  # below, equal to and above the keys
+        got = _run_windows(runs, queries, prefix, window).permute(1, 2, 3, 0, 4).reshape(batch, kv_heads * group, 1, -1)
+        sorted_codes, order = torch.sort(codes[..., :prefix], dim=-1, stable=True)
+        expand = lambda x: x.repeat_interleave(group, dim=2)  # [S, B, Hq, P]: query head h reads kv head h // group
+        searchable = torch.full((batch, 1), prefix)
+        want = _window_candidates(expand(sorted_codes), expand(order), searchable, queries.reshape(curves, batch, -1, 1), window)
+        assert torch.equal(got, want), prefix
