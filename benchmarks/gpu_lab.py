@@ -16,6 +16,7 @@ Each call does what fits in ``--budget`` seconds and remembers what it finished 
 
 Usage (one H200, about 9 minutes a call):
     python benchmarks/gpu_lab.py --out OUT [--budget 540] [--precision high] [--autocast none]
+    python benchmarks/gpu_lab.py --out OUT --summarise --precision high --autocast bf16 --fidelity-epochs 8  # no GPU
 Writes ``<out>/gpu_lab.json`` and prints a table. Extra ``--set key=value`` overrides go to
 every ListOps config (e.g. ``--set model.global_tokens=append_paper``).
 """
@@ -229,19 +230,58 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
 def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epochs: int, budget: Budget) -> dict:
     """FULL and TOPK:5 curves, 3 seeds, at fp32 and the chosen precision (``precisions``: the
     reference first); the largest per-epoch differences next to the spread between seeds."""
-    curves = {}
-    for precision in precisions:
-        config = listops(
-            out, f"fidelity-{label(precision)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], precision, extra, f"train.epochs={epochs}"
-        )
+    for config in fidelity_configs(out, precisions, extra, epochs):
         run_experiment(config, quiet=True, budget=budget)
+    return summarise_fidelity(out, precisions, extra, epochs)
+
+
+def fidelity_configs(out: Path, precisions: list[tuple[str, str]], extra: list[str], epochs: int) -> list:
+    return [
+        listops(out, f"fidelity-{label(p)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], p, extra, f"train.epochs={epochs}")
+        for p in precisions
+    ]
+
+
+def summarise_fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epochs: int) -> dict:
+    """The comparison of the fidelity runs' logged curves (no training); unfinished runs give
+    {"finished": False}."""
+    curves = {}
+    for precision, config in zip(precisions, fidelity_configs(out, precisions, extra, epochs)):
         for spec in plan(config, [("default", config)]):
             path = spec.run_dir / "metrics.jsonl"
             lines = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-            curves[(label(precision), spec.label, spec.seed)] = lines
+            curves[(label(precision), spec.label, spec.seed)] = lines[:epochs]
     if any(len(lines) < epochs for lines in curves.values()):
         return {"finished": False}
-    return compare_curves(curves, label(precisions[0]), label(precisions[-1]), epochs)
+    summary = compare_curves(curves, label(precisions[0]), label(precisions[-1]), epochs)
+    plot_fidelity(curves, label(precisions[0]), label(precisions[-1]), out / "fidelity.png")
+    return summary
+
+
+def plot_fidelity(curves: dict, reference: str, chosen: str, path: Path) -> None:
+    """Every seed's train loss and held-out accuracy per epoch, reference solid, chosen dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
+    for col, mechanism in enumerate(("FULL", "TOPK:5")):
+        for row, key in enumerate(("train_loss", "valid_acc")):
+            ax = axes[row][col]
+            for i, seed in enumerate(PAPER_SEEDS[:3]):
+                for name, style in ((reference, "-"), (chosen, "--")):
+                    ys = [line[key] for line in curves[(name, mechanism, seed)]]
+                    ax.plot(range(1, len(ys) + 1), ys, style, color=f"C{i}", label=f"{name} seed {seed}")
+            ax.set_title(f"{mechanism} {key}")
+            ax.set_xlabel("epoch")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"ListOps, 3 seeds: {reference} (solid) and {chosen} (dashed)")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(path)
 
 
 def compare_curves(curves: dict, reference: str, chosen: str, epochs: int) -> dict:
@@ -293,6 +333,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
     parser.add_argument("--min-stage", type=float, default=240.0, help="seconds left needed to start the throughput stage")
     parser.add_argument("--no-study", action="store_true", help="stop after the fidelity stage")
+    parser.add_argument(
+        "--summarise",
+        action="store_true",
+        help="only recompute the fidelity comparison and fidelity.png from the run folders under --out (no GPU)",
+    )
     parser.add_argument("--redo", action="append", default=[], help="stage to run again: check, throughput, fidelity")
     parser.add_argument(
         "--set", action="append", default=[], dest="extra", metavar="KEY=VALUE", help="override for every ListOps config"
@@ -304,6 +349,8 @@ def main() -> int:
     global DEVICE, TOPK_SELECT
     args = parse_args()
     DEVICE, TOPK_SELECT = args.device, args.topk_select
+    if args.summarise:
+        return summarise_only(args)
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("gpu_lab needs CUDA (--device cpu with small --set sizes is a smoke test only)")
         return 2
@@ -341,6 +388,18 @@ def main() -> int:
     if not args.no_study and left() > args.margin + 60:
         state["study"] = study(out, chosen, extra, Budget(left() - args.margin))
         save()
+    print_table(state)
+    return 0
+
+
+def summarise_only(args: argparse.Namespace) -> int:
+    """--summarise: the fidelity stage's comparison from finished run folders, into gpu_lab.json."""
+    out = Path(args.out)
+    state_path = out / "gpu_lab.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {}
+    extra = [f"train.compile={args.compile}", *args.extra]
+    state["fidelity"] = summarise_fidelity(out, [FP32, (args.precision, args.autocast)], extra, args.fidelity_epochs)
+    write_text_atomic(state_path, json.dumps(state, indent=1))
     print_table(state)
     return 0
 
