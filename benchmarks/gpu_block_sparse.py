@@ -218,6 +218,7 @@ def cases(batch, heads, d):
     yield "moba", lambda n: ours(MOBA, batch, heads, heads, n, d)
     yield "quest", lambda n: ours(QUEST, batch, heads, heads, n, d)
     yield "dsa", lambda n: ours(DSA, batch, heads, heads, n, d)
+    yield "dsa g16", lambda n: ours(DSA, batch, heads, heads // 16, n, d)  # a kv group's heads share one tensor-core tile
 
 
 def write(out_dir: str, record: dict) -> None:

@@ -46,6 +46,12 @@ SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)
 WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
 EXPANDED_INDEX_BYTES = 2**30  # largest per-head copy of the shared key lists one kernel call gets
+GROUP_KERNEL_MIN_HEADS = 4
+"""Query heads per kv head from which the Triton path attends with ``group_indexed`` (a kv group's
+heads as the rows of one tensor-core tile, each listed key gathered once for the group) instead
+of the per-head gather kernel. The crossover is estimated (a tile of 16 rows holding G heads uses
+G/16 of the tensor cores, which outrun the gather kernel's CUDA-core products about 15 to 1), not
+timed yet."""
 
 
 @register
@@ -141,6 +147,10 @@ class DSA(Pattern):
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         index, tensors = self._lists(q, k, causal, key_padding_mask, params)
         self._store_loss(q, k, index, tensors, scale, params)
+        if q.shape[1] // k.shape[1] >= GROUP_KERNEL_MIN_HEADS:
+            from sparsefocus.kernels.group_indexed import group_indexed_attention
+
+            return group_indexed_attention(q, k, v, index, scale=scale)[0]
         return indexed_per_group(q, k, v, index, scale)
 
     def _store_loss(self, q, k, index, tensors, scale, params) -> None:

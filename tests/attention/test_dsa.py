@@ -1,8 +1,9 @@
-"""DSA: the Triton path (chunked indexer + indexed kernel + chunked KL) against the dense
+"""DSA: the Triton path (chunked indexer + indexed kernel, per head or per kv group, + chunked KL) against the dense
 reference in the output, the KL loss and every gradient (q, k, v, indexer weights), GQA and
 padding; no causal leak; row chunking changes nothing; the KL trains the indexer only; the layer
 exposes the loss as ``aux_loss``."""
 
+import pytest
 import torch
 from block_sparse_checks import perturbed_after, run_with_grads
 
@@ -22,9 +23,11 @@ def dsa_case(spec, n, heads=4, kv_heads=2, dim=12, head_dim=8, batch=2):
     return x, q, torch.randn(batch, kv_heads, n, head_dim), torch.randn(batch, kv_heads, n, head_dim + 3), weights
 
 
-def test_dsa_kernel_matches_reference_in_output_loss_and_every_gradient():
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2)])  # the per-head kernel; the group kernel
+def test_dsa_kernel_matches_reference_in_output_loss_and_every_gradient(heads, kv_heads):
+    assert (heads // kv_heads >= dsa.GROUP_KERNEL_MIN_HEADS) == (heads == 8)
     spec = sf.parse_pattern("dsa:k=9,heads=2,dim=8")
-    x, q, k, v, weights = dsa_case(spec, n=41)
+    x, q, k, v, weights = dsa_case(spec, n=41, heads=heads, kv_heads=kv_heads)
     padding = torch.rand(2, 41) > 0.2
     ref = run_with_grads(spec, "reference", x, q, k, v, weights, padding, aux_key="dsa_indexer_kl")
     tri = run_with_grads(spec, "triton", x, q, k, v, weights, padding, aux_key="dsa_indexer_kl")
