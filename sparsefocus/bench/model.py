@@ -4,8 +4,10 @@ A step is ``zero_grad``, forward under autocast, cross-entropy on random next to
 ``AdamW.step``; eager, and with the model under ``torch.compile``. Per (pattern, N, mode) it
 reports the median ms per step (CUDA events, after warm-up), tokens per second, peak memory
 (``torch.cuda.max_memory_allocated``, reset per case, so parameters, optimizer state and
-activations all count), attention's share of the step's device time (``profiling.py``) and the
-ratio FULL ms / pattern ms at the same N and mode (> 1: the pattern pays in this model).
+activations all count), attention's share of the step's device time (``profiling.py``), the
+device's busy time over the step's time (well below 1: the step waits on the host, not the GPU),
+the heaviest kernels (``--top-kernels``) and the ratio FULL ms / pattern ms at the same N and
+mode (> 1: the pattern pays in this model).
 
 FULL is timed under each SDPA backend (``--full-backends``) and the fastest is FULL's baseline,
 so a pattern is never compared with a slower dense kernel than the GPU offers.
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 
 from sparsefocus.attention import parse_pattern
 from sparsefocus.bench.profiling import (
+    device_ms,
+    top_kernels,
     ATTENTION_RANGE,
     attention_share,
     count_kernels,
@@ -89,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--out", type=Path, default=Path("bench_model.json"), help="JSON path; the PNG goes beside it")
+    parser.add_argument(
+        "--top-kernels", type=int, default=8, help="heaviest kernels (CPU: ops) per row in the JSON, by device time"
+    )
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     return parser
 
@@ -210,6 +217,18 @@ def measure_model_case(args: argparse.Namespace, case: ModelCase, device: torch.
         "attention_share_method": share_method(case.mode, device),
         "launches": (count_kernels(events) or None) if device.type == "cuda" else None,  # 0: the profiler saw none
         "first_step_s": first_s,
+        **busy_fields(events, device, ms, args.top_kernels),
+    }
+
+
+def busy_fields(events: list, device: torch.device, ms: float, count: int) -> dict:
+    """The profiled step's kernel time (device_ms), its share of the timed step (device_busy: well
+    below 1 means the GPU waits on the host) and its heaviest kernels."""
+    busy = device_ms(events, device)
+    return {
+        "device_ms": busy,
+        "device_busy": None if busy is None else busy / ms,
+        "top_kernels": top_kernels(events, device, count),
     }
 
 
@@ -303,12 +322,16 @@ def format_model_row(row: dict, case: ModelCase | None = None) -> str:
         return f"{head} {row['status']}: {row.get('error', '')}"
     peak = "" if row["peak_mb"] is None else f"{row['peak_mb']:9.0f} MB"
     share = "" if row["attention_share"] is None else f"attention {100 * row['attention_share']:4.1f}%"
+    if row.get("device_busy") is not None:
+        share += f" GPU busy {100 * row['device_busy']:4.1f}%"
     ratio = f"  FULL/this {row['vs_full']:.2f}x" if row.get("vs_full") else ""
     return f"{head} {row['ms']:10.2f} ms/step {row['tokens_per_s']:12.0f} tok/s {peak} {share}{ratio}"
 
 
 def check_args(args: argparse.Namespace) -> None:
     """BenchError naming the first bad option."""
+    if args.top_kernels < 0:
+        raise BenchError(f"--top-kernels must be >= 0, got {args.top_kernels}")
     for name in ("batch", "blocks", "dim", "heads", "mlp", "vocab", "steps"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -1,4 +1,5 @@
-"""What the profiler says about one bench step: CUDA kernel launches, and attention's share.
+"""What the profiler says about one bench step: CUDA kernel launches, attention's share, the
+device's busy time and the heaviest kernels.
 
 Kernels are the device activities the profiler ties to the CPU op that launched them
 (``FunctionEvent.kernels``), less memory copies and fills. Attention's share of a model step is
@@ -11,7 +12,12 @@ the device time of attention's kernels over the device time of all kernels:
   SDPA ops, the ``sparsefocus::`` ops, and kernels named as SDPA's or the project's Triton
   kernels. Selection work that Inductor fuses into its own kernels is not counted.
 
-On CPU there are no kernels: launches are None, and the share is taken over self CPU time.
+The busy time is the sum of the step's kernel durations: a step whose wall-clock time is much
+longer waits on the host (launch-bound Python, host syncs), not on the GPU. The heaviest kernels
+are the step's kernels grouped by name, by total device time.
+
+On CPU there are no kernels: launches and the busy time are None, the share is taken over self
+CPU time, and the heaviest "kernels" are the CPU ops by self CPU time.
 """
 
 from __future__ import annotations
@@ -120,3 +126,28 @@ def triton_kernel_names() -> set[str]:
                     _TRITON_NAMES.add(getattr(function, "__name__", ""))
         _TRITON_NAMES.discard("")
     return _TRITON_NAMES
+
+
+def device_ms(events: list[FunctionEvent], device: torch.device) -> float | None:
+    """Summed duration (ms) of the device kernels in ``events``; None on CPU or when the profiler
+    saw no kernel."""
+    if device.type != "cuda":
+        return None
+    total = sum(kernel.duration for event in events for kernel in _kernels(event))
+    return total / 1e3 if total > 0 else None
+
+
+def top_kernels(events: list[FunctionEvent], device: torch.device, count: int) -> list[dict]:
+    """The ``count`` heaviest kernels (CUDA) or CPU ops by self time (CPU) of ``events``, grouped
+    by name: [{"name", "ms", "calls"}] by total ms, largest first."""
+    totals: dict[str, list[float]] = {}
+    if device.type == "cuda":
+        timed = [(kernel.name, kernel.duration) for event in events for kernel in _kernels(event)]
+    else:
+        timed = [(event.name, event.self_cpu_time_total) for event in events]
+    for name, microseconds in timed:
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += microseconds
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])[:count]
+    return [{"name": name, "ms": round(us / 1e3, 4), "calls": int(calls)} for name, (us, calls) in ranked]

@@ -74,7 +74,13 @@ def test_every_model_case_failing_exits_1_and_writes_nothing(tmp_path, capsys, m
 
 
 @pytest.mark.parametrize(
-    "bad, text", [(["--lengths", "70000"], "--lengths"), (["--patterns", "NOPE:3"], "NOPE:3"), (["--heads", "3"], "divide")]
+    "bad, text",
+    [
+        (["--lengths", "70000"], "--lengths"),
+        (["--patterns", "NOPE:3"], "NOPE:3"),
+        (["--heads", "3"], "divide"),
+        (["--top-kernels", "-1"], "--top-kernels"),
+    ],
 )
 def test_bad_model_options_name_the_option(tmp_path, capsys, bad, text):
     assert main([*TINY_MODEL, "--device", "cpu", *bad, "--out", str(tmp_path / "m.json")]) == 2

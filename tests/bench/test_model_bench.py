@@ -13,6 +13,7 @@ from sparsefocus.bench.profiling import (
     attention_events,
     attention_share,
     profile_events,
+    top_kernels,
 )
 from sparsefocus.bench.run import main
 
@@ -45,6 +46,9 @@ OK_FIELDS = {
     "attention_share_method",
     "launches",
     "first_step_s",
+    "device_ms",
+    "device_busy",
+    "top_kernels",
     "full_ms",
     "full_backend",
     "vs_full",
@@ -71,7 +75,12 @@ def test_model_bench_json_has_every_field_and_both_modes(tmp_path):
             assert OK_FIELDS <= set(row)
             assert row["ms"] > 0 and row["tokens_per_s"] > 0
             assert row["peak_mb"] is None and row["launches"] is None  # CPU: nothing to report, not 0
+            assert row["device_ms"] is None and row["device_busy"] is None
             assert 0.0 < row["attention_share"] < 1.0
+            heaviest = row["top_kernels"]  # CPU: the ops by self CPU time
+            assert 1 <= len(heaviest) <= 8 and all(set(op) == {"name", "ms", "calls"} for op in heaviest)
+            assert [op["ms"] for op in heaviest] == sorted((op["ms"] for op in heaviest), reverse=True)
+            assert all(op["calls"] >= 1 for op in heaviest)
     band = next(r for r in rows if r["pattern"] == "BAND:4" and r["mode"] == "eager")
     assert band["status"] == "ok" and band["vs_full"] > 0
     (baseline,) = payload["full_baseline"]
@@ -103,3 +112,12 @@ def test_marked_attention_restores_the_layer_function():
     with marked_attention():
         assert layer.sparse_attention is not original
     assert layer.sparse_attention is original
+
+
+def test_top_kernels_group_the_calls_of_one_name():
+    a = torch.randn(48, 48)
+    events = profile_events(lambda: [a @ a for _ in range(3)], torch.device("cpu"))
+    heaviest = top_kernels(events, torch.device("cpu"), 50)
+    (mm,) = [op for op in heaviest if op["name"] == "aten::mm"]
+    assert mm["calls"] == 3 and mm["ms"] > 0
+    assert top_kernels(events, torch.device("cpu"), 0) == []
