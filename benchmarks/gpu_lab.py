@@ -7,7 +7,8 @@ Each call does what fits in ``--budget`` seconds and remembers what it finished 
    (each op per run, as ``train_run``) on a small ListOps batch, fp32: logits and gradients.
 2. throughput: the ListOps model (10 blocks, d=64, lengths 500-600, batch 25) with 10 seeds
    folded, FULL and TOPK:5, fp32 and the chosen precision: ms per training step, seconds of one
-   whole-set evaluation (5000 + 2000 per seed), their sum per epoch, compile seconds, peak memory.
+   whole-set evaluation (5000 + 2000 per seed), their sum per epoch, compile seconds, peak memory,
+   and the heaviest kernels of one profiled step and one evaluation chunk.
 3. fidelity: FULL and TOPK:5, 3 seeds, ``--fidelity-epochs`` epochs at fp32 and at the chosen
    precision (run folders ``fidelity-fp32`` / ``fidelity-<precision>``), per-epoch differences
    of train loss and held-out accuracy next to the spread between seeds.
@@ -35,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sparsefocus.bench.profiling import device_ms, profile_events, top_kernels
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import PAPER_SEEDS, load_config
 from sparsefocus.train.driver import Budget, GroupTrainer, build_datas
@@ -217,6 +219,14 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
     synchronize()
     eval_s = time.perf_counter() - began
     epoch_s = trainer.steps_per_epoch * step_ms / 1000 + eval_s
+    device = torch.device(DEVICE)
+    chunk = trainer.train_cfg.eval_batch_size
+    profiles = {
+        "step": profile_events(lambda: step(3 + steps), device),
+        "eval_chunk": profile_events(
+            lambda: trainer.evaluate(trainer.valid_inputs[:, :chunk], trainer.valid_targets[:, :chunk]), device
+        ),
+    }
     return {
         "step_ms": round(step_ms, 3),
         "eval_s": round(eval_s, 3),
@@ -224,6 +234,10 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
         "study_min_200_epochs": round(200 * epoch_s / 60, 2),
         "compile_s": round(compile_s, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else 0.0,
+        **{
+            f"{name}_profile": {"device_ms": device_ms(events, device), "top_kernels": top_kernels(events, device, 10)}
+            for name, events in profiles.items()
+        },
     }
 
 
