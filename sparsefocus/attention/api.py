@@ -6,7 +6,7 @@ import importlib.util
 import itertools
 import os
 import sys
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import torch
 from torch import Tensor
@@ -19,7 +19,7 @@ from sparsefocus.attention.decode import (
 )
 from sparsefocus.attention.lse import attention_lse, check_lse_support, triton_with_lse
 from sparsefocus.attention.patterns import Pattern, parse_pattern
-from sparsefocus.attention.varlen import check_cu_seqlens, packed_attention
+from sparsefocus.attention.varlen import check_cu_seqlens, check_packed_shapes, packed_attention, packed_run_attention
 
 IMPLS = ("auto", "reference", "lean", "triton", "flex")
 
@@ -177,8 +177,10 @@ def sparse_attention(
         return_lse: also return the log-sum-exp of each row's scaled kept scores (softmax
             mechanisms only; see ``merge_partials`` in attention/lse.py). Default: False.
         cu_seqlens: [D + 1] int cumulative document lengths of a packed batch q, k, v
-            [1, H, T, *]: each document is attended alone (attention/varlen.py). Reference and
-            lean paths; N == M, no key_padding_mask. Default: None.
+            [1, H, T, *]: each document is attended alone (attention/varlen.py). Every path;
+            N == M, no key_padding_mask. FULL, BAND and BLOC without global tokens
+            on the Triton path ("auto" on CUDA) run in one kernel call with no host read; the
+            rest one call per document. Default: None.
     Returns:
         [B, Hq, N, Dv] in q's dtype; rows with no allowed key are zero. With ``return_lse``,
         (out, lse) with lse [B, Hq, N] fp32, natural log, -inf on rows with no key.
@@ -186,7 +188,7 @@ def sparse_attention(
     spec = parse_pattern(pattern)
     check_inputs(q, k, v, key_padding_mask)
     if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, q, k, key_padding_mask)
+        check_packed_shapes(cu_seqlens, q, k, key_padding_mask)  # the cut points' values: by the path in _packed
         return _packed(spec, q, k, v, cu_seqlens, causal=causal, scale=scale, impl=impl, params=params, return_lse=return_lse)
     decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
     if return_lse:
@@ -210,7 +212,21 @@ def sparse_attention(
 
 
 def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, impl: str, **kwargs):
-    """Each document of a packed batch through ``sparse_attention`` alone."""
+    """A packed batch in one run-kernel call where the pattern's rows are runs of their documents
+    and the path is Triton ("auto" on CUDA too, for FULL as well), else each document through
+    ``sparse_attention`` alone."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
+    triton_path = (impl == "triton" and "triton" in spec.impls) or (impl == "auto" and q.is_cuda)
+    one = torch.ones(1, dtype=torch.long)  # a host probe: does the pattern give runs at all
+    if triton_path and spec.packed_runs(one - 1, one, kwargs["causal"]) is not None:
+        check_packed_shapes(cu_seqlens, q, k, None)
+        if impl == "triton" and not q.is_cuda:
+            use_triton_interpreter()
+        scale = q.shape[-1] ** -0.5 if kwargs["scale"] is None else float(kwargs["scale"])
+        causal = kwargs["causal"]
+        runs = lambda local, length: cast(tuple[Tensor, Tensor], spec.packed_runs(local, length, causal))  # noqa: E731
+        return packed_run_attention(runs, q, k, v, cu_seqlens, causal=causal, scale=scale, return_lse=kwargs["return_lse"])
     cuts = check_cu_seqlens(cu_seqlens, q, k, None)  # sparse_attention checked the padding
     for a, b in itertools.pairwise(cuts):
         check_alignment(spec, b - a, b - a, kwargs["causal"])

@@ -244,6 +244,16 @@ class Band(FixedPattern):
         start = torch.clamp(query_pos - self._left(), 0, n_keys - width)
         return (start + torch.arange(width, device=device)[None, :])[None, None]
 
+    def packed_runs(self, local, length, causal):
+        """``position_indices``' run within each document, without global tokens."""
+        if self.g:
+            return None
+        if causal:  # the k most recent keys, cut at the document's start
+            first = (local - self.k + 1).clamp_min(0)
+            return first, local - first + 1
+        width = length.clamp_max(self.k)
+        return torch.minimum((local - self._left()).clamp_min(0), length - width), width
+
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         """Without global tokens or padding every row is one contiguous run of keys, so the
         tensor-core run kernel replaces the per-row gathers of the indexed kernel."""
@@ -296,6 +306,14 @@ class Bloc(FixedPattern):
         query_pos = torch.arange(n_queries, device=device)[:, None]
         index = (query_pos // self.k) * self.k + torch.arange(self.k, device=device)[None, :]
         return torch.where(index >= n_keys, torch.full_like(index, -1), index)[None, None]
+
+    def packed_runs(self, local, length, causal):
+        """The query's block within its document (the last one may be shorter), without global
+        tokens; causality is cut by the kernel."""
+        if self.g:
+            return None
+        first = (local // self.k) * self.k
+        return first, (length - first).clamp_max(self.k)
 
     def label(self) -> str:
         return f"BLOC:{self.k}({self.g})" if self.g else f"BLOC:{self.k}"

@@ -34,5 +34,9 @@ class Full(Pattern):
             return super().lean(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
+    def packed_runs(self, local, length, causal):
+        """Every key of the document (causal: the kernel cuts the later ones)."""
+        return torch.zeros_like(local), length
+
     def label(self) -> str:
         return "FULL"

@@ -98,6 +98,14 @@ class Pattern:
         """Number of leading positions that attend everywhere and are attended by all."""
         return int(getattr(self, "g", 0))
 
+    def packed_runs(self, local: Tensor, length: Tensor, causal: bool) -> tuple[Tensor, Tensor] | None:
+        """Each position's kept keys as one run of its own document, for packed batches on the
+        run kernel (attention/varlen.py): local [T] positions within their documents, length [T]
+        their documents' lengths -> (first [T], count [T]) document-local keys first..first+count-1
+        (0 <= first, first + count <= length; causality is cut by the kernel). None (the default):
+        the mechanism's rows are not single runs, and a packed batch runs document by document."""
+        return None
+
     def qk_dim(self, head_dim: int) -> int:
         """Width of the per-head query/key vectors a layer should produce. Default: head_dim."""
         return head_dim

@@ -1,7 +1,8 @@
 """Packed batches (``cu_seqlens``): every document gives what it gives alone, on the reference,
 lean and Triton paths of TOPK, BAND, BLOC and ZETA (ZETA's key sort and causal mean stay per
-document); on the CPU the Triton paths run in Triton's interpreter (tests/conftest.py), on a GPU
-machine every case runs on CUDA."""
+document); BAND and BLOC without global tokens and FULL take the one-call run-kernel path, which
+reads nothing on the host; on the CPU the Triton paths run in Triton's interpreter
+(tests/conftest.py), on a GPU machine every case runs on CUDA."""
 
 import itertools
 
@@ -13,7 +14,7 @@ import sparsefocus as sf
 LENGTHS = (7, 1, 12, 5)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-6 if DEVICE == "cpu" else 1e-5  # CUDA: atomic adds in the kernels' backward sum in any order
-PATTERNS = ["TOPK:3", "BAND:5(1)", "BLOC:4(1)", "zeta:k=3,window=4,chunks=2,local=2", "FULL"]
+PATTERNS = ["TOPK:3", "BAND:5(1)", "BLOC:4(1)", "BAND:5", "BLOC:4", "zeta:k=3,window=4,chunks=2,local=2", "FULL"]
 
 
 def _packed(dim=8, seed=0):
@@ -91,3 +92,51 @@ def test_bad_packed_calls_are_refused():
         )
     with pytest.raises(ValueError, match="larger than the number of keys 1"):  # the 1-token document
         sf.sparse_attention(q, k, v, "TOPK:3", causal=False, cu_seqlens=cu_seqlens)
+
+
+def _per_document(q, k, v, cuts, pattern, causal):
+    parts = [
+        sf.sparse_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], pattern, causal=causal, impl="reference")
+        for a, b in itertools.pairwise(cuts)
+    ]
+    return torch.cat(parts, dim=2)
+
+
+@pytest.mark.parametrize("pattern", ["BAND:5", "BLOC:4", "FULL"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_run_path_reads_no_cut_point_on_the_host(pattern, causal, monkeypatch):
+    """One run-kernel call for the batch: the host-side check (``tolist``) is never reached, and
+    the result is each document's own (FULL through the path that "auto" takes on CUDA)."""
+    from sparsefocus.attention import api
+    from sparsefocus.attention.varlen import packed_run_attention
+
+    q, k, v, cu_seqlens = _packed()
+
+    def no_host_read(*args, **kwargs):
+        raise AssertionError("the run path read the cut points on the host")
+
+    monkeypatch.setattr(api, "check_cu_seqlens", no_host_read)
+    spec = sf.parse_pattern(pattern)
+    if pattern == "FULL":
+        runs = lambda local, length: spec.packed_runs(local, length, causal)  # noqa: E731
+        out = packed_run_attention(runs, q, k, v, cu_seqlens, causal=causal, scale=q.shape[-1] ** -0.5, return_lse=False)
+    else:
+        out = sf.sparse_attention(q, k, v, pattern, causal=causal, impl="triton", cu_seqlens=cu_seqlens)
+    want = _per_document(q, k, v, [0, *torch.tensor(LENGTHS).cumsum(0).tolist()], pattern, causal)
+    torch.testing.assert_close(out, want.to(out.dtype), atol=TOL, rtol=TOL)
+
+
+def test_the_run_path_checks_the_cut_points_on_the_device():
+    q, k, v, _ = _packed()
+    bad = torch.tensor([0, 5, 5, 25], dtype=torch.int32, device=DEVICE)
+    if DEVICE == "cpu":  # on CUDA the assert fires at the next synchronisation and ends the process
+        with pytest.raises(RuntimeError, match="rise strictly from 0"):
+            sf.sparse_attention(q, k, v, "BAND:5", impl="triton", cu_seqlens=bad)
+
+
+def test_the_run_path_compiles_fullgraph():
+    q, k, v, cu_seqlens = _packed()
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    call = lambda q, k, v: sf.sparse_attention(q, k, v, "BAND:5", causal=True, impl="triton", cu_seqlens=cu_seqlens)  # noqa: E731
+    compiled = torch.compile(call, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(q, k, v), call(q, k, v), atol=TOL, rtol=TOL)
