@@ -5,7 +5,8 @@ second call of the same shapes. Each pattern is compiled causal and not (the pat
 setting, so the sweep stays small). The sweep uses the "aot_eager" backend (it
 traces exactly what Inductor would get, forward and backward, and compiles in seconds);
 "inductor" runs on FULL, BAND, TOPK, ZETA and block_topk. On CPU the Triton paths run in
-Triton's interpreter (tests/conftest.py), so sizes are tiny and odd (N = 37, head dim 16, 2 heads).
+Triton's interpreter (tests/conftest.py), so sizes are tiny and odd (N = 37, head dim 16, 2 heads;
+N = 23 for the two sequences of the key-padding case; NSA in its GQA form, one kv head).
 """
 
 import pytest
@@ -17,6 +18,10 @@ from sparsefocus.attention import PATTERNS, parse_pattern
 from sparsefocus.layers.attention import SparseAttention
 
 N, HEADS, HEAD_DIM = 37, 2, 16
+PADDED_N = 23  # B = 2 with key padding: shorter sequences, still three ZETA chunks with the padding in the last
+# NSA selects blocks per kv head and its kernel runs one interpreted program per (position, kv
+# head): one kv head shared by the two query heads is its intended GQA form, at half the programs.
+KV_HEADS = {"nsa": 1}
 EXAMPLES = [cls.examples[0] for _, cls in sorted(PATTERNS.items())]
 TRITON_EXAMPLES = [e for e in EXAMPLES if "triton" in parse_pattern(e).impls]
 
@@ -27,9 +32,11 @@ def _causal(example: str, impl: str) -> bool:
     return (EXAMPLES.index(example) + (impl != "lean")) % 2 == 1
 
 
-def _length(spec) -> int:
-    """Grid patterns need N = height * width; the others take the odd N."""
-    return spec.height * spec.width if hasattr(spec, "height") else N
+def _length(spec, key_padding: bool = False) -> int:
+    """Grid patterns need N = height * width; the others take the odd N (PADDED_N with padding)."""
+    if hasattr(spec, "height"):
+        return spec.height * spec.width
+    return PADDED_N if key_padding else N
 
 
 def _case(example: str, impl: str, causal: bool, key_padding: bool = False):
@@ -37,10 +44,10 @@ def _case(example: str, impl: str, causal: bool, key_padding: bool = False):
     upstream gradient."""
     spec = parse_pattern(example)
     torch.manual_seed(0)
-    layer = SparseAttention(HEADS * HEAD_DIM, HEADS, spec, causal=causal, impl=impl)
+    layer = SparseAttention(HEADS * HEAD_DIM, HEADS, spec, causal=causal, kv_heads=KV_HEADS.get(spec.name, HEADS), impl=impl)
     for parameter in layer.mechanism.values():  # trained-looking values, not the constant init
         parameter.data.add_(0.1 * torch.randn_like(parameter))
-    n, batch = _length(spec), 2 if key_padding else 1
+    n, batch = _length(spec, key_padding), 2 if key_padding else 1
     x = torch.randn(batch, n, HEADS * HEAD_DIM)
     mask = None
     if key_padding:

@@ -376,18 +376,19 @@ def test_fused_selection_breaks_distance_ties_by_position(curves):
 def test_equal_distances_go_to_smaller_positions_in_every_path(monkeypatch, pattern, causal):
     from sparsefocus.kernels import zeta_select
 
-    # coordinates on a 4-step grid: many equal distances, so some rows never hit an exact count
+    # coordinates on a 4-step grid: many equal distances, so some rows never hit an exact count;
+    # 55 positions: causal chunks of 19, so every searched prefix has more real keys than the window (16)
     gen = torch.Generator().manual_seed(17)
-    q, k = (torch.randint(0, 4, (1, 2, 60, 3), generator=gen).float() / 4 for _ in range(2))
-    padding = torch.rand(1, 60, generator=gen) > 0.1
+    q, k = (torch.randint(0, 4, (1, 1, 55, 3), generator=gen).float() / 4 for _ in range(2))
+    padding = torch.rand(1, 55, generator=gen) > 0.1
     spec = sf.parse_pattern(pattern)
     got = {}
     for stop, guesses in ((False, 0), (True, 0), (True, 8)):  # halving from [0, top]; from the row's range; interpolating first
         monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "exact_stop", stop)
         monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "guesses", guesses)
-        got[stop, guesses] = mask_from_indices(select_keys_fused(spec, q, k, causal, padding), 60)
+        got[stop, guesses] = mask_from_indices(select_keys_fused(spec, q, k, causal, padding), 55)
     assert torch.equal(got[True, 0], got[False, 0]) and torch.equal(got[True, 8], got[False, 0])
-    assert torch.equal(got[True, 8], mask_from_indices(select_keys(spec, q, k, causal, padding), 60))
+    assert torch.equal(got[True, 8], mask_from_indices(select_keys(spec, q, k, causal, padding), 55))
     assert torch.equal(got[True, 8], dense_selection(spec, q, k, causal, padding))
 
 
@@ -424,16 +425,16 @@ def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch
     same order, also when many distances tie at the cut (grid data) and with padding."""
     from sparsefocus.kernels import zeta_select
 
-    q, k, _ = _qkv(61, seed=21)
+    q, k, _ = _qkv(55, batch=1, seed=21)  # chunks of 19: every searched prefix has more real keys than the window
     if data == "grid":
         q, k = (torch.round(2 * x) / 2 for x in (q, k))  # few distinct points: ties everywhere
-    padding = torch.rand(2, 61, generator=torch.Generator().manual_seed(22)) > 0.15
+    padding = torch.rand(1, 55, generator=torch.Generator().manual_seed(22)) > 0.15
     spec = sf.parse_pattern("zeta:k=10,window=16,chunks=3,local=8")
     split = select_keys_fused(spec, q, k, True, padding)
     monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", False)
     padded = select_keys_fused(spec, q, k, True, padding)
     assert torch.equal(split, padded)
-    assert torch.equal(mask_from_indices(split, 61), mask_from_indices(select_keys(spec, q, k, True, padding), 61))
+    assert torch.equal(mask_from_indices(split, 55), mask_from_indices(select_keys(spec, q, k, True, padding), 55))
 
 
 def test_zeta_selection_ops_pass_opcheck():

@@ -32,6 +32,8 @@ TINY = [
 ]
 
 # Small sizes per task; the real-text tasks are skipped only when the Brown corpus is not cached.
+# Their test split is capped too: every epoch scores it (test perplexity), and Brown's whole test
+# split is thousands of blocks, each through the 4096-way head.
 TASK_SIZES = {
     "listops": {
         "preset": "lra",
@@ -42,8 +44,8 @@ TASK_SIZES = {
         "num_train": 64,
         "num_valid": 16,
     },
-    "lm": {"max_train": 64, "max_valid": 16, "block_size": 32},
-    "lm_window": {"max_train": 64, "max_valid": 16},
+    "lm": {"max_train": 64, "max_valid": 16, "max_test": 16, "block_size": 32},
+    "lm_window": {"max_train": 64, "max_valid": 16, "max_test": 16},
     "mqar": {"vocab_size": 32, "seq_len": 16, "num_kv_pairs": 2, "num_train": 64, "num_valid": 16},
     "assoc_recall": {"num_pairs": 4, "num_keys": 8, "num_values": 8, "num_train": 64, "num_valid": 16},
 }

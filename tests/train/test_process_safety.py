@@ -20,7 +20,9 @@ from sparsefocus.train.workers import RunLocked, lock_runs
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and flock as on Linux")
 
-# 4 runs of a few seconds each, 2 at once: when the first epoch is logged, two runs are queued.
+# 4 runs of EPOCHS epochs, 2 at once: when the first epoch is logged, two runs are queued and the
+# running ones have EPOCHS - 1 epochs to go (over a second), while the Ctrl-C lands within one epoch.
+EPOCHS = 12
 SLOW = [
     "name=exp",
     "task={name: parity, length: 12, num_train: 200, num_valid: 50}",
@@ -69,7 +71,7 @@ def all_gone(processes: list[psutil.Process]) -> bool:
 
 
 def test_one_ctrl_c_stops_the_pool_with_one_line_and_the_same_command_resumes(tmp_path):
-    training = start_training(tmp_path, epochs=30)
+    training = start_training(tmp_path, epochs=EPOCHS)
     wait_for(lambda: metrics_lines(tmp_path), 300, "the first epoch")
     children = descendants(training)
     os.killpg(training.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
@@ -87,12 +89,12 @@ def test_one_ctrl_c_stops_the_pool_with_one_line_and_the_same_command_resumes(tm
     time.sleep(1.5)
     assert metrics_lines(tmp_path) == after, "a process went on training after the Ctrl-C"
 
-    resumed = start_training(tmp_path, epochs=30)
+    resumed = start_training(tmp_path, epochs=EPOCHS)
     _, stderr = resumed.communicate(timeout=900)
     assert resumed.returncode == 0, stderr
     for run_dir in metrics_lines(tmp_path):
         epochs = [json.loads(line)["epoch"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-        assert epochs == list(range(1, 31)), run_dir
+        assert epochs == list(range(1, EPOCHS + 1)), run_dir
     assert len(metrics_lines(tmp_path)) == 4
 
 
