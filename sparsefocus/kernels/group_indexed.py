@@ -46,26 +46,48 @@ MIN_ROWS = 16  # the fewest rows a tl.dot tile takes: groups of fewer heads are 
 
 
 @triton.jit
-def _group_rows(Q, row_base, N, G, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Flat row numbers [BG] (b, head, t) of the group's query heads, their mask, and q [BG, BD]."""
+def _group_program(Q, N, M, KK, HK, G, IDX_HEADS, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program's position t and kv head g of batch b: flat row numbers [BG] (b, head, t) of
+    g's query heads, their mask, q [BG, BD], and the offsets of t's list and of g's keys."""
+    t, bg = tl.program_id(0), tl.program_id(1)
+    b, g = bg // HK, bg % HK
     heads = tl.arange(0, BLOCK_G)
     row_ok = heads < G
-    rows = row_base + heads.to(tl.int64) * N  # [BG]: head stride N rows
+    rows = ((b * HK + g) * G).to(tl.int64) * N + t + heads.to(tl.int64) * N  # [BG]: head stride N rows
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-    return rows, row_ok, q
+    list_head = tl.where(IDX_HEADS == 1, 0, g)
+    list_base = ((b * IDX_HEADS + list_head).to(tl.int64) * N + t) * KK
+    return rows, row_ok, q, list_base, (b * HK + g).to(tl.int64) * M
 
 
 @triton.jit
-def _listed_keys(IDX, list_base, s0, K, KK, kv_base, M, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Slots s0..s0+BN of the list: key positions [BN] (-1 unused), their mask, key tile [BN, BD]."""
+def _listed_keys(
+    IDX,
+    list_base,
+    s0,
+    K,
+    V,
+    KK,
+    kv_base,
+    M,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """Slots s0..s0+BN of the list: flat key rows [BN], their mask (-1 slots unused), and the
+    gathered key [BN, BD] and value [BN, BDV] tiles."""
     slots = s0 + tl.arange(0, BLOCK_N)
     idx = tl.load(IDX + list_base + slots, mask=slots < KK, other=-1)
     valid = (idx >= 0) & (idx < M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     key_rows = kv_base + tl.where(valid, idx, 0).to(tl.int64)  # [BN] flat key rows
     kt = tl.load(K + key_rows[:, None] * D + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
-    return key_rows, valid, kt
+    vt = tl.load(V + key_rows[:, None] * DV + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return key_rows, valid, kt, vt
 
 
 @triton.jit
@@ -91,20 +113,13 @@ def _fwd_kernel(
     BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    t, bg = tl.program_id(0), tl.program_id(1)
-    b, g = bg // HK, bg % HK
-    row_base = ((b * HK + g) * G).to(tl.int64) * N + t  # flat row of head g * G at position t
-    rows, row_ok, q = _group_rows(Q, row_base, N, G, D, BLOCK_G, BLOCK_D)
-    list_head = tl.where(IDX_HEADS == 1, 0, g)
-    list_base = ((b * IDX_HEADS + list_head).to(tl.int64) * N + t) * KK
-    kv_base = (b * HK + g).to(tl.int64) * M
+    rows, row_ok, q, list_base, kv_base = _group_program(Q, N, M, KK, HK, G, IDX_HEADS, D, BLOCK_G, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
     for s0 in range(0, KK, BLOCK_N):
-        key_rows, valid, kt = _listed_keys(IDX, list_base, s0, K, KK, kv_base, M, D, BLOCK_N, BLOCK_D)
-        vt = tl.load(V + key_rows[:, None] * DV + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        key_rows, valid, kt, vt = _listed_keys(IDX, list_base, s0, K, V, KK, kv_base, M, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
         s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale  # [BG, BN] log2 units
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -150,13 +165,7 @@ def _bwd_kernel(
     PRECISION: tl.constexpr,
 ):
     """dq of the group's rows (stored), dk and dv of the listed keys (fp32 atomic adds)."""
-    t, bg = tl.program_id(0), tl.program_id(1)
-    b, g = bg // HK, bg % HK
-    row_base = ((b * HK + g) * G).to(tl.int64) * N + t
-    rows, row_ok, q = _group_rows(Q, row_base, N, G, D, BLOCK_G, BLOCK_D)
-    list_head = tl.where(IDX_HEADS == 1, 0, g)
-    list_base = ((b * IDX_HEADS + list_head).to(tl.int64) * N + t) * KK
-    kv_base = (b * HK + g).to(tl.int64) * M
+    rows, row_ok, q, list_base, kv_base = _group_program(Q, N, M, KK, HK, G, IDX_HEADS, D, BLOCK_G, BLOCK_D)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     do = tl.load(DO + rows[:, None] * DV + offs_dv[None, :], mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
@@ -165,8 +174,7 @@ def _bwd_kernel(
     dq = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634
     for s0 in range(0, KK, BLOCK_N):
-        key_rows, valid, kt = _listed_keys(IDX, list_base, s0, K, KK, kv_base, M, D, BLOCK_N, BLOCK_D)
-        vt = tl.load(V + key_rows[:, None] * DV + offs_dv[None, :], mask=valid[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        key_rows, valid, kt, vt = _listed_keys(IDX, list_base, s0, K, V, KK, kv_base, M, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV)
         s = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale
         p = tl.where(valid[None, :], tl.exp2(s - lse2[:, None]), 0.0)  # [BG, BN] softmax weights
         dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)  # [BG, BN]
