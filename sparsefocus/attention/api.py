@@ -6,7 +6,7 @@ import importlib.util
 import itertools
 import os
 import sys
-from typing import Any, Literal, cast, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -215,18 +215,13 @@ def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, 
     """A packed batch in one run-kernel call where the pattern's rows are runs of their documents
     and the path is Triton ("auto" on CUDA too, for FULL as well), else each document through
     ``sparse_attention`` alone."""
-    if impl not in IMPLS:
-        raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
-    triton_path = (impl == "triton" and "triton" in spec.impls) or (impl == "auto" and q.is_cuda)
+    chosen = resolve_impl(spec, impl, q)  # FULL has no Triton path, but "auto" on CUDA packs it as runs too
     one = torch.ones(1, dtype=torch.long)  # a host probe: does the pattern give runs at all
-    if triton_path and spec.packed_runs(one - 1, one, kwargs["causal"]) is not None:
-        check_packed_shapes(cu_seqlens, q, k, None)
-        if impl == "triton" and not q.is_cuda:
-            use_triton_interpreter()
+    if (chosen == "triton" or (impl == "auto" and q.is_cuda)) and spec.packed_runs(one - 1, one, kwargs["causal"]) is not None:
         scale = q.shape[-1] ** -0.5 if kwargs["scale"] is None else float(kwargs["scale"])
-        causal = kwargs["causal"]
-        runs = lambda local, length: cast(tuple[Tensor, Tensor], spec.packed_runs(local, length, causal))  # noqa: E731
-        return packed_run_attention(runs, q, k, v, cu_seqlens, causal=causal, scale=scale, return_lse=kwargs["return_lse"])
+        return packed_run_attention(
+            spec, q, k, v, cu_seqlens, causal=kwargs["causal"], scale=scale, return_lse=kwargs["return_lse"]
+        )
     cuts = check_cu_seqlens(cu_seqlens, q, k, None)  # sparse_attention checked the padding
     for a, b in itertools.pairwise(cuts):
         check_alignment(spec, b - a, b - a, kwargs["causal"])

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from sparsefocus.attention.patterns import Pattern
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, q: Tensor, k: Tensor, key_padding_mask: Tensor | None) -> list[int]:
@@ -69,7 +72,7 @@ def document_bounds(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
 
 
 def packed_run_attention(
-    runs: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]],
+    spec: Pattern,
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -79,14 +82,16 @@ def packed_run_attention(
     scale: float,
     return_lse: bool,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The whole packed batch in one run-kernel call: ``runs(local, length)`` gives each position's
-    document-local run (first, count) of keys (``Pattern.packed_runs``), shifted here to packed
-    positions. q: [1, Hq, T, D]; k: [1, Hk, T, D]; v: [1, Hk, T, Dv] -> out [1, Hq, T, Dv] (and lse
+    """The whole packed batch in one run-kernel call: ``spec.packed_runs`` gives each position's
+    document-local run (first, count) of keys (not None: the caller checked), shifted here to
+    packed positions. q: [1, Hq, T, D]; k: [1, Hk, T, D]; v: [1, Hk, T, Dv] -> out [1, Hq, T, Dv] (and lse
     [1, Hq, T] with ``return_lse``). No host read."""
     from sparsefocus.kernels.runs import run_attention
 
     start, length = document_bounds(cu_seqlens.to(q.device), q.shape[2])
-    first, count = runs(torch.arange(q.shape[2], device=q.device) - start, length)  # document-local
+    runs = spec.packed_runs(torch.arange(q.shape[2], device=q.device) - start, length, causal)
+    assert runs is not None, f"{spec} has no packed runs"
+    first, count = runs  # document-local
     # causal compares packed positions, which keep the order within a document
     return run_attention(
         q, k, v, (start + first)[None, None], count[None, None], scale=scale, causal=causal, return_lse=return_lse

@@ -118,8 +118,7 @@ def test_the_run_path_reads_no_cut_point_on_the_host(pattern, causal, monkeypatc
     monkeypatch.setattr(api, "check_cu_seqlens", no_host_read)
     spec = sf.parse_pattern(pattern)
     if pattern == "FULL":
-        runs = lambda local, length: spec.packed_runs(local, length, causal)  # noqa: E731
-        out = packed_run_attention(runs, q, k, v, cu_seqlens, causal=causal, scale=q.shape[-1] ** -0.5, return_lse=False)
+        out = packed_run_attention(spec, q, k, v, cu_seqlens, causal=causal, scale=q.shape[-1] ** -0.5, return_lse=False)
     else:
         out = sf.sparse_attention(q, k, v, pattern, causal=causal, impl="triton", cu_seqlens=cu_seqlens)
     want = _per_document(q, k, v, [0, *torch.tensor(LENGTHS).cumsum(0).tolist()], pattern, causal)
