@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import indexed_attention_ref, upcast
+from sparsefocus.attention.common import gather_keys, indexed_attention_ref, upcast
 from sparsefocus.attention.zeta import SENTINEL, Zeta, _codes, _local_band, _nearest, code_bits
 
 MIN_CAPACITY = 16  # positions the smallest buffers hold
@@ -372,8 +372,8 @@ def _gathered(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tens
     contiguous and the reference upcast it whole."""
     batch, heads, _, width = index.shape
     group = heads // k.shape[1]
-    flat = index.clamp_min(0).reshape(batch, k.shape[1], group * width, 1)  # [B, Hk, G*K, 1]
-    keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1]))
-    values = torch.gather(v, 2, flat.expand(-1, -1, -1, v.shape[-1]))
+    safe = index.clamp_min(0)
+    rows = (batch, k.shape[1], group * width)  # gather_keys' [B, Hq, 1, K, *] read as kv-head rows
+    keys, values = gather_keys(k, safe).reshape(*rows, k.shape[-1]), gather_keys(v, safe).reshape(*rows, v.shape[-1])
     local = torch.arange(heads * width, device=index.device).view(1, heads, 1, width) % (group * width)  # g * K + j
     return keys, values, torch.where(index >= 0, local, torch.full_like(local, -1))

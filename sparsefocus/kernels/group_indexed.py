@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sparsefocus.attention.common import gather_keys, upcast
+from sparsefocus.attention.common import gather_keys, indexed_scores, masked_softmax, upcast
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import lse_from_log2
 
@@ -346,8 +346,6 @@ def group_indexed_attention_ref(
     safe = torch.where(valid, per_head, 0)
     keys, values = gather_keys(upcast(k), safe), gather_keys(upcast(v), safe)  # [B, Hq, N, K, *]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.einsum("bhnd,bhnkd->bhnk", upcast(q), keys) * scale
-    scores = scores.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, N], -inf for an empty list
-    weights = torch.where(valid, torch.exp(scores - torch.where(lse.isinf(), 0.0, lse)[..., None]), 0.0)
-    return torch.einsum("bhnk,bhnkd->bhnd", weights, values), lse
+    scores = indexed_scores(upcast(q), keys, "dot", scale)  # [B, Hq, N, K]
+    lse = torch.logsumexp(scores.masked_fill(~valid, float("-inf")), dim=-1)  # [B, Hq, N], -inf for an empty list
+    return torch.einsum("bhnk,bhnkd->bhnd", masked_softmax(scores, valid), values), lse
