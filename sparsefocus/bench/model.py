@@ -32,12 +32,12 @@ import torch.nn.functional as F
 
 from sparsefocus.attention import parse_pattern
 from sparsefocus.bench.profiling import (
-    device_ms,
-    top_kernels,
     ATTENTION_RANGE,
     attention_share,
     count_kernels,
+    device_ms,
     profile_events,
+    top_kernels,
 )
 from sparsefocus.bench.registry import SDPA_BACKENDS, sdpa_backend
 from sparsefocus.bench.run import (

@@ -91,26 +91,42 @@ def _score_tile(
     else:
         k = tl.load(k_ptr + cols[:, None] * D + offs_d[None, :])  # [BN, BD]
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BM, BN]
-    allowed = cols[None, :] < M
     if MASKED:
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None])
-        if HAS_PAD:
-            allowed = allowed & (tl.load(pad_ptr + cols, mask=cols < M, other=0) != 0)[None, :]
+        allowed = _allowed_tile(cols, rows, M, pad_ptr, CAUSAL, HAS_PAD)
         s = tl.where(allowed, s, float("-inf"))
+    else:
+        allowed = cols[None, :] < M
     return s, allowed
 
 
 @triton.jit
-def _row_tile(Q, K, PAD, N, M, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The program's query rows: (rows, flat row numbers, q [BM, BD], key and padding pointers)."""
+def _allowed_tile(cols, rows, M, pad_ptr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr):
+    """[BM, BN] True where key ``cols`` exists and may be chosen by query ``rows`` (causal, padding)."""
+    allowed = cols[None, :] < M
+    if CAUSAL:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    if HAS_PAD:
+        allowed = allowed & (tl.load(pad_ptr + cols, mask=cols < M, other=0) != 0)[None, :]
+    return allowed
+
+
+@triton.jit
+def _row_pointers(K, PAD, N, M, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The program's query rows: (rows, flat row numbers, key and padding pointers)."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
+    return rows, row_offs, K + kv_bh.to(tl.int64) * M * D, PAD + (bh // HQ).to(tl.int64) * M
+
+
+@triton.jit
+def _row_tile(Q, K, PAD, N, M, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``_row_pointers`` and the rows' q [BM, BD]: (rows, flat row numbers, q, key and padding pointers)."""
+    rows, row_offs, k_ptr, pad_ptr = _row_pointers(K, PAD, N, M, HQ, GROUP, D, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=(rows[:, None] < N) & (offs_d[None, :] < D), other=0.0)
-    return rows, row_offs, q, K + kv_bh.to(tl.int64) * M * D, PAD + (bh // HQ).to(tl.int64) * M
+    return rows, row_offs, q, k_ptr, pad_ptr
 
 
 @triton.jit
@@ -385,11 +401,7 @@ def _short_kernel(
 
     The scores are summed over slices of BLOCK_DC dimensions: a whole [BN, BD] fp32 key tile
     (256 KiB at BN=1024, D=64) does not fit in shared memory, a [BN, BLOCK_DC] slice does."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
-    k_ptr, pad_ptr = K + kv_bh.to(tl.int64) * M * D, PAD + (bh // HQ).to(tl.int64) * M
+    rows, row_offs, k_ptr, pad_ptr = _row_pointers(K, PAD, N, M, HQ, GROUP, D, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for d0 in tl.static_range(0, BLOCK_D, BLOCK_DC):
@@ -397,12 +409,7 @@ def _short_kernel(
         q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=(rows[:, None] < N) & (offs_d[None, :] < D), other=0.0)
         k = tl.load(k_ptr + cols[:, None] * D + offs_d[None, :], mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0)
         s += tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BM, BN]
-    allowed = cols[None, :] < M
-    if CAUSAL:
-        allowed = allowed & (cols[None, :] <= rows[:, None])
-    if HAS_PAD:
-        allowed = allowed & (tl.load(pad_ptr + cols, mask=cols < M, other=0) != 0)[None, :]
-    s = tl.where(allowed, s, float("-inf"))
+    s = tl.where(_allowed_tile(cols, rows, M, pad_ptr, CAUSAL, HAS_PAD), s, float("-inf"))
     row_ok = rows < N
     for rank in tl.static_range(KK):
         top = tl.max(s, axis=1)  # [BM]
