@@ -60,8 +60,8 @@ INT32_MIN = tl.constexpr(-(2**31))
 INT32_MAX = tl.constexpr(2**31 - 1)
 INT64_MIN = tl.constexpr(-(2**63))
 TILE_OVERRIDES: dict = {}
-"""Benchmark hook: {"bound" | "collect" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages}}
-replacing the launcher's choice for that kernel."""
+"""Benchmark hook: {"bound" | "collect" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
+"short": {BLOCK_M, BLOCK_DC, num_warps}} replacing the launcher's choice for that kernel."""
 
 
 @triton.jit
@@ -643,7 +643,8 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
     block_n = max(16, triton.next_power_of_2(n_keys))
     # [16, BN] fp32 scores: 16 rows, the fewest a tl.dot takes, keep the registers for the row
-    tiles = dict(BLOCK_M=16, num_warps=4 if block_n <= 256 else 8) if q.is_cuda else dict(BLOCK_M=16)
+    tiles = dict(BLOCK_M=16, BLOCK_DC=16) | (dict(num_warps=4 if block_n <= 256 else 8) if q.is_cuda else {})
+    tiles |= TILE_OVERRIDES.get("short", {})
     grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
     _short_kernel[grid](
         q,
@@ -658,7 +659,6 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
         KK=kk,
         BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_DC=16,
         CAUSAL=causal,
         HAS_PAD=key_padding_mask is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -15,7 +15,7 @@ Two modes:
   as the single model) and each run's dropout masks come from its own generator state, drawn in
   the single-run order; the attention is the model's own materialised computation. A folded
   exact model gives what the R models give.
-- fast: one batched matmul per layer (``torch.baddbmm``), fused attention (SDPA for FULL and
+- fast: one batched matmul per linear (``torch.bmm``; q, k and v in one), fused attention (SDPA for FULL and
   fixed patterns, gathered keys for TOPK/BOTK), dropout from the device's one generator
   (statistically the same masks, not the same draws).
 """
@@ -126,10 +126,20 @@ class RunLinear(nn.Module):
         if self.exact:
             biases = self.bias if self.bias is not None else [None] * runs
             return torch.cat([F.linear(part, w, b) for part, w, b in zip(_runs_of(x, runs), self.weight, biases)])
-        flat = x.reshape(runs, -1, x.shape[-1])  # [R, B*..., in]
-        weight = self.weight.transpose(1, 2)  # [R, in, out]
-        out = torch.bmm(flat, weight) if self.bias is None else torch.baddbmm(self.bias[:, None], flat, weight)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return run_matmul(x, self.weight, self.bias)
+
+
+def run_matmul(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """R linears of a folded batch in one batched matmul: x [R*B, ..., in], weight [R, out, in],
+    bias [R, out] or None -> [R*B, ..., out]. The bias is added after the matmul, not through
+    ``baddbmm``, whose broadcast bias is first copied into the whole output; the separate add
+    fuses into the next pointwise kernel under torch.compile."""
+    runs = weight.shape[0]
+    flat = x.reshape(runs, -1, x.shape[-1])  # [R, B*..., in]
+    out = torch.bmm(flat, weight.transpose(1, 2))  # [R, B*..., out]
+    if bias is not None:
+        out = out + bias[:, None].to(out.dtype)  # autocast's dtype, as baddbmm under autocast
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 class RunTable(nn.Module):
@@ -236,12 +246,29 @@ class RunAttention(nn.Module):
         self.mechanism = nn.ParameterDict({name: _stack([m.mechanism[name] for m in modules]) for name in first.mechanism})
         self.aux_loss: Tensor = torch.zeros(())
 
-    # Borrowed: they read only the projections, head sizes, pattern and mechanism, which RunAttention has too.
-    project = SparseAttention.project
+    # Borrowed: it reads only the pattern and mechanism, which RunAttention has too.
     mechanism_params = SparseAttention.mechanism_params
 
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [R*B, N, dim] -> q [R*B, H, N, Dqk], k [R*B, Hk, N, Dqk], v [R*B, Hk, N, Dh]. Exact mode
+        runs the three projections as the single model does; fast mode runs them as one batched
+        matmul over the concatenated weights (the input is read once, one launch instead of three)."""
+        if self.exact:
+            return SparseAttention.project(self, x)  # type: ignore[arg-type]  # reads only the projections and sizes
+        batch, length, _ = x.shape
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in parts], dim=1)  # [R, Hq*Dqk + Hk*Dqk + Hk*Dh, dim]
+        biases = [p.bias for p in parts]
+        bias = None if any(b is None for b in biases) else torch.cat(cast(list[Tensor], biases), dim=1)
+        qkv = run_matmul(x, weight, bias)  # [R*B, N, Hq*Dqk + Hk*Dqk + Hk*Dh]
+        q, k, v = qkv.split([p.weight.shape[1] for p in parts], dim=-1)
+        q = q.view(batch, length, self.heads, self.qk_dim).transpose(1, 2)
+        k = k.view(batch, length, self.kv_heads, self.qk_dim).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return q, k, v
+
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        q, k, v = self.project(x)  # type: ignore[misc]  # [R*B, H, N, D]; a borrowed method (see project)
+        q, k, v = self.project(x)  # [R*B, H, N, D]
         if len(self.mechanism):
             out = self.per_run_core(x, q, k, v, key_padding_mask)
         elif not self.paper:
@@ -318,7 +345,9 @@ def _select(q: Tensor, k: Tensor, pattern: TopK | BottomK, topk_select: str) -> 
         if topk_select == "triton" and q.is_cuda and isinstance(pattern, TopK):
             from sparsefocus.kernels.topk_select import topk_select as kernel
 
-            return kernel(q.float(), k.float(), pattern.k).long()
+            # bf16/fp16 q and k go in as they are: their products are exact in fp32 and the kernel
+            # sums them in fp32, so the scores are those of the fp32 copies, on tensor cores.
+            return kernel(q, k, pattern.k).long()
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # [B, H, N, M]
         return scores.topk(pattern.k, dim=-1, largest=isinstance(pattern, TopK)).indices
 

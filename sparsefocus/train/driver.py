@@ -251,6 +251,15 @@ class StepGraph:
             self._body()
         self.graph.replay()  # capturing records the step without running it
 
+    def run_uncaptured(self, index: Tensor, lr: float) -> None:
+        """One step outside the graph, with the same compiled kernels: for profilers, which do not
+        see the kernels of a replay."""
+        self.index.copy_(index)
+        self.neg_lr.fill_(-lr)
+        for p in self.params:
+            p.grad = None
+        self._body()
+
     def take_sums(self) -> tuple[Tensor, Tensor]:
         """The per-run (loss sum, correct count) of the steps since the last call; resets them."""
         sums = (self.loss_sum.clone(), self.correct.clone())
