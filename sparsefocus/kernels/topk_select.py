@@ -635,6 +635,25 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     return out, count
 
 
+def _short_tiles(q: Tensor, block_n: int) -> dict:
+    """Tiles of the short kernel: BLOCK_M rows, key slices of BLOCK_DC dimensions, warps.
+
+    The [BLOCK_N, BLOCK_DC] key slice must fit in shared memory (the device's opt-in limit less
+    32 KiB for the query tile and the reductions), so the slices are as wide as that allows. On the
+    H200 (250 and 5000 rows of 600 keys, kk=5, bf16) 32 rows with whole-D slices and 8 warps took
+    0.46 / 9.0 ms, 16 rows with 16-dim slices 0.72 / 14.6 ms; 64 rows run out of registers. fp32
+    keeps 16 rows: its [BM, BN] score tile competes with twice as many bytes per key slice."""
+    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
+    if not q.is_cuda:  # interpreter: any tiles; small ones cross several row tiles at test sizes
+        return dict(BLOCK_M=16, BLOCK_DC=16)
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    room = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - 32 * 1024
+    block_dc = block_d
+    while block_dc > 16 and block_n * block_dc * q.element_size() > room:
+        block_dc //= 2
+    return dict(BLOCK_M=32 if q.element_size() == 2 else 16, BLOCK_DC=block_dc, num_warps=4 if block_n <= 256 else 8)
+
+
 def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """The one-launch selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32."""
     batch, q_heads, n_queries, dim = q.shape
@@ -642,9 +661,7 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
     out = torch.empty(batch, q_heads, n_queries, kk, dtype=torch.int32, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
     block_n = max(16, triton.next_power_of_2(n_keys))
-    # [16, BN] fp32 scores: 16 rows, the fewest a tl.dot takes, keep the registers for the row
-    tiles = dict(BLOCK_M=16, BLOCK_DC=16) | (dict(num_warps=4 if block_n <= 256 else 8) if q.is_cuda else {})
-    tiles |= TILE_OVERRIDES.get("short", {})
+    tiles = _short_tiles(q, block_n) | TILE_OVERRIDES.get("short", {})
     grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
     _short_kernel[grid](
         q,

@@ -80,3 +80,19 @@ def test_the_longest_short_rows_at_a_wide_head(m, launches):
     got = topk_select(q, k, 5, causal=False)
     assert launches == ["_launch_short"]
     assert torch.equal(got, topk_select_torch(q, k, 5, causal=False))
+
+
+@pytest.mark.parametrize("n,m", [(45, 601), (70, 200)])
+def test_16_bit_rows_select_the_largest_fp32_scores(n, m, launches):
+    """bf16 on CUDA (fp16 in the interpreter, which has no bf16): the products of 16-bit q and k
+    are exact in fp32, so the chosen keys carry the kk largest fp32 scores of the fp32 copies; the
+    positions of keys closer than summation-order rounding may swap, so scores are compared."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    q = torch.randn(2, 2, n, 64, device=DEVICE).to(dtype)
+    k = torch.randn(2, 1, m, 64, device=DEVICE).to(dtype)
+    got = topk_select(q, k, 5)
+    assert launches == ["_launch_short"]
+    scores = torch.matmul(q.float(), k.float().expand(-1, 2, -1, -1).transpose(-1, -2))  # [2, 2, n, m]
+    chosen = scores.gather(-1, got.long())
+    torch.testing.assert_close(chosen, scores.topk(5, dim=-1).values, atol=1e-4, rtol=1e-5)
+    assert (got.sort(dim=-1).values.diff(dim=-1) > 0).all()  # five distinct keys
