@@ -200,9 +200,20 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
     def step(i: int) -> None:
         train_step(trainer, order[:, i * batch : (i + 1) * batch], params)
 
+    def uncaptured_step() -> None:
+        if trainer.step_graph is None:
+            step(0)
+        else:
+            trainer.step_graph.run_uncaptured(order[:, :batch], trainer.optimizer.param_groups[0]["lr"])
+
     trainer.model.train()
+    device = torch.device(DEVICE)
     began = time.perf_counter()
-    for i in range(3):
+    step(0)  # compiles the step
+    synchronize()
+    # profiled before the step graph is captured: a profile after replays also lists their kernels
+    step_events = profile_events(uncaptured_step, device)
+    for i in (1, 2):
         step(i)
     synchronize()
     compile_s = time.perf_counter() - began
@@ -219,18 +230,9 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
     synchronize()
     eval_s = time.perf_counter() - began
     epoch_s = trainer.steps_per_epoch * step_ms / 1000 + eval_s
-    device = torch.device(DEVICE)
     chunk = trainer.train_cfg.eval_batch_size
-
-    def uncaptured_step() -> None:  # the profiler sees no kernel inside a graph replay
-        if trainer.step_graph is None:
-            step(3 + steps)
-        else:
-            trainer.step_graph.run_uncaptured(order[:, :batch], trainer.optimizer.param_groups[0]["lr"])
-
-    profile_events(lambda: None, device)  # flushes the kernel records of earlier graph replays
     profiles = {
-        "step": profile_events(uncaptured_step, device),
+        "step": step_events,
         "eval_chunk": profile_events(
             lambda: trainer.evaluate(trainer.valid_inputs[:, :chunk], trainer.valid_targets[:, :chunk]), device
         ),

@@ -66,7 +66,9 @@ def document_bounds(cu_seqlens: Tensor, total: int) -> tuple[Tensor, Tensor]:
     rising = (cuts[1:] > cuts[:-1]).all() & (cuts[0] == 0) & (cuts[-1] == total)
     torch._assert_async(rising, f"cu_seqlens must rise strictly from 0 to the packed length {total}")
     positions = torch.arange(total, device=cuts.device)
-    document = torch.searchsorted(cuts[1:], positions, right=True).clamp_max(cuts.numel() - 2)  # [T]
+    # the count of cut points at or before a position, less one; searching a slice of cuts
+    # (cuts[1:]) failed to lower in Inductor on CUDA with torch 2.11 (SliceView)
+    document = (torch.searchsorted(cuts, positions, right=True) - 1).clamp(0, cuts.numel() - 2)  # [T]
     start = cuts[document]
     return start, cuts[document + 1] - start
 
