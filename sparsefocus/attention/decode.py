@@ -11,9 +11,15 @@ rows of the square causal call over M positions whose first M - N queries are ne
 Every registered mechanism computes a row from its own query, the keys and positions only (no
 statistic over other queries under causality), so the rows do not depend on the padding queries.
 ``replay`` runs the mechanism on that padded square and keeps the last N rows (exact for every
-path, O(M) rows of work); ``rows`` evaluates only the N rows through ``row_mask`` (softmax
-mechanisms on the lean path: O(N M) time, O(chunk M) memory); FULL's lean path is SDPA with a
-bottom-right mask.
+path, O(M) rows of work); ``rows`` evaluates only the N rows (softmax mechanisms on the lean
+path). Within ``rows``, the cheapest form the pattern allows:
+
+- FULL: SDPA with a bottom-right mask;
+- rows that are runs of keys (``packed_runs``: BAND, BLOC without global tokens): the keys of
+  the N rows' runs only, O(N W) for a window of W keys, whatever M is;
+- rows given as key lists (``row_indices``: TOPK, BOTK): the selection reads every key, the
+  attention only the k listed ones (no pass over all values);
+- any other: ``row_mask`` in row chunks, O(N M) time, O(chunk M) memory.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from sparsefocus.attention.common import (
     DEFAULT_ROW_CHUNK,
     apply_key_padding,
     dense_masked_attention,
+    indexed_attention_ref,
 )
 from sparsefocus.attention.full import Full
 from sparsefocus.attention.patterns import Pattern
@@ -114,10 +121,65 @@ def decode_attention(
         if isinstance(spec, Full) and key_padding_mask is None:
             mask = bottom_right_mask(n_queries, n_keys, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if key_padding_mask is None and key_window(spec, n_queries, n_keys) is not None:
+            return window_attention(spec, q, k, v, scale=scale)
+        if hasattr(spec, "row_indices"):
+            return listed_rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
     run = getattr(spec, impl)
     out = run(padded_queries(q, n_keys), k, v, causal=True, scale=scale, key_padding_mask=key_padding_mask, params=params)
     return out[:, :, n_keys - n_queries :]
+
+
+def _runs(spec: Pattern, n_queries: int, n_keys: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """(first [N], end [N]) key positions of the last N rows' runs, cut at each row's position
+    (causal), or None when the pattern's rows are not runs (``packed_runs``)."""
+    position = torch.arange(n_keys - n_queries, n_keys, device=device)  # [N]
+    runs = spec.packed_runs(position, torch.full_like(position, n_keys), True)
+    if runs is None:
+        return None
+    first, count = runs
+    return first, torch.minimum(first + count, position + 1)
+
+
+def key_window(spec: Pattern, n_queries: int, n_keys: int) -> tuple[int, int] | None:
+    """The keys [lo, hi) that the last N rows read, from the sizes alone (on the host, so no
+    device read), or None when the pattern's rows are not runs of keys."""
+    runs = _runs(spec, n_queries, n_keys, torch.device("cpu"))
+    return None if runs is None else (int(runs[0].min()), int(runs[1].max()))
+
+
+def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+    """The last N rows of a pattern whose rows are runs of keys, computed on the keys of those
+    runs only. q: [B, H, N, D]; k, v: [B, H, M, *] (GQA expanded) -> [B, H, N, Dv] fp32."""
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    window = key_window(spec, n_queries, n_keys)
+    runs = _runs(spec, n_queries, n_keys, q.device)
+    assert window is not None and runs is not None, f"{spec.label()} has no runs of keys"
+    (lo, hi), (first, end) = window, runs
+    keys = torch.arange(lo, hi, device=q.device)  # [W]
+    mask = (keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])  # [N, W]
+    return dense_masked_attention(q, k[:, :, lo:hi], v[:, :, lo:hi], mask, scale)
+
+
+def listed_rows_attention(
+    spec: Pattern,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float,
+    key_padding_mask: Tensor | None,
+    params: dict[str, Tensor] | None,
+    chunk: int = DEFAULT_ROW_CHUNK,
+) -> Tensor:
+    """The last N rows of a pattern that lists each row's keys (``row_indices``): the lists in
+    row chunks (no gradient), then attention over the listed keys only (O(N k) memory).
+    q: [B, H, N, D]; k, v: [B, H, M, *] (GQA expanded) -> [B, H, N, Dv] fp32."""
+    full_q = padded_queries(q, k.shape[2])
+    select = spec.row_indices  # type: ignore[attr-defined]  # the caller checked that the pattern has it
+    parts = [select(full_q, k, rows, True, key_padding_mask, params) for rows in query_rows(q.shape[2], k.shape[2], chunk)]
+    return indexed_attention_ref(q, k, v, torch.cat(parts, dim=2), scale=scale)
 
 
 def rows_attention(

@@ -70,9 +70,12 @@ class _ScoreSelection(IndexedPattern):
         super().check_sizes(n_queries, n_keys, causal)
         require(self.k <= n_keys, f"{self.name}: k={self.k} is larger than the number of keys {n_keys}")
 
+    def row_indices(self, q, k, rows, causal, key_padding_mask=None, params=None):
+        """``row_mask``'s keys as a list: [B, H, len(rows), k] positions, -1 in unused slots."""
+        return select_extreme_keys(q, k, rows, self.k, self.largest, causal, key_padding_mask)
+
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
-        index = select_extreme_keys(q, k, rows, self.k, self.largest, causal, key_padding_mask)
-        return mask_from_indices(index, k.shape[-2])
+        return mask_from_indices(self.row_indices(q, k, rows, causal, key_padding_mask, params), k.shape[-2])
 
     def key_indices(self, q, k, causal, key_padding_mask, params, chunk: int = DEFAULT_ROW_CHUNK):
         n_queries = q.shape[-2]

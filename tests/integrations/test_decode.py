@@ -107,3 +107,33 @@ def test_a_pattern_that_cannot_decode_is_refused_by_name(monkeypatch):
     q, k, v = _inputs(8)
     with pytest.raises(ValueError, match="pattern BAND:3 does not support causal attention with fewer queries"):
         sf.sparse_attention(q[:, :, -2:], k, v, "BAND:3", causal=True)
+
+
+@pytest.mark.parametrize("pattern", ["BAND:7", "BLOC:4"])
+@pytest.mark.parametrize("n", [1, 6])
+def test_run_patterns_decode_from_their_window_of_keys(pattern, n):
+    """BAND and BLOC without global tokens read only the keys of the last rows' runs: keys and
+    values outside that window set to NaN leave the decoded rows finite and equal to the square's."""
+    m = 40
+    q, k, v = _inputs(m)
+    square = sf.sparse_attention(q, k, v, pattern, causal=True, impl="reference")
+    lo, hi = {"BAND:7": (m - n - 6, m), "BLOC:4": ((m - n) // 4 * 4, m)}[pattern]
+    outside = torch.ones(m, dtype=torch.bool, device=DEVICE)
+    outside[lo:hi] = False
+    k, v = k.masked_fill(outside[:, None], float("nan")), v.masked_fill(outside[:, None], float("nan"))
+    last = sf.sparse_attention(q[:, :, -n:], k, v, pattern, causal=True, impl="lean")
+    torch.testing.assert_close(last, square[:, :, -n:], atol=2e-5, rtol=1e-4)
+
+
+def test_topk_decoding_attends_only_to_the_listed_values():
+    """TOPK's decoded rows read only the values of the keys they select: NaN in every other value
+    leaves them finite and equal to the square's rows."""
+    q, k, v = _inputs(36)
+    square = sf.sparse_attention(q, k, v, "TOPK:5", causal=True, impl="reference")
+    index = sf.parse_pattern("TOPK:5").row_indices(q, k, slice(33, 36), True)  # [2, 4, 3, 5]
+    listed = torch.zeros(2, 2, 36, dtype=torch.bool, device=DEVICE)
+    for head in range(4):  # query head h reads kv head h // 2
+        listed[:, head // 2].scatter_(-1, index[:, head].reshape(2, -1), True)
+    v = v.masked_fill(~listed[..., None], float("nan"))
+    last = sf.sparse_attention(q[:, :, -3:], k, v, "TOPK:5", causal=True, impl="lean")
+    torch.testing.assert_close(last, square[:, :, -3:], atol=2e-5, rtol=1e-4)
