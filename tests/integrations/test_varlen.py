@@ -80,7 +80,8 @@ def test_packed_lse_equals_each_document_alone():
 
 def test_bad_packed_calls_are_refused():
     q, k, v, cu_seqlens = _packed()
-    with pytest.raises(ValueError, match="rise strictly from 0"):  # lean: checked on the host (the run path asserts on the device)
+    # lean: checked on the host (the run path asserts on the device)
+    with pytest.raises(ValueError, match="rise strictly from 0"):
         sf.sparse_attention(q, k, v, "FULL", impl="lean", cu_seqlens=torch.tensor([0, 5, 5, 25], device=DEVICE))
     with pytest.raises(ValueError, match="batch of size 1"):
         sf.sparse_attention(
