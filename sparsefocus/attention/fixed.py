@@ -244,6 +244,10 @@ class Band(FixedPattern):
         start = torch.clamp(query_pos - self._left(), 0, n_keys - width)
         return (start + torch.arange(width, device=device)[None, :])[None, None]
 
+    def recent_keys(self) -> int | None:
+        """Causal: the k most recent keys, unless global tokens (the first positions) are kept too."""
+        return None if self.g else self.k
+
     def packed_runs(self, local, length, causal):
         """``position_indices``' run within each document, without global tokens."""
         if self.g:

@@ -98,6 +98,11 @@ class Pattern:
         """Number of leading positions that attend everywhere and are attended by all."""
         return int(getattr(self, "g", 0))
 
+    def recent_keys(self) -> int | None:
+        """W when a causal row reads only the W most recent positions (its own included), so that a
+        KV cache needs only the last W - 1 of them; None (the default): a row may read any key."""
+        return None
+
     def packed_runs(self, local: Tensor, length: Tensor, causal: bool) -> tuple[Tensor, Tensor] | None:
         """Each position's kept keys as one run of its own document, for packed batches on the
         run kernel (attention/varlen.py): local [T] positions within their documents, length [T]

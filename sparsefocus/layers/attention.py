@@ -84,6 +84,8 @@ class SparseAttention(nn.Module):
         key_padding_mask is then [B, P + N]. A ZETA layer returns its own cache (it reads as
         (k, v)); given one back with a single new position and no padding mask, the step
         searches the cached sorted key codes instead of re-sorting and recomputing every row.
+        Without a padding mask, a BAND:k layer (no global tokens) keeps only the last k - 1
+        positions in its cache (P is then at most k - 1).
         """
         q, k, v = self.project(x)
         if past_kv is not None and not self.causal:
@@ -108,11 +110,20 @@ class SparseAttention(nn.Module):
 
     def _cache(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Any:
         """The cache returned with ``use_cache``: the pattern's own decoding cache where it has one
-        (ZETA: sorted key codes and running sums; it reads as (k, v)), else (k, v)."""
-        start = getattr(self.pattern, "start_cache", None)
-        if start is None or not self.causal or key_padding_mask is not None:
+        (ZETA: sorted key codes and running sums; it reads as (k, v)); the last W - 1 positions
+        for a pattern whose causal rows read only the W most recent keys (``recent_keys``: BAND
+        without global tokens), copied so that the longer tensors are freed; else (k, v). Only
+        without a padding mask: a mask names positions of the whole sequence."""
+        if not self.causal or key_padding_mask is not None:
             return (k, v)
-        return start(k, v)
+        start = getattr(self.pattern, "start_cache", None)
+        if start is not None:
+            return start(k, v)
+        recent = self.pattern.recent_keys()
+        if recent is not None and k.shape[2] >= recent:
+            keep = slice(k.shape[2] - recent + 1, None)  # the W - 1 latest: a later row reads those and itself
+            return k[:, :, keep].contiguous(), v[:, :, keep].contiguous()
+        return (k, v)
 
     def mechanism_params(self, x: Tensor) -> dict | None:
         """The ``params`` of ``sparse_attention``: the mechanism's parameters, plus the input x for

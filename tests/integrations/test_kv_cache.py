@@ -21,7 +21,27 @@ def test_stepping_with_the_cache_equals_the_whole_sequence(pattern, impl):
             out, cache = layer(x[:, position : position + 1], past_kv=cache, use_cache=True)
             steps.append(out)
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
-    assert cache[0].shape == (2, 2, 11, 6) and cache[1].shape == (2, 2, 11, 6)
+    kept = 2 if pattern == "BAND:3" else 11  # a causal BAND:k row reads only its k latest keys
+    assert cache[0].shape == (2, 2, kept, 6) and cache[1].shape == (2, 2, kept, 6)
+
+
+@pytest.mark.parametrize("pattern, kept", [("BAND:8", 7), ("BAND:8(1)", 40), ("band:k=1", 0)])
+def test_a_band_cache_keeps_only_what_later_rows_read(pattern, kept):
+    """BAND:k without global tokens caches the last k - 1 positions (several new positions at a
+    time as well as one), and stepping still gives the whole sequence's rows; with a global token
+    every position stays."""
+    torch.manual_seed(0)
+    layer = SparseAttention(24, 4, pattern, causal=True, kv_heads=2).eval()
+    x = torch.randn(2, 40, 24)
+    with torch.no_grad():
+        whole = layer(x)
+        out, cache = layer(x[:, :3], use_cache=True)
+        steps = [out]
+        for a, b in [(3, 4), (4, 13), *[(t, t + 1) for t in range(13, 40)]]:
+            out, cache = layer(x[:, a:b], past_kv=cache, use_cache=True)
+            steps.append(out)
+            assert cache[0].shape[2] == min(kept, b)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_with_padding_equals_the_whole_sequence():
