@@ -121,8 +121,9 @@ def decode_attention(
         if isinstance(spec, Full) and key_padding_mask is None:
             mask = bottom_right_mask(n_queries, n_keys, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        if key_padding_mask is None and key_window(spec, n_queries, n_keys) is not None:
-            return window_attention(spec, q, k, v, scale=scale)
+        window = key_window(spec, n_queries, n_keys) if key_padding_mask is None else None
+        if window is not None:
+            return window_attention(spec, q, k, v, window, scale=scale)
         if hasattr(spec, "row_indices"):
             return listed_rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
@@ -149,13 +150,12 @@ def key_window(spec: Pattern, n_queries: int, n_keys: int) -> tuple[int, int] | 
     return None if runs is None else (int(runs[0].min()), int(runs[1].max()))
 
 
-def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
-    """The last N rows of a pattern whose rows are runs of keys, computed on the keys of those
-    runs only. q: [B, H, N, D]; k, v: [B, H, M, *] (GQA expanded) -> [B, H, N, Dv] fp32."""
-    n_queries, n_keys = q.shape[2], k.shape[2]
-    window = key_window(spec, n_queries, n_keys)
-    runs = _runs(spec, n_queries, n_keys, q.device)
-    assert window is not None and runs is not None, f"{spec.label()} has no runs of keys"
+def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], *, scale: float) -> Tensor:
+    """The last N rows of a pattern whose rows are runs of keys, computed on the keys [lo, hi) of
+    those runs only (``window``, from ``key_window``). q: [B, H, N, D]; k, v: [B, H, M, *] (GQA
+    expanded) -> [B, H, N, Dv] fp32."""
+    runs = _runs(spec, q.shape[2], k.shape[2], q.device)
+    assert runs is not None, f"{spec.label()} has no runs of keys"
     (lo, hi), (first, end) = window, runs
     keys = torch.arange(lo, hi, device=q.device)  # [W]
     mask = (keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])  # [N, W]

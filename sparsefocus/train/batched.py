@@ -346,7 +346,8 @@ def _select(q: Tensor, k: Tensor, pattern: TopK | BottomK, topk_select: str) -> 
             from sparsefocus.kernels.topk_select import topk_select as kernel
 
             # bf16/fp16 q and k go in as they are: their products are exact in fp32 and the kernel
-            # sums them in fp32, so the scores are those of the fp32 copies, on tensor cores.
+            # sums them in fp32, so the scores are those of the fp32 copies up to summation order,
+            # on tensor cores.
             return kernel(q, k, pattern.k).long()
         scores = torch.matmul(q.float(), k.float().transpose(-1, -2))  # [B, H, N, M]
         return scores.topk(pattern.k, dim=-1, largest=isinstance(pattern, TopK)).indices

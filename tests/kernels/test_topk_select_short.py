@@ -82,17 +82,26 @@ def test_the_longest_short_rows_at_a_wide_head(m, launches):
     assert torch.equal(got, topk_select_torch(q, k, 5, causal=False))
 
 
-@pytest.mark.parametrize("n,m", [(45, 601), (70, 200)])
-def test_16_bit_rows_select_the_largest_fp32_scores(n, m, launches):
+@pytest.mark.parametrize("n,m,causal,padded", [(45, 601, False, False), (70, 200, False, True), (90, 90, True, False)])
+def test_16_bit_rows_select_the_largest_fp32_scores(n, m, causal, padded, launches):
     """bf16 on CUDA (fp16 in the interpreter, which has no bf16): the products of 16-bit q and k
-    are exact in fp32, so the chosen keys carry the kk largest fp32 scores of the fp32 copies; the
-    positions of keys closer than summation-order rounding may swap, so scores are compared."""
+    are exact in fp32, so the chosen keys carry the kk largest allowed fp32 scores of the fp32
+    copies; keys closer than summation-order rounding may swap places, so scores are compared."""
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
     q = torch.randn(2, 2, n, 64, device=DEVICE).to(dtype)
     k = torch.randn(2, 1, m, 64, device=DEVICE).to(dtype)
-    got = topk_select(q, k, 5)
+    key_padding_mask = torch.rand(2, m, device=DEVICE) > 0.3 if padded else None
+    got = topk_select(q, k, 5, causal=causal, key_padding_mask=key_padding_mask)
     assert launches == ["_launch_short"]
     scores = torch.matmul(q.float(), k.float().expand(-1, 2, -1, -1).transpose(-1, -2))  # [2, 2, n, m]
-    chosen = scores.gather(-1, got.long())
-    torch.testing.assert_close(chosen, scores.topk(5, dim=-1).values, atol=1e-4, rtol=1e-5)
-    assert (got.sort(dim=-1).values.diff(dim=-1) > 0).all()  # five distinct keys
+    allowed = (
+        torch.ones(n, m, dtype=torch.bool, device=DEVICE).tril() if causal else torch.ones(n, m, dtype=torch.bool, device=DEVICE)
+    )
+    if padded:
+        allowed = allowed & key_padding_mask[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    best = scores.topk(5, dim=-1).values  # [2, 2, n, 5], -inf where a row has fewer allowed keys
+    chosen = scores.gather(-1, got.long().clamp_min(0)).masked_fill(got < 0, float("-inf"))
+    torch.testing.assert_close(chosen, best, atol=1e-4, rtol=1e-5)
+    listed = got.masked_fill(got < 0, m).sort(dim=-1).values  # -1 slots last
+    assert ((listed.diff(dim=-1) > 0) | (listed[..., 1:] == m)).all()  # distinct keys
