@@ -57,13 +57,17 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | Non
         )
 
 
-def resolve_impl(pattern: Pattern, impl: str, q: Tensor, decoding: bool = False) -> str:
+def resolve_impl(pattern: Pattern, impl: str, q: Tensor, decoding: bool = False, lse: bool = False) -> str:
     """Pick the implementation: "auto" -> Triton on CUDA where the pattern has one, else lean;
-    "auto" while decoding (causal, N < M) -> lean, which computes only the N query rows."""
+    "auto" while decoding (causal, N < M) -> lean, which computes only the N query rows, unless
+    the pattern's Triton path computes only those rows too (``triton_decodes``: TOPK) and no LSE
+    is asked for (the Triton LSE of a decoding call replays the square)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; valid: {', '.join(IMPLS)}")
     if impl == "auto":
-        return "triton" if q.is_cuda and "triton" in pattern.impls and not decoding else "lean"
+        has_triton = q.is_cuda and "triton" in pattern.impls
+        rows_only = not decoding or (not lse and pattern.triton_decodes())
+        return "triton" if has_triton and rows_only else "lean"
     if impl not in pattern.impls:
         raise ValueError(f"pattern {pattern.name} has no {impl!r} implementation; it has: {', '.join(pattern.impls)}")
     if impl == "triton" and not q.is_cuda:
@@ -193,7 +197,7 @@ def sparse_attention(
     decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
     if return_lse:
         check_lse_support(spec)
-    chosen = resolve_impl(spec, impl, q, decoding)
+    chosen = resolve_impl(spec, impl, q, decoding, lse=return_lse)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if return_lse and chosen == "triton":
         return _triton_with_lse(

@@ -20,6 +20,9 @@ path). Within ``rows``, the cheapest form the pattern allows:
 - rows given as key lists (``row_indices``: TOPK, BOTK): the selection reads every key, the
   attention only the k listed ones (no pass over all values);
 - any other: ``row_mask`` in row chunks, O(N M) time, O(chunk M) memory.
+
+On the Triton path a pattern whose ``triton_decodes()`` computes the N rows in Triton (TOPK:
+a split-key selection, then the indexed kernel); the others replay the square call.
 """
 
 from __future__ import annotations
@@ -127,6 +130,8 @@ def decode_attention(
         if hasattr(spec, "row_indices"):
             return listed_rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
+    if impl == "triton" and spec.triton_decodes():
+        return spec.triton_decode(q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
     run = getattr(spec, impl)
     out = run(padded_queries(q, n_keys), k, v, causal=True, scale=scale, key_padding_mask=key_padding_mask, params=params)
     return out[:, :, n_keys - n_queries :]

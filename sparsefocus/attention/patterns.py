@@ -98,6 +98,18 @@ class Pattern:
         """Number of leading positions that attend everywhere and are attended by all."""
         return int(getattr(self, "g", 0))
 
+    def triton_decodes(self) -> bool:
+        """True when ``triton_decode`` computes a decoding call's (causal, N < M) N rows in Triton;
+        False (the default): the Triton path of a decoding call replays the square call."""
+        return False
+
+    def triton_decode(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, key_padding_mask: Tensor | None, params: dict[str, Tensor] | None
+    ) -> Tensor:
+        """The last N rows of the causal call over M keys, q [B, Hq, N, D], k, v [B, Hk, M, *] (not
+        expanded) -> [B, Hq, N, Dv]; only where ``triton_decodes()``."""
+        raise NotImplementedError(f"pattern {self.name} has no Triton decoding rows")
+
     def recent_keys(self) -> int | None:
         """W when a causal row reads only the W most recent positions (its own included), so that a
         KV cache needs only the last W - 1 of them; None (the default): a row may read any key."""

@@ -86,6 +86,10 @@ class _ScoreSelection(IndexedPattern):
         return torch.cat(parts, dim=-2)  # [B, H, N, K]
 
 
+DECODE_CANDIDATES = 2**25
+"""Most int64 candidates (256 MiB) one split-key selection call of TOPK's decoding rows holds."""
+
+
 @register
 @dataclass(frozen=True)
 class TopK(_ScoreSelection):
@@ -103,6 +107,28 @@ class TopK(_ScoreSelection):
         # the selection never lists a padded key (-1 instead), so no drop_padded_keys pass here
         index = topk_select(q, k, self.k, causal=causal, key_padding_mask=key_padding_mask)
         return indexed_attention(q, k, v, index, scale=scale, score="dot")
+
+    def triton_decodes(self) -> bool:
+        from sparsefocus.kernels.topk_decode import MAX_K
+
+        return self.k <= MAX_K
+
+    def triton_decode(self, q, k, v, *, scale, key_padding_mask, params):
+        """The split-key selection of the N rows (``kernels.topk_decode``), then the indexed kernel
+        over the k chosen keys. Query chunks see the keys up to their last position, so each is a
+        bottom-right call of its own; a chunk holds at most ``DECODE_CANDIDATES`` candidates."""
+        from sparsefocus.kernels.indexed import indexed_attention
+        from sparsefocus.kernels.topk_decode import topk_decode_select
+
+        batch, heads, n_queries, _ = q.shape
+        n_keys = k.shape[2]
+        chunk = max(1, DECODE_CANDIDATES // (batch * heads * -(-n_keys // 256) * self.k))
+        parts = []
+        for a in range(0, n_queries, chunk):
+            seen = n_keys - n_queries + min(a + chunk, n_queries)  # keys up to the chunk's last position
+            mask = None if key_padding_mask is None else key_padding_mask[:, :seen]
+            parts.append(topk_decode_select(q[:, :, a : a + chunk], k[:, :, :seen], self.k, key_padding_mask=mask))
+        return indexed_attention(q, k, v, torch.cat(parts, dim=2), scale=scale)  # [B, Hq, N, Dv]
 
     def label(self) -> str:
         return f"TOPK:{self.k}"

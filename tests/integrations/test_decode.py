@@ -137,3 +137,37 @@ def test_topk_decoding_attends_only_to_the_listed_values():
     v = v.masked_fill(~listed[..., None], float("nan"))
     last = sf.sparse_attention(q[:, :, -3:], k, v, "TOPK:5", causal=True, impl="lean")
     torch.testing.assert_close(last, square[:, :, -3:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n, chunked", [(1, False), (5, False), (5, True)])
+def test_topk_triton_decoding_computes_only_the_last_rows(n, chunked, monkeypatch):
+    """TOPK's Triton decoding (split-key selection, then the indexed kernel; in the interpreter on
+    the CPU) equals the square call's last rows, outputs and gradients, with GQA and key padding,
+    also when the rows go in chunks that each see the keys up to their last position."""
+    from sparsefocus.attention import topk
+
+    if chunked:
+        monkeypatch.setattr(topk, "DECODE_CANDIDATES", 1)  # one query row per chunk
+    q, k, v = _inputs(45)
+    padding = torch.rand(2, 45, device=DEVICE) > 0.2
+    weight = torch.randn(2, 4, n, 11, device=DEVICE)
+    results = []
+    for impl, queries in (("reference", q), ("triton", q[:, :, -n:])):
+        leaves = [x.clone().requires_grad_() for x in (queries, k, v)]
+        out = sf.sparse_attention(*leaves, "TOPK:5", causal=True, impl=impl, key_padding_mask=padding)
+        out = out[:, :, -n:]
+        results.append([out, *torch.autograd.grad(out, leaves, weight)])
+    (out, dq, dk, dv), (fast, fast_dq, fast_dk, fast_dv) = results
+    torch.testing.assert_close(fast, out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fast_dq, dq[:, :, -n:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fast_dk, dk, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(fast_dv, dv, atol=2e-5, rtol=1e-4)
+
+
+def test_auto_decoding_picks_the_rows_only_paths():
+    q = torch.randn(1, 2, 1, 8, device="cuda" if torch.cuda.is_available() else "cpu")
+    spec = sf.parse_pattern("TOPK:5")
+    assert sf.attention.api.resolve_impl(spec, "auto", q, decoding=True) == ("triton" if q.is_cuda else "lean")
+    assert sf.attention.api.resolve_impl(spec, "auto", q, decoding=True, lse=True) == "lean"
+    assert sf.attention.api.resolve_impl(sf.parse_pattern("TOPK:65"), "auto", q, decoding=True) == "lean"
+    assert sf.attention.api.resolve_impl(sf.parse_pattern("BAND:5"), "auto", q, decoding=True) == "lean"
