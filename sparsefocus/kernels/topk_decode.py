@@ -54,7 +54,8 @@ def _block_top_kernel(
 ):
     """Program (row, block): the packed keys [KK] of the block's best allowed scores, best first,
     int64 min where the block has fewer allowed keys; written to OUT[row, block, :]."""
-    row, block = tl.program_id(0), tl.program_id(1)
+    pid = tl.program_id(0)  # one grid axis: CUDA caps the second at 65535 programs
+    row, block = pid // NUM_BLOCKS, pid % NUM_BLOCKS
     bh, query = row // N, row % N
     batch, head = bh // HQ, bh % HQ
     kv_bh = batch * (HQ // GROUP) + head // GROUP
@@ -95,7 +96,7 @@ def _topk_decode_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padd
     num_blocks = triton.cdiv(n_keys, block_n)
     candidates = torch.empty(rows, num_blocks, kk, dtype=torch.int64, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else candidates
-    _block_top_kernel[(rows, num_blocks)](
+    _block_top_kernel[(rows * num_blocks,)](
         q.contiguous(),
         k.contiguous(),
         pad,
