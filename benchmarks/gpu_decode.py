@@ -2,8 +2,8 @@
 
 One new query per step at the end of a KV cache of M positions (bottom-right causal). Cases:
 SDPA on the whole cache per backend (cuDNN, flash, efficient, math; "dense" is the fastest that
-ran at each M), ``sparse_attention`` decoding rows for TOPK:32 and BAND:64 (``impl="auto"``),
-and ZETA's cached step (``zeta_decode.decode_step`` from a prebuilt ``ZetaCache``; its time
+ran at each M), ``sparse_attention`` decoding rows for TOPK:32 and BAND:64 (``impl="auto"``: on
+CUDA TOPK's Triton rows, BAND's window of keys), TOPK:32 on the lean rows ("TOPK:32/lean"), and ZETA's cached step (``zeta_decode.decode_step`` from a prebuilt ``ZetaCache``; its time
 includes appending the new key and value to the cache, which dense decoding here does not pay).
 A check first compares every decoding case at ``--check-keys`` keys with its definition, the
 last row of the causal call over all keys. Writes ``--out`` (JSON, atomically) after each M.
@@ -66,6 +66,8 @@ def cases(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callab
         steps[f"sdpa:{backend}"] = dense
     for pattern in PATTERNS:
         steps[pattern] = lambda pattern=pattern: sparse_attention(q, k, v, pattern, causal=True)
+    # impl="auto" decodes TOPK through its Triton rows on CUDA; the lean rows for comparison
+    steps["TOPK:32/lean"] = lambda: sparse_attention(q, k, v, "TOPK:32", causal=True, impl="lean")
     zq, zk = zeta_inputs(q, k)
     spec = parse_pattern(ZETA)
     cache = start_cache(spec, zk[:, :, :-1], v[:, :, :-1])  # built once: the prefill, not timed
