@@ -635,23 +635,26 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     return out, count
 
 
-def _short_tiles(q: Tensor, block_n: int) -> dict:
+def _short_tiles(q: Tensor, block_n: int, masked: bool) -> dict:
     """Tiles of the short kernel: BLOCK_M rows, key slices of BLOCK_DC dimensions, warps.
 
-    The [BLOCK_N, BLOCK_DC] key slice must fit in shared memory (the device's opt-in limit less
-    32 KiB for the query tile and the reductions), so the slices are as wide as that allows. On the
-    H200 (250 and 5000 rows of 600 keys, kk=5, bf16) 32 rows with whole-D slices and 8 warps took
-    0.46 / 9.0 ms, 16 rows with 16-dim slices 0.72 / 14.6 ms; 64 rows run out of registers. fp32
-    keeps the 16 rows it was measured with (32 rows are not measured for it)."""
-    block_d = max(16, triton.next_power_of_2(q.shape[-1]))
-    if not q.is_cuda:  # interpreter: any tiles; small ones cross several row tiles at test sizes
+    On the H200 (250 and 5000 rows of 600 keys, kk=5, bf16, no causal cut or padding) 32 rows
+    with whole-D slices and 8 warps took 0.46 / 9.0 ms, 16 rows with 16-dim slices 0.72 / 14.6 ms,
+    and 64 rows ran out of registers. Those tiles are used where they were measured: 16-bit
+    inputs without a mask (``masked``: causal or padded rows carry a [BM, BN] mask too), with the
+    [BLOCK_N, BLOCK_DC] key slice as wide as shared memory allows (the device's opt-in limit less
+    32 KiB for the query tile and the reductions). Everything else keeps 16 rows and 16-dim slices."""
+    if not q.is_cuda:  # interpreter: small tiles cross several row tiles at test sizes
         return dict(BLOCK_M=16, BLOCK_DC=16)
+    warps = 4 if block_n <= 256 else 8
+    if masked or q.element_size() != 2:
+        return dict(BLOCK_M=16, BLOCK_DC=16, num_warps=warps)
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     room = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - 32 * 1024
-    block_dc = block_d
+    block_dc = max(16, triton.next_power_of_2(q.shape[-1]))
     while block_dc > 16 and block_n * block_dc * q.element_size() > room:
         block_dc //= 2
-    return dict(BLOCK_M=32 if q.element_size() == 2 else 16, BLOCK_DC=block_dc, num_warps=4 if block_n <= 256 else 8)
+    return dict(BLOCK_M=32, BLOCK_DC=block_dc, num_warps=warps)
 
 
 def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
@@ -661,7 +664,7 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
     out = torch.empty(batch, q_heads, n_queries, kk, dtype=torch.int32, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
     block_n = max(16, triton.next_power_of_2(n_keys))
-    tiles = _short_tiles(q, block_n) | TILE_OVERRIDES.get("short", {})
+    tiles = _short_tiles(q, block_n, causal or key_padding_mask is not None) | TILE_OVERRIDES.get("short", {})
     grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
     _short_kernel[grid](
         q,
