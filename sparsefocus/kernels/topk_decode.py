@@ -45,6 +45,8 @@ def _block_top_kernel(
     HQ,
     GROUP,
     NUM_BLOCKS,
+    SKB,
+    SKH,
     D: tl.constexpr,
     KK: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -53,19 +55,21 @@ def _block_top_kernel(
     HAS_PAD: tl.constexpr,
 ):
     """Program (row, block): the packed keys [KK] of the block's best allowed scores, best first,
-    int64 min where the block has fewer allowed keys; written to OUT[row, block, :]."""
+    int64 min where the block has fewer allowed keys; written to OUT[row, block, :]. K's batch
+    and head strides are SKB, SKH (a prefix of a longer cache is read in place); its rows are
+    dense [M, D]."""
     pid = tl.program_id(0)  # one grid axis: CUDA caps the second at 65535 programs
     row, block = pid // NUM_BLOCKS, pid % NUM_BLOCKS
     bh, query = row // N, row % N
     batch, head = bh // HQ, bh % HQ
-    kv_bh = batch * (HQ // GROUP) + head // GROUP
+    k_base = K + batch.to(tl.int64) * SKB + (head // GROUP).to(tl.int64) * SKH
     cols = block * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] key positions
     key_ok = cols < M
     scores = tl.zeros([BLOCK_N], dtype=tl.float32)
     for d0 in tl.static_range(0, D, BLOCK_DC):  # [BN, BLOCK_DC] slices keep the registers small
         offs_d = d0 + tl.arange(0, BLOCK_DC)
         q = tl.load(Q + row.to(tl.int64) * D + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-        k_ptr = K + kv_bh.to(tl.int64) * M * D + cols[:, None] * D + offs_d[None, :]
+        k_ptr = k_base + cols[:, None] * D + offs_d[None, :]
         k = tl.load(k_ptr, mask=key_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(tl.float32)
         scores += tl.sum(k * q[None, :], axis=1)
     allowed = key_ok
@@ -96,9 +100,11 @@ def _topk_decode_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padd
     num_blocks = triton.cdiv(n_keys, block_n)
     candidates = torch.empty(rows, num_blocks, kk, dtype=torch.int64, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else candidates
+    if k.stride(-1) != 1 or k.stride(-2) != dim:  # rows of k must be dense; its batch and head strides are free
+        k = k.contiguous()
     _block_top_kernel[(rows * num_blocks,)](
         q.contiguous(),
-        k.contiguous(),
+        k,
         pad,
         candidates,
         n_queries,
@@ -106,6 +112,8 @@ def _topk_decode_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padd
         q_heads,
         q_heads // k.shape[1],
         num_blocks,
+        k.stride(0),
+        k.stride(1),
         D=dim,
         KK=kk,
         BLOCK_N=block_n,

@@ -64,3 +64,12 @@ def test_the_op_passes_opcheck():
     q, k = torch.randn(1, 2, 2, 8, device=DEVICE), torch.randn(1, 1, 50, 8, device=DEVICE)
     key_padding_mask = torch.rand(1, 50, device=DEVICE) > 0.3
     torch.library.opcheck(torch.ops.sparsefocus.topk_decode_select.default, (q, k, 4, True, key_padding_mask))
+
+
+def test_a_prefix_of_a_longer_cache_is_read_in_place():
+    """k a view of the first keys of a longer cache (the chunks of decode rows): the same result as
+    the contiguous copy."""
+    q, cache = torch.randn(2, 4, 3, 16, device=DEVICE), torch.randn(2, 2, 90, 16, device=DEVICE)
+    prefix = cache[:, :, :61]
+    assert not prefix.is_contiguous()
+    assert torch.equal(topk_decode_select(q, prefix, 7), topk_decode_select(q, prefix.contiguous(), 7))
