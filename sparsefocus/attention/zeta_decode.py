@@ -252,21 +252,22 @@ def decode_step(
     kernel) or "auto" (triton on CUDA). Default: "auto". The returned cache may share buffers
     with ``cache``, which keeps reading its own M - 1 positions (``ZetaCache``)."""
     _check_step(q, k_new, v_new, cache, kernel)
+    triton = kernel == "triton" or (kernel == "auto" and q.is_cuda)  # fused kernels: codes, attention
     n_keys = cache.length + 1
     buffers = _appended(cache.buffers, cache.length, k_new, v_new)
     k, v = buffers.key[:, :, :n_keys], buffers.value[:, :, :n_keys]  # [B, Hk, M, *] views
     bits = code_bits(spec.bits, q.shape[-1], spec.curves)
     prefix, runs = searchable_prefix(spec, n_keys), cache.runs
     if prefix > cache.prefix:
-        entering = _codes(spec, upcast(k[:, :, cache.prefix : prefix]), bits)  # [S, B, Hk, n]
+        entering = _codes(spec, upcast(k[:, :, cache.prefix : prefix]), bits, fused=triton)  # [S, B, Hk, n]
         runs = _runs_after(runs, entering, cache.prefix, prefix)
     key_sum, value_sum = cache.key_sum + upcast(k_new), cache.value_sum + upcast(v_new)
-    index = _selection(spec, q, k, runs, prefix, bits)  # [B, Hq, 1, K]
+    index = _selection(spec, q, k, runs, prefix, bits, triton)  # [B, Hq, 1, K]
     mean_k, mean_v = (key_sum / n_keys).to(k.dtype), (value_sum / n_keys).to(v.dtype)  # [B, Hk, 1, *]
     keys, values, slots = _gathered(k, v, index)
     present = torch.ones(q.shape[0], 1, 1, dtype=torch.bool, device=q.device)
     attend = indexed_attention_ref
-    if kernel == "triton" or (kernel == "auto" and q.is_cuda):
+    if triton:
         from sparsefocus.kernels.indexed import indexed_attention as attend  # type: ignore[assignment]
     out = attend(
         q,
@@ -307,13 +308,16 @@ def _appended(buffers: KVBuffers, length: int, k_new: Tensor, v_new: Tensor) -> 
     return buffers
 
 
-def _selection(spec: Zeta, q: Tensor, k: Tensor, runs: tuple[SortedRun, ...], prefix: int, bits: int) -> Tensor:
+def _selection(spec: Zeta, q: Tensor, k: Tensor, runs: tuple[SortedRun, ...], prefix: int, bits: int, fused: bool) -> Tensor:
     """``select_keys``' row for the last query: window candidates of each curve around the
-    query's code among the first ``prefix`` keys, the local band, the nearest ``width``."""
+    query's code among the first ``prefix`` keys, the local band, the nearest ``width``.
+    ``fused``: the query's codes from the Morton kernel (the same fp32 operations, one launch)."""
     batch, heads = q.shape[0], q.shape[1]
     curves, kv_heads = spec.curves, k.shape[1]
     q32 = upcast(q)
-    codes_q = _codes(spec, q32, bits).reshape(curves, batch, kv_heads, heads // kv_heads)  # [S, B, Hk, G]: a kv head's queries
+    codes_q = _codes(spec, q32, bits, fused=fused).reshape(
+        curves, batch, kv_heads, heads // kv_heads
+    )  # [S, B, Hk, G]: a kv head's queries
     windows = _run_windows(runs, codes_q, prefix, spec.window)  # [S, B, Hk, G, W]
     candidates = windows.permute(1, 2, 3, 0, 4).reshape(batch, heads, 1, curves * spec.window)
     n_keys = k.shape[2]

@@ -49,13 +49,28 @@ def test_the_cache_keeps_the_searchable_keys_sorted_as_a_fresh_sort_would():
     torch.testing.assert_close(cache.key_sum, k.sum(2, keepdim=True))
 
 
-def test_a_step_through_the_triton_kernel_equals_the_reference_step():
+@pytest.mark.parametrize("spec", ["zeta:k=4,window=6,chunks=3,local=3,sink=1", "zeta:k=3,window=4,curves=3,chunks=2,local=0"])
+def test_steps_through_the_triton_kernels_equal_the_reference_steps(spec):
+    """kernel="triton": the Morton kernel codes the query and the keys entering the searchable
+    prefix, the indexed kernel attends; step after step (the prefix grows) as the reference."""
+    pattern = parse_pattern(spec)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernels in the interpreter
+    q, k, v = (torch.randn(*shape, device=device) for shape in ((1, 4, 40, 3), (1, 2, 40, 3), (1, 2, 40, 8)))
+    caches = {kernel: start_cache(pattern, k[:, :, :20], v[:, :, :20]) for kernel in ("reference", "triton")}
+    for t in range(20, 40):
+        outs = {}
+        for kernel in caches:
+            outs[kernel], caches[kernel] = decode_step(
+                pattern, q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], caches[kernel], kernel=kernel
+            )
+        torch.testing.assert_close(outs["triton"], outs["reference"], rtol=1e-5, atol=1e-6, msg=f"position {t}")
+    assert torch.equal(caches["triton"].sorted_codes, caches["reference"].sorted_codes)
+
+
+def test_a_bad_kernel_name_is_refused():
     pattern = parse_pattern("zeta:k=4,window=6,chunks=3,local=3,sink=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs the kernel in the interpreter
-    q, k, v = (torch.randn(*shape, device=device) for shape in ((1, 4, 1, 3), (1, 2, 30, 3), (1, 2, 30, 8)))
+    q, k, v = torch.randn(1, 4, 1, 3), torch.randn(1, 2, 30, 3), torch.randn(1, 2, 30, 8)
     cache = start_cache(pattern, k[:, :, :-1], v[:, :, :-1])
-    steps = [decode_step(pattern, q, k[:, :, -1:], v[:, :, -1:], cache, kernel=kernel)[0] for kernel in ("reference", "triton")]
-    torch.testing.assert_close(steps[1], steps[0], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="kernel must be auto, reference or triton"):
         decode_step(pattern, q, k[:, :, -1:], v[:, :, -1:], cache, kernel="cuda")
 
