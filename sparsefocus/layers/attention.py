@@ -63,10 +63,14 @@ class SparseAttention(nn.Module):
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, N, dim] -> q [B, H, N, Dqk], k [B, Hk, N, Dqk], v [B, Hk, N, Dh]."""
-        batch, length, _ = x.shape
-        q = self.q_proj(x).view(batch, length, self.heads, self.qk_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, length, self.kv_heads, self.qk_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        return self.split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+
+    def split_heads(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Projections q [B, N, H*Dqk], k [B, N, Hk*Dqk], v [B, N, Hk*Dh] -> [B, heads, N, width] each."""
+        batch, length = q.shape[:2]
+        q = q.view(batch, length, self.heads, self.qk_dim).transpose(1, 2)
+        k = k.view(batch, length, self.kv_heads, self.qk_dim).transpose(1, 2)
+        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
         return q, k, v
 
     def forward(

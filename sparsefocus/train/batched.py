@@ -246,8 +246,9 @@ class RunAttention(nn.Module):
         self.mechanism = nn.ParameterDict({name: _stack([m.mechanism[name] for m in modules]) for name in first.mechanism})
         self.aux_loss: Tensor = torch.zeros(())
 
-    # Borrowed: it reads only the pattern and mechanism, which RunAttention has too.
+    # Borrowed: they read only the pattern, mechanism and head sizes, which RunAttention has too.
     mechanism_params = SparseAttention.mechanism_params
+    split_heads = SparseAttention.split_heads
 
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [R*B, N, dim] -> q [R*B, H, N, Dqk], k [R*B, Hk, N, Dqk], v [R*B, Hk, N, Dh]. Exact mode
@@ -255,17 +256,13 @@ class RunAttention(nn.Module):
         matmul over the concatenated weights (the input is read once, one launch instead of three)."""
         if self.exact:
             return SparseAttention.project(self, x)  # type: ignore[arg-type]  # reads only the projections and sizes
-        batch, length, _ = x.shape
         parts = (self.q_proj, self.k_proj, self.v_proj)
         weight = torch.cat([p.weight for p in parts], dim=1)  # [R, Hq*Dqk + Hk*Dqk + Hk*Dh, dim]
         biases = [p.bias for p in parts]
         bias = None if any(b is None for b in biases) else torch.cat(cast(list[Tensor], biases), dim=1)
         qkv = run_matmul(x, weight, bias)  # [R*B, N, Hq*Dqk + Hk*Dqk + Hk*Dh]
         q, k, v = qkv.split([p.weight.shape[1] for p in parts], dim=-1)
-        q = q.view(batch, length, self.heads, self.qk_dim).transpose(1, 2)
-        k = k.view(batch, length, self.kv_heads, self.qk_dim).transpose(1, 2)
-        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        return q, k, v
+        return self.split_heads(q, k, v)  # type: ignore[misc]  # a borrowed method (see above)
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)  # [R*B, H, N, D]

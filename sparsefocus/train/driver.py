@@ -229,15 +229,21 @@ class StepGraph:
             self.loss_sum += losses.detach().sum(dim=1, dtype=torch.float64)
             self.correct += right.sum(dim=1)
 
-    def step(self, index: Tensor, lr: float) -> None:
-        """One training step on the rows ``index`` [R, B] at learning rate ``lr``."""
+    def _load(self, index: Tensor, lr: float, fresh_grads: bool) -> None:
+        """The step's rows and learning rate into the static buffers (no host sync); with
+        ``fresh_grads`` the gradients dropped, for a step that runs (or records) the body."""
         self.index.copy_(index)
         self.neg_lr.fill_(-lr)
+        if fresh_grads:
+            for p in self.params:
+                p.grad = None
+
+    def step(self, index: Tensor, lr: float) -> None:
+        """One training step on the rows ``index`` [R, B] at learning rate ``lr``."""
+        self._load(index, lr, fresh_grads=self.graph is None)
         if self.graph is not None:
             self.graph.replay()
             return
-        for p in self.params:
-            p.grad = None
         if self.steps < self.warmup:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -254,10 +260,7 @@ class StepGraph:
     def run_uncaptured(self, index: Tensor, lr: float) -> None:
         """One step outside the graph, with the same compiled kernels: for profilers, which do not
         see the kernels of a replay."""
-        self.index.copy_(index)
-        self.neg_lr.fill_(-lr)
-        for p in self.params:
-            p.grad = None
+        self._load(index, lr, fresh_grads=True)
         self._body()
 
     def take_sums(self) -> tuple[Tensor, Tensor]:
