@@ -3,7 +3,8 @@
 One new query per step at the end of a KV cache of M positions (bottom-right causal). Cases:
 SDPA on the whole cache per backend (cuDNN, flash, efficient, math; "dense" is the fastest that
 ran at each M), ``sparse_attention`` decoding rows for TOPK:32 and BAND:64 (``impl="auto"``: on
-CUDA TOPK's Triton rows, BAND's window of keys), TOPK:32 on the lean rows ("TOPK:32/lean"), and ZETA's cached step (``zeta_decode.decode_step`` from a prebuilt ``ZetaCache``; its time
+CUDA TOPK's Triton rows, BAND's window of keys), TOPK:32 on the lean rows ("TOPK:32/lean"), and
+ZETA's cached step (``zeta_decode.decode_step`` from a prebuilt ``ZetaCache``; its time
 includes appending the new key and value to the cache, which dense decoding here does not pay).
 A check first compares every decoding case at ``--check-keys`` keys with its definition, the
 last row of the causal call over all keys. Writes ``--out`` (JSON, atomically) after each M.

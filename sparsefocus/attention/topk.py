@@ -86,10 +86,6 @@ class _ScoreSelection(IndexedPattern):
         return torch.cat(parts, dim=-2)  # [B, H, N, K]
 
 
-DECODE_CANDIDATES = 2**25
-"""Most int64 candidates (256 MiB) one split-key selection call of TOPK's decoding rows holds."""
-
-
 @register
 @dataclass(frozen=True)
 class TopK(_ScoreSelection):
@@ -114,21 +110,13 @@ class TopK(_ScoreSelection):
         return self.k <= MAX_K
 
     def triton_decode(self, q, k, v, *, scale, key_padding_mask, params):
-        """The split-key selection of the N rows (``kernels.topk_decode``), then the indexed kernel
-        over the k chosen keys. Query chunks see the keys up to their last position, so each is a
-        bottom-right call of its own; a chunk holds at most ``DECODE_CANDIDATES`` candidates."""
+        """The split-key selection of the N bottom-right rows (``kernels.topk_decode``), then the
+        indexed kernel over the k chosen keys -> [B, Hq, N, Dv]."""
         from sparsefocus.kernels.indexed import indexed_attention
         from sparsefocus.kernels.topk_decode import topk_decode_select
 
-        batch, heads, n_queries, _ = q.shape
-        n_keys = k.shape[2]
-        chunk = max(1, DECODE_CANDIDATES // (batch * heads * -(-n_keys // 256) * self.k))
-        parts = []
-        for a in range(0, n_queries, chunk):
-            seen = n_keys - n_queries + min(a + chunk, n_queries)  # keys up to the chunk's last position
-            mask = None if key_padding_mask is None else key_padding_mask[:, :seen]
-            parts.append(topk_decode_select(q[:, :, a : a + chunk], k[:, :, :seen], self.k, key_padding_mask=mask))
-        return indexed_attention(q, k, v, torch.cat(parts, dim=2), scale=scale)  # [B, Hq, N, Dv]
+        index = topk_decode_select(q, k, self.k, causal=True, key_padding_mask=key_padding_mask)  # [B, Hq, N, k]
+        return indexed_attention(q, k, v, index, scale=scale)
 
     def label(self) -> str:
         return f"TOPK:{self.k}"

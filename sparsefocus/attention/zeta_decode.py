@@ -315,9 +315,8 @@ def _selection(spec: Zeta, q: Tensor, k: Tensor, runs: tuple[SortedRun, ...], pr
     batch, heads = q.shape[0], q.shape[1]
     curves, kv_heads = spec.curves, k.shape[1]
     q32 = upcast(q)
-    codes_q = _codes(spec, q32, bits, fused=fused).reshape(
-        curves, batch, kv_heads, heads // kv_heads
-    )  # [S, B, Hk, G]: a kv head's queries
+    codes_q = _codes(spec, q32, bits, fused=fused)  # [S, B, Hq, 1]
+    codes_q = codes_q.reshape(curves, batch, kv_heads, heads // kv_heads)  # [S, B, Hk, G]: a kv head's queries
     windows = _run_windows(runs, codes_q, prefix, spec.window)  # [S, B, Hk, G, W]
     candidates = windows.permute(1, 2, 3, 0, 4).reshape(batch, heads, 1, curves * spec.window)
     n_keys = k.shape[2]

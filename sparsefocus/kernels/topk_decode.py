@@ -13,8 +13,9 @@ for dense attention):
 Every key of the global top kk is among its block's top kk, so the merge is exact, with the
 same tie rule as ``topk_select`` (equal scores: smaller position first). Scores are summed in
 fp32 from the inputs' values (16-bit products are exact in fp32). Memory: rows * ceil(M /
-BLOCK_N) * kk int64 candidates, so the selection is meant for few rows (``DECODE_MAX_ROWS`` per
-call in ``decode_attention``). No host synchronisation; the custom op ``sparsefocus::topk_decode_select``.
+BLOCK_N) * kk int64 candidates, at most ``MAX_CANDIDATES`` per kernel call (more rows go in
+chunks), so the selection is meant for few rows. No host synchronisation; the custom op
+``sparsefocus::topk_decode_select``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from sparsefocus.kernels.topk_select import INT64_MIN, _pack
 
 MAX_K = 64
 """Largest kk: the block kernel keeps kk rounds of maxima unrolled."""
+MAX_CANDIDATES = 2**25
+"""Most int64 candidates (256 MiB) one kernel call holds; more query rows go in chunks."""
 
 
 @triton.jit
@@ -136,7 +139,8 @@ def topk_decode_select(q: Tensor, k: Tensor, kk: int, *, causal: bool = True, ke
     """Positions of each query's ``kk`` largest scores q.k, for a few query rows over many keys.
 
     Args:
-        q: [B, Hq, N, D] (few rows: the candidates take B * Hq * N * ceil(M / 256) * kk int64);
+        q: [B, Hq, N, D] (few rows: the candidates take B * Hq * N * ceil(M / 256) * kk int64,
+            in query chunks of at most ``MAX_CANDIDATES``);
             k: [B, Hk, M, D] with Hq % Hk == 0 (query head h reads key head h // (Hq // Hk)).
         kk: keys per query, 1 <= kk <= ``MAX_K`` (rows with fewer allowed keys fill -1).
         causal: bottom-right alignment, query i of N sees keys j <= M - N + i (decoding).
@@ -153,4 +157,14 @@ def topk_decode_select(q: Tensor, k: Tensor, kk: int, *, causal: bool = True, ke
         raise ValueError(f"topk_decode_select: incompatible q {tuple(q.shape)} and k {tuple(k.shape)}")
     if causal and q.shape[2] > k.shape[2]:
         raise ValueError(f"topk_decode_select: {q.shape[2]} queries are more than the {k.shape[2]} keys")
-    return torch.ops.sparsefocus.topk_decode_select(q.detach(), k.detach().to(q.dtype), kk, causal, key_padding_mask)
+    batch, heads, n_queries, _ = q.shape
+    n_keys = k.shape[2]
+    q, k = q.detach(), k.detach().to(q.dtype)
+    chunk = max(1, MAX_CANDIDATES // (batch * heads * triton.cdiv(n_keys, _block_n(q)) * kk))
+    parts = []
+    for a in range(0, n_queries, chunk):
+        # bottom-right: a chunk's queries see the keys up to its last position, a call of its own
+        seen = n_keys - n_queries + min(a + chunk, n_queries) if causal else n_keys
+        mask = None if key_padding_mask is None else key_padding_mask[:, :seen]
+        parts.append(torch.ops.sparsefocus.topk_decode_select(q[:, :, a : a + chunk], k[:, :, :seen], kk, causal, mask))
+    return torch.cat(parts, dim=2)

@@ -144,10 +144,10 @@ def test_topk_triton_decoding_computes_only_the_last_rows(n, chunked, monkeypatc
     """TOPK's Triton decoding (split-key selection, then the indexed kernel; in the interpreter on
     the CPU) equals the square call's last rows, outputs and gradients, with GQA and key padding,
     also when the rows go in chunks that each see the keys up to their last position."""
-    from sparsefocus.attention import topk
+    from sparsefocus.kernels import topk_decode
 
     if chunked:
-        monkeypatch.setattr(topk, "DECODE_CANDIDATES", 1)  # one query row per chunk
+        monkeypatch.setattr(topk_decode, "MAX_CANDIDATES", 1)  # one query row per chunk
     q, k, v = _inputs(45)
     padding = torch.rand(2, 45, device=DEVICE) > 0.2
     weight = torch.randn(2, 4, n, 11, device=DEVICE)
