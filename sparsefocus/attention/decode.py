@@ -15,8 +15,8 @@ path, O(M) rows of work); ``rows`` evaluates only the N rows (softmax mechanisms
 path). Within ``rows``, the cheapest form the pattern allows:
 
 - FULL: SDPA with a bottom-right mask;
-- rows that are runs of keys (``packed_runs``: BAND, BLOC without global tokens): the keys of
-  the N rows' runs only, O(N W) for a window of W keys, whatever M is;
+- rows that are runs of keys (``packed_runs``: BAND, BLOC without global tokens): SDPA on the
+  keys of the N rows' runs only, O(N W) for a window of W keys, whatever M is;
 - rows given as key lists (``row_indices``: TOPK, BOTK): the selection reads every key, the
   attention only the k listed ones (no pass over all values);
 - any other: ``row_mask`` in row chunks, O(N M) time, O(chunk M) memory.
@@ -26,6 +26,8 @@ a split-key selection, then the indexed kernel); the others replay the square ca
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -148,23 +150,47 @@ def _runs(spec: Pattern, n_queries: int, n_keys: int, device: torch.device) -> t
     return first, torch.minimum(first + count, position + 1)
 
 
-def key_window(spec: Pattern, n_queries: int, n_keys: int) -> tuple[int, int] | None:
-    """The keys [lo, hi) that the last N rows read, from the sizes alone (on the host, so no
-    device read), or None when the pattern's rows are not runs of keys."""
+class KeyWindow(NamedTuple):
+    """The keys [lo, hi) that the last N rows read; ``whole``: every row keeps all of them;
+    ``nonempty``: every row keeps at least one."""
+
+    lo: int
+    hi: int
+    whole: bool
+    nonempty: bool
+
+
+def key_window(spec: Pattern, n_queries: int, n_keys: int) -> KeyWindow | None:
+    """The window of keys the last N rows read, from the sizes alone (on the host, so no device
+    read), or None when the pattern's rows are not runs of keys."""
     runs = _runs(spec, n_queries, n_keys, torch.device("cpu"))
-    return None if runs is None else (int(runs[0].min()), int(runs[1].max()))
+    if runs is None:
+        return None
+    first, end = runs
+    lo, hi = int(first.min()), int(end.max())
+    return KeyWindow(lo, hi, bool((first == lo).all() and (end == hi).all()), bool((end > first).all()))
 
 
-def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, window: tuple[int, int], *, scale: float) -> Tensor:
+def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, window: KeyWindow, *, scale: float) -> Tensor:
     """The last N rows of a pattern whose rows are runs of keys, computed on the keys [lo, hi) of
     those runs only (``window``, from ``key_window``). q: [B, H, N, D]; k, v: [B, H, M, *] (GQA
-    expanded) -> [B, H, N, Dv] fp32."""
+    expanded) -> [B, H, N, Dv].
+
+    One SDPA call on the window (with no mask when every row keeps the whole window, as one
+    decoded token of BAND does), so a decoding step costs a few launches whatever M is; rows
+    with no key (zero by definition, NaN in SDPA) take the fp32 masked form.
+    """
+    keys_k, keys_v = k[:, :, window.lo : window.hi], v[:, :, window.lo : window.hi]  # [B, H, W, *]
+    if window.whole:
+        return F.scaled_dot_product_attention(q, keys_k, keys_v, scale=scale)
     runs = _runs(spec, q.shape[2], k.shape[2], q.device)
     assert runs is not None, f"{spec.label()} has no runs of keys"
-    (lo, hi), (first, end) = window, runs
-    keys = torch.arange(lo, hi, device=q.device)  # [W]
+    first, end = runs
+    keys = torch.arange(window.lo, window.hi, device=q.device)  # [W]
     mask = (keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])  # [N, W]
-    return dense_masked_attention(q, k[:, :, lo:hi], v[:, :, lo:hi], mask, scale)
+    if window.nonempty:
+        return F.scaled_dot_product_attention(q, keys_k, keys_v, attn_mask=mask, scale=scale)
+    return dense_masked_attention(q, keys_k, keys_v, mask, scale)
 
 
 def listed_rows_attention(

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import sparsefocus as sf
+from block_sparse_checks import impl_device
 from pattern_checks import assert_equals_full, random_qk
 
 
@@ -109,12 +110,15 @@ def _leaves(*tensors):
 
 
 def _out_and_grads(pattern, impl, q, k, v, padding=None, causal=True, grad_rows=None):
-    q, k, v = _leaves(q, k, v)
+    """[out, dq, dk, dv] on the CPU; the Triton path runs on CUDA where there is one."""
+    device = impl_device(impl)
+    q, k, v = _leaves(q.to(device), k.to(device), v.to(device))
+    padding = None if padding is None else padding.to(device)
     out = sf.sparse_attention(q, k, v, pattern, causal=causal, key_padding_mask=padding, impl=impl)
-    weight = torch.cos(torch.arange(out.numel(), dtype=torch.float32)).reshape(out.shape)
+    weight = torch.cos(torch.arange(out.numel(), dtype=torch.float32)).reshape(out.shape).to(device)
     if grad_rows is not None:
         weight[:, :, grad_rows:] = 0
-    return [out, *torch.autograd.grad((out.float() * weight).sum(), (q, k, v))]
+    return [t.cpu() for t in (out, *torch.autograd.grad((out.float() * weight).sum(), (q, k, v)))]
 
 
 @pytest.mark.parametrize("pattern", ["moba:block=16,top=2,tile=16", "quest:block=16,top=2,tile=32"])

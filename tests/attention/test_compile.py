@@ -12,6 +12,7 @@ N = 23 for the two sequences of the key-padding case; NSA in its GQA form, one k
 import pytest
 import torch
 import torch._dynamo
+from block_sparse_checks import impl_device
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from sparsefocus.attention import PATTERNS, parse_pattern
@@ -53,7 +54,9 @@ def _case(example: str, impl: str, causal: bool, key_padding: bool = False):
     if key_padding:
         mask = torch.ones(batch, n, dtype=torch.bool)
         mask[1, n - 5 :] = False
-    return layer, x, mask, torch.randn(batch, n, HEADS * HEAD_DIM)
+    device = impl_device(impl)  # the Triton path on CUDA where there is one
+    mask = None if mask is None else mask.to(device)
+    return layer.to(device), x.to(device), mask, torch.randn(batch, n, HEADS * HEAD_DIM, device=device)
 
 
 def _outputs_and_grads(fn, layer, x, mask, grad_out):

@@ -5,7 +5,7 @@ layer owns and trains the gates."""
 
 import pytest
 import torch
-from block_sparse_checks import perturbed_after, run_with_grads
+from block_sparse_checks import impl_device, perturbed_after, run_with_grads
 
 import sparsefocus as sf
 from sparsefocus.attention.nsa import NSA, compress
@@ -91,7 +91,9 @@ def test_layer_owns_the_gates_and_trains_them_in_a_decoder_block():
 @pytest.mark.parametrize("pattern", ["nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1", "moba:block=16,top=1,tile=16"])
 def test_triton_path_compiles_with_fullgraph(pattern):
     spec = sf.parse_pattern(pattern)  # parsed outside, as SparseAttention holds it
-    q, k, v = torch.randn(1, 2, 40, 16, requires_grad=True), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+    device = impl_device("triton")
+    q = torch.randn(1, 2, 40, 16, device=device, requires_grad=True)
+    k, v = torch.randn(1, 1, 40, 16, device=device), torch.randn(1, 1, 40, 16, device=device)
 
     def loss(q, k, v):
         return sf.sparse_attention(q, k, v, spec, causal=True, impl="triton").sum()

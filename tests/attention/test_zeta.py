@@ -4,6 +4,8 @@ token, gradients (gamma included), recall, the layer and the Triton path in the 
 import pytest
 import torch
 
+from block_sparse_checks import impl_device
+
 import sparsefocus as sf
 from sparsefocus.attention.common import mask_from_indices
 from sparsefocus.attention.zeta import (
@@ -37,6 +39,16 @@ def _qkv(n, batch=2, heads=2, kv_heads=1, dim=3, dv=5, seed=0, dtype=torch.float
     k = torch.randn(batch, kv_heads, n, dim, generator=gen, dtype=dtype)
     v = torch.randn(batch, kv_heads, n, dv, generator=gen, dtype=dtype)
     return q, k, v
+
+
+def _run(q, k, v, pattern, *, impl, params=None, key_padding_mask=None, **kwargs):
+    """``sparse_attention`` with the Triton path on CUDA where there is one; the output comes back
+    to the CPU, and gradients flow back to the CPU tensors."""
+    device = impl_device(impl)
+    moved = {name: p.to(device) for name, p in (params or {}).items()}
+    padding = None if key_padding_mask is None else key_padding_mask.to(device)
+    q, k, v = (x.to(device) for x in (q, k, v))
+    return sf.sparse_attention(q, k, v, pattern, impl=impl, params=moved, key_padding_mask=padding, **kwargs).cpu()
 
 
 @pytest.mark.parametrize("dims,bits", [(3, 12), (3, 21), (2, 16), (1, 20), (5, 9)])
@@ -189,7 +201,7 @@ def test_collapsed_gamma_and_a_key_at_distance_zero_stay_finite(impl):
     v.requires_grad_(True)
     k = q.clone()  # every query sits on its own key, which its local band always lists
     gamma = torch.tensor([0.0, 1e-40], requires_grad=True)  # trained widths collapse; 1e-40 squared is 0
-    out = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2", causal=True, impl=impl, params={"gamma": gamma})
+    out = _run(q, k, v, "zeta:k=4,window=4,chunks=3,local=2", causal=True, impl=impl, params={"gamma": gamma})
     grads = torch.autograd.grad(out.pow(2).sum(), (v, gamma), allow_unused=True)
     assert torch.isfinite(out).all() and torch.isfinite(grads[0]).all()
     assert torch.equal(grads[1], torch.zeros(2))  # below the floor gamma gets no gradient
@@ -203,7 +215,7 @@ def test_sink_key_matches_in_every_path_and_trains(causal):
         gamma = torch.tensor([0.7, 1.2], requires_grad=True)
         sink = torch.tensor([[0.2, -0.1, 0.3], [1.0, 1.0, 1.0]], requires_grad=True)
         params = {"gamma": gamma, "sink_key": sink}
-        out = sf.sparse_attention(q, k, v, "zeta:k=4,window=4,chunks=3,local=2,sink=1", causal=causal, impl=impl, params=params)
+        out = _run(q, k, v, "zeta:k=4,window=4,chunks=3,local=2,sink=1", causal=causal, impl=impl, params=params)
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (gamma, sink))))
     for name, ref, lean, tri in zip(("out", "dgamma", "dsink"), *results):
         torch.testing.assert_close(lean, ref, atol=1e-5, rtol=1e-4, msg=name)
@@ -259,7 +271,7 @@ def test_triton_path_equals_lean_in_the_interpreter(monkeypatch, causal, key_gra
     for impl in ("lean", "triton"):
         gamma = torch.tensor([0.8, 1.5], requires_grad=True)
         params = {"gamma": gamma} | ({"sink_key": torch.tensor([[0.2, -0.1, 0.3], [0.5, 0.4, 0.1]])} if sink else {})
-        out = sf.sparse_attention(q, k, v, pattern, causal=causal, impl=impl, params=params)
+        out = _run(q, k, v, pattern, causal=causal, impl=impl, params=params)
         results.append((out, *torch.autograd.grad(out.pow(2).sum(), (q, k, v, gamma))))
     for name, lean, tri in zip(("out", "dq", "dk", "dv", "dgamma"), *results):
         torch.testing.assert_close(tri, lean, atol=1e-4, rtol=1e-3, msg=name)
@@ -312,7 +324,7 @@ def test_triton_path_equals_reference_with_padding(causal, sink):
     for impl in ("reference", "triton"):
         gamma = torch.tensor([0.6, 1.7], requires_grad=True)
         params = {"gamma": gamma} | ({"sink_key": torch.tensor([[0.3, -0.2, 0.1], [-0.4, 0.2, 0.5]])} if sink else {})
-        out = sf.sparse_attention(
+        out = _run(
             q,
             k,
             v,

@@ -92,7 +92,9 @@ def test_non_softmax_normalisers_are_refused(pattern):
 
 def test_triton_lse_uses_the_kernel():
     q, k, v = _inputs(n=22)
-    out, lse = sf.sparse_attention(q, k, v, "BAND:5(1)", causal=True, impl="triton", return_lse=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU (conftest)
+    on = [x.to(device) for x in (q, k, v)]
+    out, lse = sf.sparse_attention(*on, "BAND:5(1)", causal=True, impl="triton", return_lse=True)
     want_out, want_lse = sf.sparse_attention(q, k, v, "BAND:5(1)", causal=True, impl="reference", return_lse=True)
-    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.cpu(), want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse.cpu(), want_lse, atol=1e-4, rtol=1e-4)
