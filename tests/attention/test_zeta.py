@@ -41,6 +41,9 @@ def _qkv(n, batch=2, heads=2, kv_heads=1, dim=3, dv=5, seed=0, dtype=torch.float
     return q, k, v
 
 
+TRITON_DEVICE = impl_device("triton")
+
+
 def _run(q, k, v, pattern, *, impl, params=None, key_padding_mask=None, **kwargs):
     """``sparse_attention`` with the Triton path on CUDA where there is one; the output comes back
     to the CPU, and gradients flow back to the CPU tensors."""
@@ -49,6 +52,12 @@ def _run(q, k, v, pattern, *, impl, params=None, key_padding_mask=None, **kwargs
     padding = None if key_padding_mask is None else key_padding_mask.to(device)
     q, k, v = (x.to(device) for x in (q, k, v))
     return sf.sparse_attention(q, k, v, pattern, impl=impl, params=moved, key_padding_mask=padding, **kwargs).cpu()
+
+
+def _fused(spec, q, k, causal, padding):
+    """``select_keys_fused`` (the Triton selection) on CUDA where there is one; lists back on the CPU."""
+    padding = None if padding is None else padding.to(TRITON_DEVICE)
+    return select_keys_fused(spec, q.to(TRITON_DEVICE), k.to(TRITON_DEVICE), causal, padding).cpu()
 
 
 @pytest.mark.parametrize("dims,bits", [(3, 12), (3, 21), (2, 16), (1, 20), (5, 9)])
@@ -294,7 +303,7 @@ def test_fused_selection_kernel_equals_lean_selection(pattern, causal, padded):
     padding = torch.rand(2, 70, generator=torch.Generator().manual_seed(15)) > 0.2 if padded else None
     spec = sf.parse_pattern(pattern)
     lean = select_keys(spec, q, k, causal, padding)
-    fused = select_keys_fused(spec, q, k, causal, padding)
+    fused = _fused(spec, q, k, causal, padding)
     assert fused.shape == lean.shape
     assert torch.equal(mask_from_indices(fused, 70), mask_from_indices(lean, 70))
 
@@ -357,16 +366,18 @@ def test_row_cumsum_prefix_is_bitwise_blind_to_later_rows():
 @pytest.mark.parametrize("curves", [1, 3])
 @pytest.mark.parametrize("dims,bits", [(3, 12), (2, 20), (5, 6)])
 def test_fused_morton_codes_equal_torch(curves, dims, bits):
+    # both on one device: the kernel repeats torch's fp32 steps after the sigmoid, whose last bit
+    # may differ between the CPU and CUDA (and move a point across a cell boundary)
     x = 4 * torch.randn(3, 2, 77, dims)
     x[0, 0, :4] = torch.tensor([float("inf"), -float("inf"), 0.0, 40.0])[:, None]  # saturated cells
+    x = x.to(TRITON_DEVICE)
     for curve in range(curves):
-        assert torch.equal(curve_codes(x, bits, curve, curves, fused=True), curve_codes(x, bits, curve, curves))
+        want = curve_codes(x, bits, curve, curves)
+        assert torch.equal(curve_codes(x, bits, curve, curves, fused=True), want)
         width = x.shape[-1] * (bits + (curves > 1))
         tagged = curve_codes(x, bits, curve, curves, fused=True, tag_rows=(x.shape[-2], 5))  # rows 5, 6, ... above the codes
-        rows = 5 + torch.arange(x[..., 0].numel()).view(x.shape[:-1]) // x.shape[-2]
-        assert torch.equal(tagged >> width, rows) and torch.equal(
-            tagged & ((1 << width) - 1), curve_codes(x, bits, curve, curves)
-        )
+        rows = 5 + torch.arange(x[..., 0].numel(), device=x.device).view(x.shape[:-1]) // x.shape[-2]
+        assert torch.equal(tagged >> width, rows) and torch.equal(tagged & ((1 << width) - 1), want)
 
 
 @pytest.mark.parametrize("curves", [1, 2])
@@ -374,7 +385,7 @@ def test_fused_selection_breaks_distance_ties_by_position(curves):
     spec = sf.parse_pattern(f"zeta:k=4,window=8,curves={curves}")
     q = torch.randn(1, 1, 5, 3)
     k = torch.randn(1, 1, 1, 3).expand(1, 1, 40, 3).contiguous()  # every distance ties
-    fused = select_keys_fused(spec, q, k, False, None)
+    fused = _fused(spec, q, k, False, None)
     candidates = torch.zeros(1, 1, 5, 40, dtype=torch.bool)
     bits = code_bits(spec.bits, 3, curves)
     for code_q, code_k in zip(_codes(spec, q, bits), _codes(spec, k, bits)):
@@ -398,7 +409,7 @@ def test_equal_distances_go_to_smaller_positions_in_every_path(monkeypatch, patt
     for stop, guesses in ((False, 0), (True, 0), (True, 8)):  # halving from [0, top]; from the row's range; interpolating first
         monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "exact_stop", stop)
         monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "guesses", guesses)
-        got[stop, guesses] = mask_from_indices(select_keys_fused(spec, q, k, causal, padding), 55)
+        got[stop, guesses] = mask_from_indices(_fused(spec, q, k, causal, padding), 55)
     assert torch.equal(got[True, 0], got[False, 0]) and torch.equal(got[True, 8], got[False, 0])
     assert torch.equal(got[True, 8], mask_from_indices(select_keys(spec, q, k, causal, padding), 55))
     assert torch.equal(got[True, 8], dense_selection(spec, q, k, causal, padding))
@@ -408,8 +419,8 @@ def test_equal_distances_go_to_smaller_positions_in_every_path(monkeypatch, patt
 def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves):
     from sparsefocus.kernels import zeta_select
 
-    codes = torch.randint(0, 50, (curves, 2, 3, n))  # many equal codes: order must stay stable
-    real = torch.rand(2, n) > 0.2
+    codes = torch.randint(0, 50, (curves, 2, 3, n)).to(TRITON_DEVICE)  # many equal codes: order must stay stable
+    real = (torch.rand(2, n) > 0.2).to(TRITON_DEVICE)
     monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", False)
     want = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
     monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", True)
@@ -421,7 +432,7 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
         ("codes", "positions", "count"), zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62), every
     ):
         assert torch.equal(x, y), f"{name} without a mask"
-    rows = torch.arange(curves * 2 * 3).view(curves, 2, 3, 1)
+    rows = torch.arange(curves * 2 * 3, device=TRITON_DEVICE).view(curves, 2, 3, 1)
     for fused in (True, False):  # rows tagged above bit 6 (codes < 50): one flat sort, the same runs
         monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", fused)
         tagged = zeta_select.sorted_prefixes(codes | (rows << 6), None, step, prefixes, 1 << 62, tag_shift=6)
@@ -442,9 +453,9 @@ def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch
         q, k = (torch.round(2 * x) / 2 for x in (q, k))  # few distinct points: ties everywhere
     padding = torch.rand(1, 55, generator=torch.Generator().manual_seed(22)) > 0.15
     spec = sf.parse_pattern("zeta:k=10,window=16,chunks=3,local=8")
-    split = select_keys_fused(spec, q, k, True, padding)
+    split = _fused(spec, q, k, True, padding)
     monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", False)
-    padded = select_keys_fused(spec, q, k, True, padding)
+    padded = _fused(spec, q, k, True, padding)
     assert torch.equal(split, padded)
     assert torch.equal(mask_from_indices(split, 55), mask_from_indices(select_keys(spec, q, k, True, padding), 55))
 
@@ -453,8 +464,8 @@ def test_zeta_selection_ops_pass_opcheck():
     """Schema, fake implementations and dispatch of the two selection ops (causal, padded)."""
     from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits
 
-    q, k, _ = _qkv(11, batch=1, seed=5)
-    padding = torch.rand(1, 11, generator=torch.Generator().manual_seed(6)) > 0.2
+    q, k, _ = (x.to(TRITON_DEVICE) for x in _qkv(11, batch=1, seed=5))
+    padding = (torch.rand(1, 11, generator=torch.Generator().manual_seed(6)) > 0.2).to(TRITON_DEVICE)
     spec = sf.parse_pattern("zeta:k=4,window=6,chunks=3,local=3")
     bits = code_bits(spec.bits, q.shape[-1], spec.curves)
     codes_k = _codes(spec, k, bits).masked_fill(~padding[None, :, None, :], SENTINEL)

@@ -89,6 +89,17 @@ def test_model_bench_json_has_every_field_and_both_modes(tmp_path):
     assert (tmp_path / "model.png").stat().st_size > 0
 
 
+def test_model_bench_records_the_compile_mode_and_optimizer(tmp_path):
+    out = tmp_path / "model.json"
+    argv = [*TINY, "--patterns", "FULL", "--full-backends", "math", "--compile", "off", "--out", str(out), "--no-plot"]
+    assert main([*argv, "--compile-mode", "reduce-overhead", "--fused-optimizer"]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["compile_mode"] == "reduce-overhead" and config["fused_optimizer"] is True
+    assert main([*argv]) == 0
+    config = json.loads(out.read_text())["config"]
+    assert config["compile_mode"] == "default" and config["fused_optimizer"] is False
+
+
 def test_attention_events_include_the_backward_of_marked_ops():
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
     weight = torch.randn(8, 8, requires_grad=True)
