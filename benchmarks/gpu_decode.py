@@ -7,11 +7,13 @@ CUDA TOPK's Triton rows, BAND's window of keys), TOPK:32 on the lean rows ("TOPK
 ZETA's cached step (``zeta_decode.decode_step`` from a prebuilt ``ZetaCache``; its time
 includes appending the new key and value to the cache, which dense decoding here does not pay).
 A check first compares every decoding case at ``--check-keys`` keys with its definition, the
-last row of the causal call over all keys. Writes ``--out`` (JSON, atomically) after each M.
+last row of the causal call over all keys. Writes ``--out`` (JSON, atomically) after each M,
+and at the end the plot beside it (``--plot-only JSON`` redraws the plot of a saved run).
 
 Usage (one H200):
     python benchmarks/gpu_decode.py --out $OUT/decode.json
     python benchmarks/gpu_decode.py --out /tmp/decode.json --device cpu --lengths 512 1024 --check-keys 256  # smoke test
+    python benchmarks/gpu_decode.py --plot-only benchmarks/results/h200_decode_c194744.json
 """
 
 from __future__ import annotations
@@ -119,9 +121,39 @@ def measure_length(args: argparse.Namespace, n_keys: int, device: torch.device, 
     return rows
 
 
+def plot(payload: dict, path: Path) -> None:
+    """ms per decoding step against M per case, log-log, with the commit and shape in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for case in dict.fromkeys(row["case"] for row in payload["rows"]):
+        points = sorted((r["n_keys"], r["ms"]) for r in payload["rows"] if r["case"] == case and r.get("status") == "ok")
+        if points:
+            style = "--" if case.startswith("sdpa:") else "-"
+            ax.plot(*zip(*points), style, marker="o", markersize=3, label=case)
+    ax.set(xscale="log", yscale="log", xlabel="keys in the cache (M)", ylabel="ms per decoding step")
+    shape = payload["shape"]
+    ax.set_title(
+        f"one query, B={shape['batch']} H={shape['heads']} D={shape['dim']} {shape['dtype']}, "
+        f"{payload['device']}, {payload['git_commit']}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    partial = path.with_name(path.name + ".part.png")
+    fig.savefig(partial, dpi=120)
+    plt.close(fig)
+    partial.replace(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--out", type=Path, help="JSON path; the PNG goes beside it")
+    parser.add_argument("--plot-only", type=Path, help="redraw the PNG of this saved JSON and exit")
     parser.add_argument("--lengths", type=int, nargs="+", default=[2**15, 2**16, 2**17, 2**18, 2**19, 2**20])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
@@ -132,6 +164,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    if args.plot_only is not None:
+        plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return 0
+    if args.out is None:
+        parser.error("--out is required unless --plot-only is given")
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     payload: dict = {
@@ -150,6 +187,7 @@ def main() -> int:
         write_json_atomic(args.out, payload)
         for row in rows:
             print(json.dumps(row), flush=True)
+    plot(payload, args.out.with_suffix(".png"))
     return 0
 
 
