@@ -32,6 +32,7 @@ from sparsefocus.attention.common import (
     indexed_attention_ref,
     mask_from_indices,
     row_slice,
+    top_positions,
     upcast,
 )
 from sparsefocus.attention.patterns import (
@@ -103,13 +104,20 @@ class DSA(Pattern):
         hidden = params.get(HIDDEN_KEY)
         if hidden is None:
             raise ValueError(f"dsa's indexer needs the layer's input x as params[{HIDDEN_KEY!r}] [B, N, dim]")
+        if hidden.shape[1] != k.shape[2]:
+            raise ValueError(
+                f"dsa's indexer needs x for every key position: params[{HIDDEN_KEY!r}] has {hidden.shape[1]} "
+                f"rows for {k.shape[2]} keys (while decoding, pass the inputs of the cached positions too)"
+            )
         x = upcast(hidden.detach())  # the indexer's loss must not train the main model
         batch, n, _ = x.shape
         iq = (x @ params["dsa_wq"].float()).view(batch, n, self.heads, self.dim).transpose(1, 2)  # [B, h, N, d]
         return iq, x @ params["dsa_wk"].float(), x @ params["dsa_ww"].float()
 
     def select(self, iq: Tensor, ik: Tensor, w: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
-        """[B, 1, N, min(k, M)] int32 top-k key lists by indexer score, -1 where fewer keys are allowed."""
+        """[B, 1, N, min(k, M)] int32 top-k key lists by indexer score, ties to the smaller position
+        (so a row's list never depends on how many later positions the call holds), -1 where
+        fewer keys are allowed."""
         with torch.no_grad():
             batch, heads, n, _ = iq.shape
             chunk = max(1, SCORE_ELEMENTS // max(1, batch * heads * ik.shape[1]))
@@ -117,9 +125,8 @@ class DSA(Pattern):
             for start in range(0, n, chunk):
                 rows = row_slice(n, start, start + chunk)
                 scores = index_scores(iq[:, :, rows], ik, w[:, rows])  # [B, R, M]
-                scores = scores.masked_fill(~allowed_keys(rows, ik.shape[1], causal, key_padding_mask, iq.device), float("-inf"))
-                values, chosen = scores.topk(min(self.k, ik.shape[1]), dim=-1)
-                lists.append(torch.where(values == float("-inf"), torch.full_like(chosen, -1), chosen))
+                allowed = allowed_keys(rows, ik.shape[1], causal, key_padding_mask, iq.device)
+                lists.append(top_positions(scores, self.k, allowed))  # ReLU scores tie often: ties to earlier keys
             return torch.cat(lists, dim=1)[:, None].to(torch.int32)
 
     def _lists(self, q, k, causal, key_padding_mask, params) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:

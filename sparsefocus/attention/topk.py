@@ -21,6 +21,7 @@ from sparsefocus.attention.common import (
     expand_kv,
     mask_from_indices,
     row_slice,
+    top_positions,
     upcast,
 )
 from sparsefocus.attention.patterns import IndexedPattern, Pattern, register, require
@@ -40,16 +41,15 @@ def select_extreme_keys(
     q: Tensor, k: Tensor, rows: slice, count: int, largest: bool, causal: bool, key_padding_mask: Tensor | None
 ) -> Tensor:
     """Indices [B, H, len(rows), min(count, M)] of each query's largest (or smallest) allowed
-    scores q.k; -1 where a row has fewer allowed keys than ``count``. No gradient. k may have
+    scores q.k, ties to the smaller position (as the Triton selection); -1 where a row has fewer
+    allowed keys than ``count``. No gradient. k may have
     fewer (kv) heads than q: each kv head serves its group of query heads."""
     with torch.no_grad():
         keys = upcast(expand_kv(k, q.shape[1]))  # [B, H, M, D]
         scores = torch.matmul(upcast(q[:, :, rows]), keys.transpose(-1, -2))  # [B, H, C, M]
         if not largest:
             scores = -scores
-        scores = scores.masked_fill(~allowed_keys(q, k, rows, causal, key_padding_mask), float("-inf"))
-        values, index = scores.topk(min(count, k.shape[-2]), dim=-1)  # [B, H, C, K]
-        return torch.where(torch.isinf(values), torch.full_like(index, -1), index)
+        return top_positions(scores, count, allowed_keys(q, k, rows, causal, key_padding_mask))  # [B, H, C, K]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,19 @@ from sparsefocus.attention import parse_pattern, sparse_attention
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, Pattern
 
 
+class HiddenKV(tuple):
+    """The cache of a layer whose mechanism reads the layer's input x (DSA's indexer keys, NSA's
+    gates): it reads as (k, v) and also carries ``hidden``, the inputs of the cached positions
+    [B, P, dim], so that a later step sees x for every key position."""
+
+    hidden: Tensor
+
+    def __new__(cls, k: Tensor, v: Tensor, hidden: Tensor) -> "HiddenKV":
+        cache = super().__new__(cls, (k, v))
+        cache.hidden = hidden
+        return cache
+
+
 class SparseAttention(nn.Module):
     """Multi-head self-attention whose score pattern is any registered mechanism.
 
@@ -89,12 +102,14 @@ class SparseAttention(nn.Module):
         (k, v)); given one back with a single new position and no padding mask, the step
         searches the cached sorted key codes instead of re-sorting and recomputing every row.
         Without a padding mask, a BAND:k layer (no global tokens) keeps only the last k - 1
-        positions in its cache (P is then at most k - 1).
+        positions in its cache (P is then at most k - 1). A layer whose mechanism reads x (DSA,
+        NSA) returns a ``HiddenKV``, which also keeps the cached positions' inputs.
         """
         q, k, v = self.project(x)
         if past_kv is not None and not self.causal:
             raise ValueError("past_kv needs a causal SparseAttention: a cache only makes sense for decoding")
-        params = self.mechanism_params(x)
+        hidden = self._hidden(x, past_kv)  # [B, P + N, dim] where the mechanism reads x
+        params = self.mechanism_params(hidden)
         stepper = getattr(self.pattern, "decode_step", None)
         own_cache = past_kv is not None and not isinstance(past_kv, tuple)  # the pattern's (start_cache), not (k, v)
         if stepper is not None and own_cache and x.shape[1] == 1 and key_padding_mask is None:
@@ -105,19 +120,34 @@ class SparseAttention(nn.Module):
             out = sparse_attention(
                 q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
             )  # [B, H, N, Dh]
-            cache = self._cache(k, v, key_padding_mask) if use_cache else (k, v)
+            cache = self._cache(k, v, key_padding_mask, hidden) if use_cache else (k, v)
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [B, N, H*Dh]
         aux = params.get(AUX_KEY, {}) if params else {}
         self.aux_loss = sum(aux.values(), x.new_zeros((), dtype=torch.float32))
         out = self.dropout(self.out_proj(out))
         return (out, cache) if use_cache else out
 
-    def _cache(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Any:
+    def _hidden(self, x: Tensor, past_kv: Any) -> Tensor:
+        """x, preceded by the cached positions' inputs when the mechanism reads x and there is a cache."""
+        if past_kv is None or not self.pattern.needs_hidden:
+            return x
+        past = getattr(past_kv, "hidden", None)
+        if past is None:
+            raise ValueError(
+                f"pattern {self.pattern.label()} reads the layer input of every cached position: pass the "
+                "cache this layer returned with use_cache=True (a HiddenKV), not a plain (k, v)"
+            )
+        return torch.cat([past, x], dim=1)
+
+    def _cache(self, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, hidden: Tensor) -> Any:
         """The cache returned with ``use_cache``: the pattern's own decoding cache where it has one
         (ZETA: sorted key codes and running sums; it reads as (k, v)); the last W - 1 positions
         for a pattern whose causal rows read only the W most recent keys (``recent_keys``: BAND
         without global tokens), copied so that the longer tensors are freed; else (k, v). Only
-        without a padding mask: a mask names positions of the whole sequence."""
+        without a padding mask: a mask names positions of the whole sequence. A mechanism that
+        reads x gets a ``HiddenKV`` (k, v and the inputs so far)."""
+        if self.pattern.needs_hidden:
+            return HiddenKV(k, v, hidden)
         if not self.causal or key_padding_mask is not None:
             return (k, v)
         start = getattr(self.pattern, "start_cache", None)

@@ -1,5 +1,5 @@
 """SparseAttention with a KV cache: a prefix, then one token at a time, gives the rows of the
-whole-sequence call, for FULL, BAND and TOPK."""
+whole-sequence call, for FULL, BAND, TOPK, BLOC, DSA and NSA."""
 
 import pytest
 import torch
@@ -64,3 +64,32 @@ def test_a_cache_needs_a_causal_layer():
     _, cache = layer(x, use_cache=True)
     with pytest.raises(ValueError, match="past_kv needs a causal SparseAttention"):
         layer(x, past_kv=cache)
+
+
+@pytest.mark.parametrize("pattern", ["dsa:k=4,heads=2,dim=4", "nsa:block=4,top=2,cmp=4,stride=4,window=4,local=1"])
+@pytest.mark.parametrize("impl", ["reference", "lean"])
+def test_mechanisms_that_read_x_cache_it_and_step_to_the_whole_sequence(pattern, impl):
+    """DSA's indexer keys and NSA's gates come from the layer input x: the cache keeps the inputs
+    of the cached positions, and steps of one and of several positions give the whole rows."""
+    torch.manual_seed(0)
+    layer = SparseAttention(24, 4, pattern, causal=True, kv_heads=2, impl=impl).eval()
+    x = torch.randn(2, 13, 24)
+    with torch.no_grad():
+        whole = layer(x)
+        out, cache = layer(x[:, :5], use_cache=True)
+        steps = [out]
+        for a, b in [(5, 6), (6, 9), *[(t, t + 1) for t in range(9, 13)]]:
+            out, cache = layer(x[:, a:b], past_kv=cache, use_cache=True)
+            steps.append(out)
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, atol=1e-5, rtol=1e-5)
+    k, v = cache
+    assert cache.hidden.shape == (2, 13, 24) and k.shape == (2, 2, 13, 6) and v.shape == (2, 2, 13, 6)
+
+
+def test_a_plain_cache_for_a_mechanism_that_reads_x_is_refused():
+    layer = SparseAttention(24, 4, "dsa:k=4,heads=2,dim=4", causal=True, kv_heads=2).eval()
+    x = torch.randn(1, 6, 24)
+    with torch.no_grad():
+        _, cache = layer(x[:, :5], use_cache=True)
+        with pytest.raises(ValueError, match="reads the layer input of every cached position"):
+            layer(x[:, 5:], past_kv=(cache[0], cache[1]), use_cache=True)
