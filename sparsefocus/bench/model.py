@@ -169,8 +169,8 @@ def make_step(args: argparse.Namespace, case: ModelCase, device: torch.device):
         blocks=args.blocks, heads=args.heads, dim=args.dim, mlp_dim=args.mlp, activation="gelu", dropout=args.dropout
     )
     model = Decoder(config, case.pattern, vocab_size=args.vocab, max_len=case.n).to(device)
-    fused = {"fused": True} if args.fused_optimizer and device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, **fused)
+    fused = True if args.fused_optimizer and device.type == "cuda" else None  # None: torch's default (foreach)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=fused)
     graphs = case.mode == "compiled" and args.compile_mode == "reduce-overhead"
     forward = torch.compile(model, mode=args.compile_mode) if case.mode == "compiled" else model
     tokens = torch.randint(args.vocab, (args.batch, case.n + 1), device=device)
