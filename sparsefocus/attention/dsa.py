@@ -32,7 +32,6 @@ from sparsefocus.attention.common import (
     indexed_attention_ref,
     mask_from_indices,
     row_slice,
-    top_positions,
     upcast,
 )
 from sparsefocus.attention.patterns import (
@@ -42,6 +41,7 @@ from sparsefocus.attention.patterns import (
     register,
     require,
 )
+from sparsefocus.kernels._ops import top_positions
 
 SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)

@@ -21,10 +21,10 @@ from sparsefocus.attention.common import (
     expand_kv,
     mask_from_indices,
     row_slice,
-    top_positions,
     upcast,
 )
 from sparsefocus.attention.patterns import IndexedPattern, Pattern, register, require
+from sparsefocus.kernels._ops import top_positions
 
 
 def allowed_keys(q: Tensor, k: Tensor, rows: slice, causal: bool, key_padding_mask: Tensor | None) -> Tensor:

@@ -39,3 +39,22 @@ def lse_from_weight_sum(total: Tensor) -> Tensor:
     """Cauchy rows: log of the sum of the weights (0 for a row with no key: -inf). A Cauchy weight
     is exp(log w), so this is the log-sum-exp of the scores log w and merges like a softmax's."""
     return total.log()
+
+
+def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
+    """Positions [..., min(count, M)] int64 of the largest scores [..., M] among ``allowed``
+    (broadcastable bool), best first, ties to the smaller position; -1 past a row's allowed keys.
+
+    ``torch.topk`` alone breaks ties by the row's length, so a row's choice among equal scores
+    (common for ReLU scores or repeated tokens) could depend on how many future positions a
+    call holds. Here each fp32 score and its position form one int64 key (the float's order in
+    the high half, minus the position in the low half), so the choice is that of the row alone.
+    """
+    n_keys = scores.shape[-1]
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 ties with 0.0
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed ints in the floats' order
+    position = torch.arange(n_keys, device=scores.device)
+    lowest = torch.iinfo(torch.int64).min
+    packed = (ordered * (1 << 32) + (0x7FFFFFFF - position)).masked_fill(~allowed, lowest)
+    top = packed.topk(min(count, n_keys), dim=-1).values
+    return torch.where(top == lowest, -1, 0x7FFFFFFF - (top & 0xFFFFFFFF))

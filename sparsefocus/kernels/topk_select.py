@@ -50,6 +50,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import top_positions
 
 MAX_KERNEL_K = 128
 SHORT_MAX_M = 1024
@@ -687,20 +688,9 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
     return out
 
 
-def _packed_scores(scores: Tensor) -> Tensor:
-    """int64 keys ordered like (score, -position) along the last dim of fp32 scores [..., M]."""
-    bits = scores.contiguous().view(torch.int32).long()
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    position = torch.arange(scores.shape[-1], device=scores.device)
-    return ordered * (1 << 32) + (0x7FFFFFFF - position)
-
-
 def _select_rows(scores: Tensor, allowed: Tensor, kk: int) -> Tensor:
     """Top-kk positions [R, kk] int32 of fp32 scores [R, M] among ``allowed``, ties to smaller positions."""
-    packed = _packed_scores(scores).masked_fill(~allowed, torch.iinfo(torch.int64).min)
-    top = packed.topk(min(kk, scores.shape[-1]), dim=-1).values
-    index = (0x7FFFFFFF - (top & 0xFFFFFFFF)).to(torch.int32)
-    index = torch.where(top == torch.iinfo(torch.int64).min, torch.full_like(index, -1), index)
+    index = top_positions(scores, kk, allowed).to(torch.int32)
     return torch.nn.functional.pad(index, (0, kk - index.shape[-1]), value=-1)
 
 

@@ -7,7 +7,7 @@ import torch
 from block_sparse_checks import impl_device
 
 import sparsefocus as sf
-from sparsefocus.attention.common import top_positions
+from sparsefocus.kernels._ops import top_positions
 from sparsefocus.attention.dsa import DSA
 
 
