@@ -409,6 +409,8 @@ def main() -> int:
     if "throughput" not in state and left() > args.min_stage:
         state["throughput"] = throughput(out, timed, extra, args.steps, args.compile)
         save()
+    elif "throughput" not in state:
+        print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
     fidelity_due = chosen != FP32 and not state.get("fidelity", {}).get("finished")
     if fidelity_due and left() > args.margin + 120:
         state["fidelity"] = fidelity(out, compared, extra, args.fidelity_epochs, Budget(left() - args.margin))
