@@ -23,6 +23,7 @@ from torch import Tensor
 from sparsefocus.attention.common import causal_row_mask, mask_from_indices, upcast
 from sparsefocus.attention.lsh import repeat_heads
 from sparsefocus.attention.patterns import IndexedPattern, Pattern, register, require
+from sparsefocus.kernels._ops import top_positions
 
 POOLS = ("mean", "minmax")
 
@@ -102,9 +103,7 @@ class BlockTopK(IndexedPattern):
         own = own_block(q.shape[-2], k.shape[-2], self.block, q.device)[:, None]  # [N, 1]
         block_id = torch.arange(scores.shape[-1], device=q.device)[None, :]  # [1, nb]
         candidate = (block_id < own) if causal else (block_id != own)
-        scores = scores.masked_fill(~candidate, float("-inf"))
-        values, chosen = scores.topk(min(self.top, scores.shape[-1]), dim=-1)  # [B, Hq, N, top]
-        chosen = torch.where(torch.isinf(values), torch.full_like(chosen, -1), chosen)
+        chosen = top_positions(scores, self.top, candidate & ~torch.isinf(scores))  # [B, Hq, N, top], ties to earlier blocks
         return torch.cat([own.expand(*chosen.shape[:-1], 1), chosen], dim=-1)
 
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
@@ -211,9 +210,7 @@ class TileBlockTopK(Pattern):
         is_own = (block_id >= first[:, None] // self.block) & (block_id <= last[:, None] // self.block)  # [T, nb]
         candidate = ((block_id + 1) * self.block <= first[:, None]) if causal else ~is_own
         scores = tile_block_scores(q, k, self.block, self.tile, self.pool, causal, key_padding_mask)
-        scores = scores.masked_fill(~candidate, float("-inf"))
-        values, chosen = scores.topk(min(self.top, n_blocks), dim=-1)  # [B, Hq, T, top]
-        chosen = torch.where(torch.isinf(values), torch.full_like(chosen, -1), chosen)
+        chosen = top_positions(scores, self.top, candidate & ~torch.isinf(scores))  # [B, Hq, T, top], ties to earlier blocks
         own = own.expand(*chosen.shape[:2], *own.shape)
         return torch.cat([own, chosen], dim=-1).to(torch.int32)
 

@@ -34,6 +34,7 @@ from sparsefocus.attention.common import (
     upcast,
 )
 from sparsefocus.attention.patterns import HIDDEN_KEY, Pattern, register, require
+from sparsefocus.kernels._ops import top_positions
 
 POOLS = ("mean", "mlp")
 BRANCHES = 3  # compression, selection, sliding window
@@ -231,9 +232,8 @@ class NSA(Pattern):
         block_id = torch.arange(n_blocks, device=importance.device)[None, :]
         forced = (block_id < self.initial) | ((block_id <= own) & (block_id > own - self.local))
         allowed = block_id <= own if causal else torch.ones_like(forced)
-        scores = importance.masked_fill(forced & allowed, float("inf")).masked_fill(~allowed, float("-inf"))
-        values, chosen = scores.topk(min(self.top, n_blocks), dim=-1)
-        chosen = torch.where(values == float("-inf"), torch.full_like(chosen, -1), chosen)
+        scores = importance.masked_fill(forced & allowed, float("inf"))
+        chosen = top_positions(scores, self.top, allowed)  # ties (the forced blocks among them) to earlier blocks
         return F.pad(chosen, (0, self.top - chosen.shape[-1]), value=-1)
 
     def _window_mask(self, rows: slice, n_keys: int, causal: bool, device: torch.device) -> Tensor:

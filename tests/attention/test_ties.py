@@ -48,3 +48,27 @@ def test_dsa_rows_do_not_depend_on_the_length_of_the_call(impl):
     whole = call(23)
     for n in (5, 9, 16):
         torch.testing.assert_close(call(n), whole[:, :, :n], atol=1e-6, rtol=1e-6, msg=f"first {n} rows")
+
+
+@pytest.mark.parametrize("pattern", ["block_topk:block=4,top=2", "moba:block=4,top=2,tile=16", "quest:block=4,top=2,tile=16"])
+def test_equal_blocks_go_to_the_earlier_blocks(pattern):
+    """Identical keys: every candidate block scores the same, so the chosen ones are the earliest."""
+    spec = sf.parse_pattern(pattern)
+    q = torch.randint(-2, 3, (1, 1, 48, 8)).float()
+    k = torch.randint(-2, 3, (1, 1, 1, 8)).float().expand(1, 1, 48, 8).contiguous()
+    if hasattr(spec, "tile_blocks"):
+        lists = spec.tile_blocks(q, k, True, None)  # [1, 1, T, own + top]: tile t starts at 16 t
+        chosen = lists[0, 0, :, -2:]
+        assert chosen[0].tolist() == [-1, -1]  # the first tile has no earlier block
+        assert chosen[1].tolist() == [0, 1] and chosen[2].tolist() == [0, 1]
+    else:
+        chosen = spec.selected_blocks(q, k, True, None)[0, 0, :, 1:]  # [N, top] after the own block
+        assert chosen[47].tolist() == [0, 1] and chosen[9].tolist() == [0, 1] and chosen[5].tolist() == [0, -1]
+
+
+def test_nsa_keeps_the_earlier_of_equal_blocks_beyond_the_forced_ones():
+    spec = sf.parse_pattern("nsa:block=4,top=3,cmp=4,stride=4,window=0,initial=1,local=1")
+    importance = torch.ones(1, 1, 40, 10)  # every block equally important
+    chosen = spec._top_blocks(importance, slice(0, 40), True, 10)  # [1, 1, 40, 3]
+    assert chosen[0, 0, 39].tolist() == [0, 9, 1]  # forced first (initial, own), then the earliest other
+    assert chosen[0, 0, 3].tolist() == [0, -1, -1]  # only block 0 exists before position 4
