@@ -203,15 +203,16 @@ def sparse_attention(
         return _triton_with_lse(
             spec, q, k, v, decoding, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params
         )
-    if chosen != "triton" and spec.expands_kv:
-        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     kwargs: dict[str, Any] = {"scale": scale, "key_padding_mask": key_padding_mask, "params": params}
-    if decoding:
+    if decoding:  # expands kv heads itself, only where a path needs it (never the whole cache for FULL or a window)
         out = decode_attention(spec, chosen, q, k, v, **kwargs)
     else:
+        if chosen != "triton" and spec.expands_kv:
+            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         out = getattr(spec, chosen)(q, k, v, causal=causal, **kwargs)
     if not return_lse:
         return out.to(q.dtype)
+    k = expand_kv(k, q.shape[1]) if spec.expands_kv else k
     return out.to(q.dtype), _lse(spec, chosen, q, k, decoding, causal, **kwargs)
 
 

@@ -38,6 +38,7 @@ from sparsefocus.attention.common import (
     DEFAULT_ROW_CHUNK,
     apply_key_padding,
     dense_masked_attention,
+    expand_kv,
     indexed_attention_ref,
 )
 from sparsefocus.attention.full import Full
@@ -116,24 +117,29 @@ def decode_attention(
     key_padding_mask: Tensor | None,
     params: dict[str, Tensor] | None,
 ) -> Tensor:
-    """Bottom-right causal attention of q [B, H, N, D] over k, v [B, H(k), M, *], N < M.
+    """Bottom-right causal attention of q [B, Hq, N, D] over k, v [B, Hk, M, *], N < M.
 
-    ``impl`` is the resolved implementation. Returns [B, H, N, Dv].
+    ``impl`` is the resolved implementation. GQA: FULL (SDPA's ``enable_gqa``), a window (its
+    keys only) and the Triton paths read the Hk heads as they are; the other paths get them
+    repeated to Hq here. Returns [B, Hq, N, Dv].
     """
     n_queries, n_keys = q.shape[2], k.shape[2]
     mode = decoding_mode(spec)
-    if impl == "lean" and mode == "rows":
-        if isinstance(spec, Full) and key_padding_mask is None:
-            mask = bottom_right_mask(n_queries, n_keys, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        window = key_window(spec, n_queries, n_keys) if key_padding_mask is None else None
+    if impl == "lean" and mode == "rows" and key_padding_mask is None:
+        if isinstance(spec, Full):
+            mask = None if n_queries == 1 else bottom_right_mask(n_queries, n_keys, q.device)  # one row sees every key
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        window = key_window(spec, n_queries, n_keys)
         if window is not None:
             return window_attention(spec, q, k, v, window, scale=scale)
+    if impl == "triton" and spec.triton_decodes():
+        return spec.triton_decode(q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
+    if impl != "triton" and spec.expands_kv:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    if impl == "lean" and mode == "rows":
         if hasattr(spec, "row_indices"):
             return listed_rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
-    if impl == "triton" and spec.triton_decodes():
-        return spec.triton_decode(q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
     run = getattr(spec, impl)
     out = run(padded_queries(q, n_keys), k, v, causal=True, scale=scale, key_padding_mask=key_padding_mask, params=params)
     return out[:, :, n_keys - n_queries :]
@@ -173,14 +179,15 @@ def key_window(spec: Pattern, n_queries: int, n_keys: int) -> KeyWindow | None:
 
 def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, window: KeyWindow, *, scale: float) -> Tensor:
     """The last N rows of a pattern whose rows are runs of keys, computed on the keys [lo, hi) of
-    those runs only (``window``, from ``key_window``). q: [B, H, N, D]; k, v: [B, H, M, *] (GQA
-    expanded) -> [B, H, N, Dv].
+    those runs only (``window``, from ``key_window``). q: [B, Hq, N, D]; k, v: [B, Hk, M, *] (only
+    the window's keys are repeated for GQA) -> [B, Hq, N, Dv].
 
     One SDPA call on the window (with no mask when every row keeps the whole window, as one
     decoded token of BAND does), so a decoding step costs a few launches whatever M is; rows
     with no key (zero by definition, NaN in SDPA) take the fp32 masked form.
     """
-    keys_k, keys_v = k[:, :, window.lo : window.hi], v[:, :, window.lo : window.hi]  # [B, H, W, *]
+    keys_k = expand_kv(k[:, :, window.lo : window.hi], q.shape[1])  # [B, Hq, W, D]
+    keys_v = expand_kv(v[:, :, window.lo : window.hi], q.shape[1])
     if window.whole:
         return F.scaled_dot_product_attention(q, keys_k, keys_v, scale=scale)
     runs = _runs(spec, q.shape[2], k.shape[2], q.device)

@@ -171,3 +171,27 @@ def test_auto_decoding_picks_the_rows_only_paths():
     assert sf.attention.api.resolve_impl(spec, "auto", q, decoding=True, lse=True) == "lean"
     assert sf.attention.api.resolve_impl(sf.parse_pattern("TOPK:65"), "auto", q, decoding=True) == "lean"
     assert sf.attention.api.resolve_impl(sf.parse_pattern("BAND:5"), "auto", q, decoding=True) == "lean"
+
+
+@pytest.mark.parametrize("pattern", ["FULL", "BAND:4", "BLOC:4"])
+def test_gqa_decoding_never_repeats_the_whole_cache(monkeypatch, pattern):
+    """FULL (SDPA's enable_gqa) and window rows read the kv heads as they are: repeating a long
+    cache for every step would copy it whole; only the window's keys may be repeated."""
+    import sparsefocus.attention.common as common
+
+    real, sizes = common.expand_kv, []
+
+    def watched(x, heads):
+        sizes.append(x.shape[2])
+        return real(x, heads)
+
+    monkeypatch.setattr(common, "expand_kv", watched)
+    monkeypatch.setattr("sparsefocus.attention.api.expand_kv", watched)
+    monkeypatch.setattr("sparsefocus.attention.decode.expand_kv", watched)
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 50, 8), torch.randn(2, 2, 50, 5)
+    q_all = torch.cat([torch.randn(2, 4, 49, 8), q], dim=2)
+    want = sf.sparse_attention(q_all, k, v, pattern, causal=True, impl="reference")[:, :, -1:]
+    sizes.clear()  # the square reference call above repeats every key, as it must
+    out = sf.sparse_attention(q, k, v, pattern, causal=True, impl="lean")
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert all(size < 50 for size in sizes), sizes
