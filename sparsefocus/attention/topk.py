@@ -18,7 +18,6 @@ from torch import Tensor
 from sparsefocus.attention.common import (
     DEFAULT_ROW_CHUNK,
     causal_row_mask,
-    expand_kv,
     mask_from_indices,
     row_slice,
     upcast,
@@ -45,8 +44,12 @@ def select_extreme_keys(
     allowed keys than ``count``. No gradient. k may have
     fewer (kv) heads than q: each kv head serves its group of query heads."""
     with torch.no_grad():
-        keys = upcast(expand_kv(k, q.shape[1]))  # [B, H, M, D]
-        scores = torch.matmul(upcast(q[:, :, rows]), keys.transpose(-1, -2))  # [B, H, C, M]
+        batch, q_heads, _, dim = q.shape
+        kv_heads, n_keys = k.shape[1], k.shape[2]
+        # query heads h*G .. h*G+G-1 read kv head h (expand_kv's order): one matmul per kv head
+        # over its group's rows, so the keys are never repeated
+        grouped = upcast(q[:, :, rows]).reshape(batch, kv_heads, -1, dim)  # [B, Hk, G*C, D]
+        scores = torch.matmul(grouped, upcast(k).transpose(-1, -2)).view(batch, q_heads, -1, n_keys)  # [B, H, C, M]
         if not largest:
             scores = -scores
         return top_positions(scores, count, allowed_keys(q, k, rows, causal, key_padding_mask))  # [B, H, C, K]
