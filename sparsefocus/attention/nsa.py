@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from sparsefocus.attention.common import (
     apply_key_padding,
@@ -296,32 +297,46 @@ class NSA(Pattern):
         return mask
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        """The three branches on the block-sparse kernel. Under autograd the compressed and window
+        branches run inside ``checkpoint``: their outputs are recomputed in the backward instead of
+        kept, so the layer saves q and the selection output like dense attention saves q and its
+        output (the two recomputed branches read N/stride and ``window`` keys a row, far fewer than
+        the selection's top * block)."""
         from sparsefocus.kernels.block_sparse import GROUP_TILE, block_sparse_attention
 
         gates = self.gates(q, params)
         ck, cv, cmp_real = self.compressed(k, v, key_padding_mask, params)
-        o_cmp, lse = self._compressed_branch(q, ck, cv, cmp_real, causal, scale)
+        gates = gates.to(q.dtype)  # combined in the inputs' dtype: fp32 copies of three outputs would double the memory
+
+        def gated_compressed(q: Tensor, ck: Tensor, cv: Tensor, gate: Tensor) -> tuple[Tensor, Tensor]:
+            o_cmp, lse = self._compressed_branch(q, ck, cv, cmp_real, causal, scale)
+            return gate[..., None] * o_cmp, lse
+
+        cmp_part, lse = _recomputed(gated_compressed, q, ck, cv, gates[..., 0])
         blocks = self.selected_blocks(q.detach(), ck.detach(), lse.detach(), cmp_real, causal, scale, fused=True)
         o_slc, _ = block_sparse_attention(
             q, k, v, blocks, block_size=self.block, tile=GROUP_TILE, causal=causal, scale=scale, key_padding_mask=key_padding_mask
         )
-        gates = gates.to(o_slc.dtype)  # combined in the inputs' dtype: fp32 copies of three outputs would double the memory
-        out = gates[..., 0, None] * o_cmp + gates[..., 1, None] * o_slc
+        out = cmp_part + gates[..., 1, None] * o_slc
         if self.window:
-            lists = window_lists(q.shape[0], q.shape[1], q.shape[2], k.shape[2], self.window, causal, q.device)
-            o_swa, _ = block_sparse_attention(
-                q,
-                k,
-                v,
-                lists,
-                block_size=KEY_TILE,
-                tile=QUERY_TILE,
-                causal=causal,
-                scale=scale,
-                key_padding_mask=key_padding_mask,
-                window=self.window,
-            )
-            out = out + gates[..., 2, None] * o_swa
+
+            def gated_window(q: Tensor, k: Tensor, v: Tensor, gate: Tensor) -> Tensor:
+                lists = window_lists(q.shape[0], q.shape[1], q.shape[2], k.shape[2], self.window, causal, q.device)
+                o_swa, _ = block_sparse_attention(
+                    q,
+                    k,
+                    v,
+                    lists,
+                    block_size=KEY_TILE,
+                    tile=QUERY_TILE,
+                    causal=causal,
+                    scale=scale,
+                    key_padding_mask=key_padding_mask,
+                    window=self.window,
+                )
+                return gate[..., None] * o_swa
+
+            out = out + _recomputed(gated_window, q, k, v, gates[..., 2])
         return out
 
     def _compressed_branch(self, q, ck, cv, cmp_real, causal, scale) -> tuple[Tensor, Tensor]:
@@ -370,3 +385,11 @@ def window_lists(batch: int, heads: int, n: int, n_keys: int, window: int, causa
     ids = low[:, None] + torch.arange(slots, device=device)[None, :]
     lists = torch.where(ids <= high[:, None], ids, torch.full_like(ids, -1))
     return lists.to(torch.int32).expand(batch, heads, tiles, slots)
+
+
+def _recomputed(fn, *args):
+    """``fn(*args)``; under autograd through ``checkpoint`` (its activations recomputed in the
+    backward, not saved)."""
+    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args):
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
