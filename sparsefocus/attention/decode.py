@@ -120,8 +120,8 @@ def decode_attention(
     """Bottom-right causal attention of q [B, Hq, N, D] over k, v [B, Hk, M, *], N < M.
 
     ``impl`` is the resolved implementation. GQA: FULL (SDPA's ``enable_gqa``), a window (its
-    keys only) and the Triton paths read the Hk heads as they are; the other paths get them
-    repeated to Hq here. Returns [B, Hq, N, Dv].
+    keys only), listed rows (TOPK, BOTK) and the Triton paths read the Hk heads as they are; the
+    other paths get them repeated to Hq here. Returns [B, Hq, N, Dv].
     """
     n_queries, n_keys = q.shape[2], k.shape[2]
     mode = decoding_mode(spec)
@@ -132,13 +132,13 @@ def decode_attention(
         window = key_window(spec, n_queries, n_keys)
         if window is not None:
             return window_attention(spec, q, k, v, window, scale=scale)
+    if impl == "lean" and mode == "rows" and hasattr(spec, "row_indices"):  # lists and their attention read kv heads as they are
+        return listed_rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
     if impl == "triton" and spec.triton_decodes():
         return spec.triton_decode(q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
     if impl != "triton" and spec.expands_kv:
         k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     if impl == "lean" and mode == "rows":
-        if hasattr(spec, "row_indices"):
-            return listed_rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return rows_attention(spec, q, k, v, scale=scale, key_padding_mask=key_padding_mask, params=params)
     run = getattr(spec, impl)
     out = run(padded_queries(q, n_keys), k, v, causal=True, scale=scale, key_padding_mask=key_padding_mask, params=params)
@@ -213,7 +213,8 @@ def listed_rows_attention(
 ) -> Tensor:
     """The last N rows of a pattern that lists each row's keys (``row_indices``): the lists in
     row chunks (no gradient), then attention over the listed keys only (O(N k) memory).
-    q: [B, H, N, D]; k, v: [B, H, M, *] (GQA expanded) -> [B, H, N, Dv] fp32."""
+    q: [B, Hq, N, D]; k, v: [B, Hk, M, *] (query head h reads kv head h // (Hq // Hk); nothing is
+    repeated) -> [B, Hq, N, Dv] fp32."""
     full_q = padded_queries(q, k.shape[2])
     select = spec.row_indices  # type: ignore[attr-defined]  # the caller checked that the pattern has it
     parts = [select(full_q, k, rows, True, key_padding_mask, params) for rows in query_rows(q.shape[2], k.shape[2], chunk)]

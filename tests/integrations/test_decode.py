@@ -173,10 +173,10 @@ def test_auto_decoding_picks_the_rows_only_paths():
     assert sf.attention.api.resolve_impl(sf.parse_pattern("BAND:5"), "auto", q, decoding=True) == "lean"
 
 
-@pytest.mark.parametrize("pattern", ["FULL", "BAND:4", "BLOC:4"])
+@pytest.mark.parametrize("pattern", ["FULL", "BAND:4", "BLOC:4", "TOPK:3", "BOTK:2"])
 def test_gqa_decoding_never_repeats_the_whole_cache(monkeypatch, pattern):
-    """FULL (SDPA's enable_gqa) and window rows read the kv heads as they are: repeating a long
-    cache for every step would copy it whole; only the window's keys may be repeated."""
+    """FULL (SDPA's enable_gqa), window rows and listed rows read the kv heads as they are:
+    repeating a long cache for every step would copy it whole; only a window's keys may be repeated."""
     import sparsefocus.attention.common as common
 
     real, sizes = common.expand_kv, []
