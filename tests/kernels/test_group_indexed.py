@@ -63,6 +63,7 @@ def test_kernel_equals_the_reference_with_gradients(kv_heads, group, list_heads)
 def test_fp16_within_twice_torch_error():
     """FlashAttention's rule: kernel error vs fp32 <= 2 x the error of PyTorch at fp16 (+ eps)."""
     q, k, v, index = make_case(2, 4, "shared", n=37, m=50, slots=33, dim=16, dim_v=8)
+    q, k, v = (x.half().float() for x in (q, k, v))  # the same rounded inputs for all three
     grad_out = torch.randn(2, 8, 37, 8, device=DEVICE)
     grad_lse = torch.zeros(2, 8, 37, device=DEVICE)
     truth = run(group_indexed_attention_ref, q, k, v, index, grad_out, grad_lse)
@@ -72,7 +73,7 @@ def test_fp16_within_twice_torch_error():
     for name, x, y, t in zip(["out", "lse", "dq", "dk", "dv"], kernel, torch_low, truth):
         keep = torch.isfinite(t)
         x, y, t = x[keep], y[keep], t[keep]
-        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-5, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
 
 
 def _torch_in_half(q, k, v, index, *, scale):

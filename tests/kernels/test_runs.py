@@ -5,6 +5,7 @@ empty rows. On CPU the kernel runs in Triton's interpreter (tests/conftest.py se
 import pytest
 import torch
 
+import sparsefocus.attention.common as common
 from sparsefocus.attention.common import run_attention_ref
 from sparsefocus.kernels.runs import run_attention
 
@@ -72,18 +73,21 @@ def test_run_kernel_per_query_lengths_and_empty_rows():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_run_kernel_fp16_within_twice_torch_error(causal):
-    """FlashAttention's rule: kernel error vs fp32 <= 2 x the error of PyTorch at fp16 (+ eps)."""
+def test_run_kernel_fp16_within_twice_torch_error(monkeypatch, causal):
+    """FlashAttention's rule: on the same fp16-rounded inputs, the kernel's error against fp32 is at
+    most twice PyTorch's own error computing in fp16 (the reference without its fp32 upcast)."""
     n, m, width = 63, 50, 21
-    q, k, v = make_case(n, m, dim=16, dim_v=8)
+    q, k, v = (x.half().float() for x in make_case(n, m, dim=16, dim_v=8))
     start = band_starts(n, m, width) + torch.randint(-2, 3, (2, 4, n), device=DEVICE)  # nearly sorted
     grad_out = torch.randn(2, 4, n, 8, device=DEVICE)
     truth = run(run_attention_ref, q, k, v, start, width, causal, torch.float32, grad_out)
-    torch_low = run(run_attention_ref, q, k, v, start, width, causal, torch.float16, grad_out)
+    with monkeypatch.context() as patch:
+        patch.setattr(common, "upcast", lambda x: x)
+        torch_low = run(run_attention_ref, q, k, v, start, width, causal, torch.float16, grad_out)
     kernel = run(run_attention, q, k, v, start, width, causal, torch.float16, grad_out)
     for name, x, y, t in zip(["out", "dq", "dk", "dv"], kernel, torch_low, truth):
         assert x.dtype == torch.float16
-        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-5, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
 
 
 def test_run_kernel_rejects_bad_input():
