@@ -56,5 +56,10 @@ def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
     position = torch.arange(n_keys, device=scores.device)
     lowest = torch.iinfo(torch.int64).min
     packed = (ordered * (1 << 32) + (0x7FFFFFFF - position)).masked_fill(~allowed, lowest)
-    top = packed.topk(min(count, n_keys), dim=-1).values
-    return torch.where(top == lowest, -1, 0x7FFFFFFF - (top & 0xFFFFFFFF))
+    return unpacked_positions(packed.topk(min(count, n_keys), dim=-1).values)
+
+
+def unpacked_positions(packed: Tensor) -> Tensor:
+    """The positions of packed (score, position) int64 keys (``top_positions``, the selection
+    kernels' ``_pack``): the low half holds 0x7FFFFFFF - position; the lowest int64 (no key) -> -1."""
+    return torch.where(packed == torch.iinfo(torch.int64).min, -1, 0x7FFFFFFF - (packed & 0xFFFFFFFF))

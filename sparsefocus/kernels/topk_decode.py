@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import op_name
+from sparsefocus.kernels._ops import op_name, unpacked_positions
 from sparsefocus.kernels.topk_select import INT64_MIN, _pack
 
 MAX_K = 64
@@ -126,8 +126,7 @@ def _topk_decode_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padd
         **(dict(num_warps=4) if q.is_cuda else {}),
     )
     top = candidates.view(rows, num_blocks * kk).topk(min(kk, num_blocks * kk), dim=-1).values  # [rows, kk]
-    index = torch.where(top == torch.iinfo(torch.int64).min, -1, 0x7FFFFFFF - (top & 0xFFFFFFFF)).to(torch.int32)
-    return index.view(batch, q_heads, n_queries, kk)
+    return unpacked_positions(top).to(torch.int32).view(batch, q_heads, n_queries, kk)
 
 
 @_topk_decode_select_op.register_fake
