@@ -248,6 +248,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--cases", default="", help="comma-separated case names to time (default: every case)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
@@ -281,6 +282,8 @@ def main() -> None:
         write(args.out, record)
     for n in lengths:
         for name, thunk in cases(args.batch, args.heads, args.head_dim):
+            if args.cases and name not in args.cases.split(","):
+                continue
             rows = record["timing"].setdefault(name, {})
             if time.time() - start > DEADLINE_S:
                 rows[str(n)] = {"error": "skipped: time"}
