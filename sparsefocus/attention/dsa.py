@@ -44,7 +44,7 @@ from sparsefocus.attention.patterns import (
 from sparsefocus.kernels._ops import top_positions
 
 SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
-KL_ELEMENTS = 2**26  # largest [B, Hq, rows, k, D] chunk of the KL loss (the gathered keys)
+KL_ELEMENTS = 2**26  # largest [B, Hk, rows, k, D] chunk of the KL loss (the gathered keys)
 WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
 EXPANDED_INDEX_BYTES = 2**30  # largest per-head copy of the shared key lists one kernel call gets
 GROUP_KERNEL_MIN_HEADS = 4
@@ -114,10 +114,19 @@ class DSA(Pattern):
         iq = (x @ params["dsa_wq"].float()).view(batch, n, self.heads, self.dim).transpose(1, 2)  # [B, h, N, d]
         return iq, x @ params["dsa_wk"].float(), x @ params["dsa_ww"].float()
 
-    def select(self, iq: Tensor, ik: Tensor, w: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+    def select(
+        self, iq: Tensor, ik: Tensor, w: Tensor, causal: bool, key_padding_mask: Tensor | None, fused: bool = False
+    ) -> Tensor:
         """[B, 1, N, min(k, M)] int32 top-k key lists by indexer score, ties to the smaller position
         (so a row's list never depends on how many later positions the call holds), -1 where
-        fewer keys are allowed."""
+        fewer keys are allowed. ``fused``: the Triton radix selection (``kernels.indexer_topk``,
+        the same keys in position order) instead of row chunks of scores and ``top_positions``
+        (best first)."""
+        if fused and ik.shape[1] > 0:
+            from sparsefocus.kernels.indexer_topk import indexer_topk
+
+            kk = min(self.k, ik.shape[1])
+            return indexer_topk(iq, ik, w, kk, causal=causal, key_padding_mask=key_padding_mask)[:, None]
         with torch.no_grad():
             batch, heads, n, _ = iq.shape
             chunk = max(1, SCORE_ELEMENTS // max(1, batch * heads * ik.shape[1]))
@@ -129,9 +138,9 @@ class DSA(Pattern):
                 lists.append(top_positions(scores, self.k, allowed))  # ReLU scores tie often: ties to earlier keys
             return torch.cat(lists, dim=1)[:, None].to(torch.int32)
 
-    def _lists(self, q, k, causal, key_padding_mask, params) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+    def _lists(self, q, k, causal, key_padding_mask, params, fused=False) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
         tensors = self.indexer(q, k, params)
-        return self.select(*tensors, causal, key_padding_mask), tensors
+        return self.select(*tensors, causal, key_padding_mask, fused), tensors
 
     def _wants_loss(self, params: dict | None) -> bool:
         return self.kl > 0 and params is not None and AUX_KEY in params and all(name in params for name in WEIGHTS)
@@ -152,7 +161,7 @@ class DSA(Pattern):
         return indexed_attention_ref(q, k, v, index.expand(q.shape[0], q.shape[1], -1, -1), scale=scale)
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
-        index, tensors = self._lists(q, k, causal, key_padding_mask, params)
+        index, tensors = self._lists(q, k, causal, key_padding_mask, params, fused=True)
         self._store_loss(q, k, index, tensors, scale, params)
         if q.shape[1] // k.shape[1] >= GROUP_KERNEL_MIN_HEADS:
             from sparsefocus.kernels.group_indexed import group_indexed_attention
@@ -247,8 +256,8 @@ def chunked_indexer_kl(
     """The same loss from the key lists ([B, 1, N, K]) in row chunks, each recomputed in backward."""
     iq, ik, w = tensors
     q, index, iq, w = q[:, :, ::every], index[:, :, ::every], iq[:, :, ::every], w[:, ::every]
-    batch, q_heads, n, _ = q.shape
-    chunk = max(1, KL_ELEMENTS // max(1, batch * q_heads * index.shape[-1] * q.shape[-1]))
+    batch, _, n, _ = q.shape
+    chunk = max(1, KL_ELEMENTS // max(1, batch * k.shape[1] * index.shape[-1] * q.shape[-1]))
     total, rows = iq.new_zeros(()), iq.new_zeros(())
     for start in range(0, n, chunk):
         part = row_slice(n, start, start + chunk)
@@ -265,9 +274,10 @@ def _kl_chunk(q: Tensor, k: Tensor, index: Tensor, iq: Tensor, ik: Tensor, w: Te
     valid = index[:, 0] >= 0  # [B, R, K]
     safe = index.clamp_min(0).long()
     with torch.no_grad():
-        keys = gather_keys(upcast(k), safe.expand(-1, k.shape[1], -1, -1))  # [B, Hk, R, K, D]
-        keys = expand_kv(keys.flatten(2, 3), q.shape[1]).view(*q.shape[:3], -1, q.shape[-1])  # [B, Hq, R, K, D]
-        scores = torch.einsum("bhrd,bhrkd->bhrk", upcast(q), keys) * scale
+        batch, kv_heads = k.shape[:2]
+        keys = gather_keys(upcast(k), safe.expand(-1, kv_heads, -1, -1))  # [B, Hk, R, K, D], once per kv head
+        grouped = upcast(q).view(batch, kv_heads, -1, *q.shape[2:])  # [B, Hk, G, R, D]
+        scores = torch.einsum("bkgrd,bkrjd->bkgrj", grouped, keys).flatten(1, 2) * scale  # [B, Hq, R, K]
         has_key = valid.any(-1, keepdim=True)[:, None]
         probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
         target = (probs * has_key).mean(1)  # [B, R, K]

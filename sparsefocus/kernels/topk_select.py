@@ -237,6 +237,12 @@ def _collect_tile(
     hit = s >= bound[:, None]
     if MASKED:
         hit = hit & allowed
+    if NW == 1:  # one word per row: a plain row reduction, no reshape of the score tile's layout
+        word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]
+        listed = (word != 0) & (nent < CAP) & row_ok
+        word_no = tl.full([BLOCK_M], start // 32, tl.int64)
+        tl.store(ent + nent, (word_no << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64), mask=listed)
+        return nent + (word != 0).to(tl.int32)
     words = tl.sum(tl.reshape(tl.where(hit, bits[None, :], 0), [BLOCK_M, NW, 32]), axis=2)  # [BM, NW]
     nonzero = (words != 0).to(tl.int32)
     slot = nent[:, None] + tl.cumsum(nonzero, axis=1) - 1  # [BM, NW]

@@ -1,0 +1,231 @@
+"""DSA's lightning-indexer selection in Triton: exact top-k keys per query by radix select.
+
+The indexer scores key s for query t as I(t, s) = sum_h w[t, h] ReLU(iq[t, h] . ik[s]) and keeps
+the ``kk`` best keys (2048 in DeepSeek-V3.2), far more than the per-row register selection of
+``topk_select`` can hold. Rows are taken in chunks of R queries; per chunk two launches:
+
+1. scores (tiles of BLOCK_M queries x BLOCK_N keys): the fused indexer, one ``tl.dot`` per
+   indexer head, ReLU and the weighted sum in registers, written as fp32 [B, R, M] (the
+   [B, h, R, M] per-head scores never reach memory; causal tiles past the diagonal are skipped).
+2. select (one program per query row): the exact kk-th largest score by a 4-pass radix select
+   over the order-preserving bits of the fp32 scores (8 bits a pass, a 256-bin histogram of the
+   row's keys that match the bits found so far), then one pass that writes the positions of the
+   keys above it and of the first ties at it, in position order (ties go to the smaller
+   position, as in ``top_positions``).
+
+Output: [B, N, kk] int32 key positions in increasing position order, -1 past the row's allowed
+keys; no host synchronisation, fixed shapes (``sparsefocus::indexer_topk`` is a custom op).
+Scores on CUDA use 3xTF32 dots (fp32 accuracy on tensor cores); a key whose score is within
+rounding of the kk-th may be chosen differently from the fp32 reference, as between any two
+summation orders. Memory: the [B, R, M] fp32 chunk (about ``CHUNK_ELEMENTS``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+
+CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
+INT32_MIN = tl.constexpr(-(2**31))
+
+
+@triton.jit
+def _scores_kernel(
+    IQ,
+    IK,
+    W,
+    S,
+    row0,
+    R,
+    N,
+    M,
+    H: tl.constexpr,
+    D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """S[b, r, s] = sum_h W[b, row0 + r, h] relu(IQ[b, h, row0 + r] . IK[b, s]) for one tile."""
+    pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # causal: a tile whose keys are all in every row's future is never read, so never written
+    if (not CAUSAL) or (pid_n * BLOCK_N <= row0 + pid_m * BLOCK_M + BLOCK_M - 1):
+        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
+        rows = row0 + local
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] keys
+        row_ok = (local < R) & (rows < N)
+        offs_d = tl.arange(0, BLOCK_D)
+        key_ptrs = IK + (b * M + cols[:, None]).to(tl.int64) * D + offs_d[None, :]
+        keys = tl.load(key_ptrs, mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0)  # [BN, BD]
+        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for h in tl.static_range(H):
+            q_ptrs = IQ + ((b * H + h) * N + rows[:, None]).to(tl.int64) * D + offs_d[None, :]
+            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # [BM, BD]
+            weight = tl.load(W + (b * N + rows).to(tl.int64) * H + h, mask=row_ok, other=0.0)  # [BM]
+            total += weight[:, None] * tl.maximum(tl.dot(q, tl.trans(keys), input_precision=PRECISION), 0.0)
+        out = S + (b * R + local[:, None]).to(tl.int64) * M + cols[None, :]
+        tl.store(out, total, mask=row_ok[:, None] & (cols[None, :] < M))
+
+
+@triton.jit
+def _row_keys(S_row, PAD_row, start, limit, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """(positions [BLOCK], order-preserving int32 keys of their scores, allowed mask)."""
+    pos = start + tl.arange(0, BLOCK)
+    valid = pos < limit
+    if HAS_PAD:
+        valid = valid & (tl.load(PAD_row + pos, mask=valid, other=0) != 0)
+    score = tl.load(S_row + pos, mask=valid, other=0.0)
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0
+    bits = score.to(tl.int32, bitcast=True)
+    return pos, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), valid
+
+
+@triton.jit
+def _radix_pass(S_row, PAD_row, limit, prefix, remaining, SHIFT: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One 8-bit digit of the kk-th key: (prefix with the digit set, keys still to find at or
+    below it, number of keys matching the old prefix). Digits are of the key with its sign bit
+    flipped (unsigned order); arithmetic shifts give the same low 8 bits as logical ones."""
+    hist = tl.zeros([256], tl.int32)
+    for start in range(0, limit, BLOCK):
+        _, ordered, valid = _row_keys(S_row, PAD_row, start, limit, HAS_PAD, BLOCK)
+        flipped = ordered ^ INT32_MIN
+        if SHIFT < 24:
+            valid = valid & (((flipped ^ prefix) >> (SHIFT + 8)) == 0)
+        hist += tl.histogram((flipped >> SHIFT) & 255, 256, mask=valid)
+    digits = tl.arange(0, 256)
+    at_or_above = tl.sum(hist) - tl.cumsum(hist, axis=0) + hist  # [256]: keys with digit >= d
+    digit = tl.max(tl.where(at_or_above >= remaining, digits, 0))
+    above = tl.sum(tl.where(digits > digit, hist, 0))
+    return prefix | (digit << SHIFT), remaining - above, tl.sum(hist)
+
+
+@triton.jit
+def _select_kernel(
+    S,
+    PAD,
+    OUT,
+    row0,
+    R,
+    N,
+    M,
+    KK: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    local, b = tl.program_id(0), tl.program_id(1)
+    row = row0 + local
+    if row < N:
+        limit = tl.minimum(M, row + 1) if CAUSAL else M
+        S_row = S + (b * R + local).to(tl.int64) * M
+        PAD_row = PAD + b.to(tl.int64) * M
+        prefix = tl.zeros([], tl.int32)
+        remaining = tl.full([], KK, tl.int32)
+        prefix, remaining, allowed = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 24, HAS_PAD, BLOCK)
+        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 16, HAS_PAD, BLOCK)
+        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 8, HAS_PAD, BLOCK)
+        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 0, HAS_PAD, BLOCK)
+        _collect_row(
+            S_row,
+            PAD_row,
+            OUT + (b * N + row).to(tl.int64) * KK,
+            limit,
+            prefix ^ INT32_MIN,
+            remaining,
+            allowed <= KK,
+            KK,
+            HAS_PAD,
+            BLOCK,
+        )
+
+
+@triton.jit
+def _collect_row(
+    S_row, PAD_row, out, limit, cut, ties_wanted, take_all, KK: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Write the keys scoring above ``cut`` and the first ``ties_wanted`` at it (every allowed key
+    when ``take_all``) in position order; -1 in the slots left."""
+    taken = tl.zeros([], tl.int32)
+    ties = tl.zeros([], tl.int32)
+    for start in range(0, limit, BLOCK):
+        pos, ordered, valid = _row_keys(S_row, PAD_row, start, limit, HAS_PAD, BLOCK)
+        tie = valid & (ordered == cut)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = valid & (take_all | (ordered > cut) | (tie & (tie_rank < ties_wanted)))
+        slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out + slot, pos, mask=take)
+        taken += tl.sum(take.to(tl.int32))
+        ties += tl.sum(tie.to(tl.int32))
+    for start in range(0, KK, BLOCK):
+        slot = start + tl.arange(0, BLOCK)
+        tl.store(out + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= taken) & (slot < KK))
+
+
+def _tiles(iq: Tensor) -> dict:
+    if iq.is_cuda:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SELECT_BLOCK=1024, select_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, SELECT_BLOCK=64, select_warps=1)  # interpreter: cross tiles at test sizes
+
+
+@torch.library.custom_op("sparsefocus::indexer_topk", mutates_args=())
+def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """iq [B, h, N, d], ik [B, M, d], w [B, N, h] fp32 -> [B, N, kk] int32 (position order, -1 unused)."""
+    batch, heads, n_queries, dim = iq.shape
+    n_keys = ik.shape[1]
+    out = torch.empty(batch, n_queries, kk, dtype=torch.int32, device=iq.device)
+    if n_queries == 0:
+        return out
+    tiles = _tiles(iq)
+    chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * n_keys)))
+    scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
+    pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
+    iq, ik, w = iq.contiguous(), ik.contiguous(), w.contiguous()
+    for row0 in range(0, n_queries, chunk):
+        rows = min(chunk, n_queries - row0)
+        grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(max(1, n_keys), tiles["BLOCK_N"]), batch)
+        _scores_kernel[grid](
+            iq, ik, w, scores, row0, chunk, n_queries, n_keys,
+            H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3",
+            BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
+        )  # fmt: skip
+        _select_kernel[(rows, batch)](
+            scores, pad, out, row0, chunk, n_queries, n_keys,
+            KK=kk, CAUSAL=causal, HAS_PAD=key_padding_mask is not None, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
+        )  # fmt: skip
+    return out
+
+
+@_indexer_topk_op.register_fake
+def _indexer_topk_fake(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+    return iq.new_empty(iq.shape[0], iq.shape[2], kk, dtype=torch.int32)
+
+
+def indexer_topk(
+    iq: Tensor, ik: Tensor, w: Tensor, kk: int, *, causal: bool = False, key_padding_mask: Tensor | None = None
+) -> Tensor:
+    """The ``kk`` keys of largest lightning-indexer score per query, exactly, without N x M memory.
+
+    Args:
+        iq: [B, h, N, d] indexer queries; ik: [B, M, d] indexer keys; w: [B, N, h] head weights; fp32.
+        kk: keys per query, >= 1.
+        causal: query i only selects keys j <= i. Default: False.
+        key_padding_mask: [B, M] bool, True = real key. Default: None.
+    Returns:
+        [B, N, kk] int32 positions in increasing order (the set of ``top_positions`` on the
+        scores sum_h w_h ReLU(iq_h . ik): ties to the smaller position), -1 where a row has
+        fewer than kk allowed keys. No gradient.
+    """
+    if kk < 1:
+        raise ValueError(f"indexer_topk: kk must be >= 1, got {kk}")
+    if iq.dim() != 4 or ik.dim() != 3 or w.shape != (iq.shape[0], iq.shape[2], iq.shape[1]) or ik.shape[-1] != iq.shape[-1]:
+        raise ValueError(f"indexer_topk: incompatible iq {tuple(iq.shape)}, ik {tuple(ik.shape)} and w {tuple(w.shape)}")
+    return torch.ops.sparsefocus.indexer_topk(
+        iq.detach().float(), ik.detach().float(), w.detach().float(), kk, causal, key_padding_mask
+    )

@@ -1,0 +1,103 @@
+"""The lightning-indexer radix selection against DSA's PyTorch selection: the same key sets (tie
+rule included) at odd sizes, causal and padded keys never chosen, -1 fill, ties, the chunked rows,
+the op's registration (opcheck) and compilation."""
+
+import pytest
+import torch
+
+from sparsefocus.attention.dsa import allowed_keys, index_scores
+from sparsefocus.kernels import indexer_topk as indexer_topk_module
+from sparsefocus.kernels._ops import top_positions
+from sparsefocus.kernels.indexer_topk import indexer_topk
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_selection(iq, ik, w, kk, causal, key_padding_mask):
+    """DSA's reference selection, as sets: [B, N, kk] positions in increasing order, -1 last."""
+    n = iq.shape[2]
+    chosen = top_positions(
+        index_scores(iq, ik, w), kk, allowed_keys(slice(0, n), ik.shape[1], causal, key_padding_mask, iq.device)
+    )
+    chosen = torch.nn.functional.pad(chosen, (0, kk - chosen.shape[-1]), value=-1)
+    ordered = torch.where(chosen < 0, torch.iinfo(torch.int64).max, chosen).sort(-1).values
+    return torch.where(ordered == torch.iinfo(torch.int64).max, -1, ordered)
+
+
+def inputs(batch, heads, n, m, dim):
+    return (
+        torch.randn(batch, heads, n, dim, device=DEVICE),
+        torch.randn(batch, m, dim, device=DEVICE),
+        torch.randn(batch, n, heads, device=DEVICE),
+    )
+
+
+@pytest.mark.parametrize(
+    "batch,heads,n,m,dim,kk,causal,padded",
+    [
+        (2, 3, 37, 37, 8, 5, True, False),
+        (1, 2, 50, 61, 16, 20, False, True),
+        (2, 4, 70, 70, 8, 64, True, True),
+        (1, 1, 33, 33, 5, 40, True, False),
+        (1, 2, 1, 1, 4, 1, True, False),
+    ],
+)
+def test_indexer_topk_equals_the_torch_selection(batch, heads, n, m, dim, kk, causal, padded):
+    iq, ik, w = inputs(batch, heads, n, m, dim)
+    key_padding_mask = torch.rand(batch, m, device=DEVICE) > 0.3 if padded else None
+    got = indexer_topk(iq, ik, w, kk, causal=causal, key_padding_mask=key_padding_mask)
+    assert got.shape == (batch, n, kk) and got.dtype == torch.int32
+    assert torch.equal(got.long(), torch_selection(iq, ik, w, kk, causal, key_padding_mask))
+
+
+def test_indexer_topk_ties_go_to_smaller_positions():
+    """Non-positive indexer dots: every score is 0 (ReLU), so each row keeps its first kk keys."""
+    iq = -torch.rand(1, 2, 40, 4, device=DEVICE)
+    ik = torch.rand(1, 40, 4, device=DEVICE)
+    w = torch.randn(1, 40, 2, device=DEVICE)  # negative weights make -0.0, which ties with 0.0
+    got = indexer_topk(iq, ik, w, 6, causal=True).long()
+    rows = torch.arange(40, device=DEVICE)[:, None]
+    expected = torch.where(torch.arange(6, device=DEVICE) <= rows, torch.arange(6, device=DEVICE), -1)
+    assert torch.equal(got[0], expected)
+
+
+def test_indexer_topk_with_partial_ties_equals_the_torch_selection():
+    iq, ik, w = inputs(2, 2, 45, 45, 6)
+    iq[:, :, ::3] = -iq[:, :, ::3].abs()
+    ik[:, ::2] = ik[:, ::2].abs()  # every third row ties many keys at 0
+    got = indexer_topk(iq, ik, w.abs(), 17, causal=True)
+    assert torch.equal(got.long(), torch_selection(iq, ik, w.abs(), 17, True, None))
+
+
+def test_indexer_topk_row_chunks_change_nothing(monkeypatch):
+    iq, ik, w = inputs(2, 2, 53, 53, 8)
+    whole = indexer_topk(iq, ik, w, 9, causal=True)
+    monkeypatch.setattr(indexer_topk_module, "CHUNK_ELEMENTS", 2 * 53 * 7)  # chunks of 7 rows
+    assert torch.equal(indexer_topk(iq, ik, w, 9, causal=True), whole)
+
+
+def test_indexer_topk_never_picks_future_or_padded_keys():
+    iq, ik, w = inputs(1, 2, 40, 40, 4)
+    key_padding_mask = torch.ones(1, 40, dtype=torch.bool, device=DEVICE)
+    key_padding_mask[0, 5:9] = False
+    got = indexer_topk(iq, ik, w, 6, causal=True, key_padding_mask=key_padding_mask).long()[0]
+    rows = torch.arange(40, device=DEVICE)[:, None]
+    assert ((got <= rows) | (got == -1)).all()
+    assert not ((got >= 5) & (got < 9)).any()
+    assert got[0, 0] == 0 and (got[0, 1:] == -1).all()
+
+
+def test_indexer_topk_op_passes_opcheck_and_compiles():
+    iq, ik, w = inputs(1, 2, 20, 20, 4)
+    key_padding_mask = torch.rand(1, 20, device=DEVICE) > 0.3
+    torch.library.opcheck(torch.ops.sparsefocus.indexer_topk.default, (iq, ik, w, 3, True, key_padding_mask))
+    compiled = torch.compile(lambda a, b, c: indexer_topk(a, b, c, 3, causal=True), fullgraph=True, backend="eager")
+    assert torch.equal(compiled(iq, ik, w), indexer_topk(iq, ik, w, 3, causal=True))
+
+
+def test_indexer_topk_refuses_bad_input():
+    iq, ik, w = inputs(1, 2, 10, 10, 4)
+    with pytest.raises(ValueError, match="kk must be >= 1"):
+        indexer_topk(iq, ik, w, 0)
+    with pytest.raises(ValueError, match="incompatible"):
+        indexer_topk(iq, ik, w[:, :, :1], 3)
