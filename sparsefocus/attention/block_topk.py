@@ -130,17 +130,21 @@ def pooled_tile_queries(q: Tensor, tile: int, causal: bool) -> tuple[Tensor, Ten
     (pos, neg) [B, H, T, D] fp32, T = ceil(N / tile).
 
     The scoring queries of tile t are its own queries, or when causal the ``tile`` queries ending
-    at its first position t * tile (so no row's selection reads a query after that row)."""
+    at its first position t * tile (so no row's selection reads a query after that row): tile
+    t - 1 without its first query, plus query t * tile. Both come from per-tile sums (a reshape
+    and a sum, no running sum over the sequence)."""
     with torch.no_grad():
         q = upcast(q)
         n, tiles = q.shape[2], -(-q.shape[2] // tile)
+        padded = F.pad(q, (0, 0, 0, tiles * tile - n)).unflatten(2, (tiles, tile))  # [B, H, T, tile, D]
         parts = []
-        for part in (q.clamp_min(0), q.clamp_max(0)):
-            total = F.pad(part.cumsum(2), (0, 0, 1, 0))  # [B, H, N + 1, D]: total[i] = sum of q[:i]
-            first = torch.arange(tiles, device=q.device) * tile
-            end = (first + 1) if causal else (first + tile).clamp_max(n)
-            start = (end - tile).clamp_min(0)
-            parts.append(total[:, :, end] - total[:, :, start])  # [B, H, T, D]
+        for part in (padded.clamp_min(0), padded.clamp_max(0)):
+            own = part.sum(3)  # [B, H, T, D]
+            if causal:
+                first = part[:, :, :, 0]  # [B, H, T, D]: query t * tile
+                before = F.pad(own - first, (0, 0, 1, 0))[:, :, :tiles]  # tile t - 1 without its first query
+                own = before + first
+            parts.append(own)
         return parts[0], parts[1]
 
 

@@ -32,6 +32,8 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
 CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
+TILE_OVERRIDES: dict = {}
+"""Benchmark hook: {BLOCK_M, BLOCK_N, num_warps, SELECT_BLOCK, select_warps} replacing the launcher's choice."""
 INT32_MIN = tl.constexpr(-(2**31))
 
 
@@ -170,8 +172,10 @@ def _collect_row(
 
 def _tiles(iq: Tensor) -> dict:
     if iq.is_cuda:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SELECT_BLOCK=1024, select_warps=4)
-    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, SELECT_BLOCK=64, select_warps=1)  # interpreter: cross tiles at test sizes
+        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SELECT_BLOCK=1024, select_warps=4)
+    else:  # interpreter: several tiles and select blocks at test sizes
+        tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, SELECT_BLOCK=64, select_warps=1)
+    return tiles | TILE_OVERRIDES
 
 
 @torch.library.custom_op("sparsefocus::indexer_topk", mutates_args=())

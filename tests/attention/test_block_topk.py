@@ -157,3 +157,19 @@ def test_tile_selection_scores_the_tile_by_its_pooled_queries():
     q = q[None, None]
     mask = sf.selection_mask("moba:block=16,top=1,tile=16", q, k[:, :, :48])
     assert _kept_blocks(mask[0, 0, 15], 16) == [0, 1]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_pooled_tile_queries_sum_exactly_the_scoring_queries(causal):
+    """Odd N (a short last tile): causal tiles sum the ``tile`` queries ending at their first
+    position (fewer at the start), others sum their own queries; positive and negative parts apart."""
+    from sparsefocus.attention.block_topk import pooled_tile_queries
+
+    q = torch.randn(2, 3, 77, 5)
+    pos, neg = pooled_tile_queries(q, 16, causal)
+    assert pos.shape == neg.shape == (2, 3, 5, 5)
+    for t in range(5):
+        end = t * 16 + 1 if causal else min(77, t * 16 + 16)
+        rows = q[:, :, max(0, end - 16) : end] if causal else q[:, :, t * 16 : end]
+        torch.testing.assert_close(pos[:, :, t], rows.clamp_min(0).sum(2), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(neg[:, :, t], rows.clamp_max(0).sum(2), atol=1e-5, rtol=1e-5)

@@ -83,13 +83,13 @@ def test_topk_select_large_k_uses_torch_path_and_validates():
 @pytest.mark.parametrize(
     "tiles,kk,causal",
     [
-        ({"bound": {"BLOCK_N": 64}, "collect": {"BLOCK_M": 16, "BLOCK_N": 64}, "finish": {"BLOCK_M": 8}}, 4, True),
-        ({"bound": {"BLOCK_M": 16, "BLOCK_N": 32}, "collect": {"BLOCK_N": 128}}, 16, False),
+        ({"bound": {"BLOCK_N": 64}, "collect": {"BLOCK_M": 16}, "finish": {"BLOCK_M": 8}}, 4, True),
+        ({"bound": {"BLOCK_M": 16, "BLOCK_N": 32}, "collect": {"BLOCK_M": 64}}, 16, False),
     ],
 )
-def test_topk_select_tile_shapes_multiword_masks_and_top1_bound(monkeypatch, tiles, kk, causal):
-    """Wider collect tiles (2 and 4 mask words per tile) and the top-1 bound (kk=4 with 64
-    column classes) select exactly what PyTorch selects; GQA, causal and not."""
+def test_topk_select_tile_shapes_and_top1_bound(monkeypatch, tiles, kk, causal):
+    """Other row tiles and the top-1 bound (kk=4 with 64 column classes) select exactly what
+    PyTorch selects; GQA, causal and not."""
     monkeypatch.setattr(topk_select_module, "TILE_OVERRIDES", tiles)
     q, k = torch.randn(1, 2, 150, 6, device=DEVICE), torch.randn(1, 1, 150, 6, device=DEVICE)
     assert torch.equal(topk_select(q, k, kk, causal=causal), topk_select_torch(q, k, kk, causal=causal))
