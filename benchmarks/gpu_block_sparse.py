@@ -6,7 +6,8 @@ fastest of the cuDNN, flash and efficient backends), at N = 4K, 16K, 64K.
 Usage (CUDA machine, repo root):
     PYTHONPATH=. python benchmarks/gpu_block_sparse.py --out benchmarks/results
 Writes gpu_block_sparse.json into --out (default $OUT) after every case, so a run cut short keeps
-what it measured; prints a table last. B=4, H=16, D=64, bf16, causal unless flags say otherwise.
+what it measured; draws gpu_block_sparse.png and prints a table last (``--plot-only JSON`` redraws
+the PNG of a record). ``--cases`` picks cases by name. B=4, H=16, D=64, bf16, causal unless flags say otherwise.
 """
 
 from __future__ import annotations
@@ -240,6 +241,31 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(record: dict, path: str) -> None:
+    """fwd+bwd ms against N per case (log-log), dense SDPA drawn dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rows in record["timing"].items():
+        points = sorted((int(n), row["ms"]) for n, row in rows.items() if "ms" in row)
+        if points:
+            ax.plot(*zip(*points), "k--o" if name == "sdpa" else "o-", label=name)
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="N",
+        ylabel="ms, fwd+bwd",
+        title=f"block-sparse attention, {record['machine']}, {record['commit']}",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -249,7 +275,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--cases", default="", help="comma-separated case names to time (default: every case)")
+    parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG beside a recorded JSON and exit")
     args = parser.parse_args()
+    if args.plot_only:
+        with open(args.plot_only) as handle:
+            plot(json.load(handle), args.plot_only.removesuffix(".json") + ".png")
+        return
     os.makedirs(args.out, exist_ok=True)
     start = time.time()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -295,6 +326,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             print(name, n, rows[str(n)], f"{time.time() - start:.0f}s", flush=True)
             write(args.out, record)
+    plot(record, os.path.join(args.out, "gpu_block_sparse.png"))
     print(table(record))
 
 
