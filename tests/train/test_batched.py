@@ -384,3 +384,28 @@ def test_fast_selection_by_mask_equals_the_gathered_keys(pattern, monkeypatch):
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
     for name, masked, gathered in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(masked, gathered, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_clip_per_run_scales_each_run_by_its_own_norm(exact):
+    """Run r's gradients (the slices [r] of every parameter) are clipped as ``clip_grad_norm_``
+    clips one model's: by min(1, max_norm / (||g_r|| + 1e-6)), other runs untouched."""
+    from sparsefocus.train.batched import clip_per_run_
+
+    params = [
+        torch.nn.Parameter(torch.zeros(3, 4, 5)),
+        torch.nn.Parameter(torch.zeros(3, 7)),
+        torch.nn.Parameter(torch.zeros(3, 2)),
+    ]
+    for p, scale in zip(params, (1.0, 0.1, 3.0)):
+        p.grad = torch.randn_like(p) * scale
+    params[2].grad = None  # a parameter without a gradient is skipped
+    params[0].grad[1] *= 1e-3  # run 1 is under the threshold
+    singles = [[p.grad[r].clone() for p in params[:2]] for r in range(3)]
+    norms = clip_per_run_(params, 0.5, exact=exact)
+    for r in range(3):
+        expected = torch.nn.utils.get_total_norm(singles[r])
+        torch.testing.assert_close(norms[r], expected)
+        coef = min(1.0, 0.5 / (expected.item() + 1e-6))
+        for p, g in zip(params[:2], singles[r]):
+            torch.testing.assert_close(p.grad[r], g * coef)
