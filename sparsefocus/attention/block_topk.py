@@ -36,25 +36,49 @@ def real_key_blocks(n_keys: int, block: int, key_padding_mask: Tensor | None, de
     return real.reshape(real.shape[0], 1, n_blocks, block)
 
 
+def block_summaries(k: Tensor, block: int, pool: str, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-block key summaries over real keys only: k [B, Hk, M, D] -> (first, second, has_key).
+
+    ``pool="mean"``: (mean [B, Hk, nb, D], the same tensor, has_key); ``"minmax"``: (per-channel
+    min, max [B, Hk, nb, D], has_key [B or 1, 1, nb, 1]); fp32, 0 for a block without a real key.
+    When every block is full and no key is padded the blocks are a view of k, summed in fp32
+    without an fp32 copy of k (min and max are exact in any precision): at B=4, H=16, N=64K that
+    copy alone was 1 GiB."""
+    n_keys, dim = k.shape[-2], k.shape[-1]
+    n_blocks = -(-n_keys // block)
+    if key_padding_mask is None and n_keys == n_blocks * block:
+        blocked = k.reshape(*k.shape[:2], n_blocks, block, dim)  # [B, Hk, nb, block, D]
+        has_key = torch.ones(1, 1, n_blocks, 1, dtype=torch.bool, device=k.device)
+        if pool == "mean":
+            mean = blocked.sum(-2, dtype=torch.float32) / block
+            return mean, mean, has_key
+        return blocked.amin(-2).float(), blocked.amax(-2).float(), has_key
+    real = real_key_blocks(n_keys, block, key_padding_mask, k.device)[..., None]  # [B, 1, nb, block, 1]
+    blocked = F.pad(upcast(k), (0, 0, 0, n_blocks * block - n_keys)).reshape(*k.shape[:2], n_blocks, block, dim)
+    has_key = real.any(dim=-2)  # [B, 1, nb, 1]
+    if pool == "mean":
+        mean = (blocked * real).sum(-2) / real.sum(-2).clamp_min(1)  # [B, Hk, nb, D]
+        return mean, mean, has_key
+    low = blocked.masked_fill(~real, float("inf")).amin(-2).masked_fill(~has_key, 0.0)
+    high = blocked.masked_fill(~real, float("-inf")).amax(-2).masked_fill(~has_key, 0.0)
+    return low, high, has_key
+
+
 def block_scores(q: Tensor, k: Tensor, block: int, pool: str, key_padding_mask: Tensor | None) -> Tensor:
     """Score of every key block for every query: q [B, Hq, N, D], k [B, Hk, M, D] -> [B, Hq, N, n_blocks].
 
     Only real keys enter a summary; a block without one scores -inf. No gradient."""
     with torch.no_grad():
-        q, k = upcast(q), upcast(k)
-        real = real_key_blocks(k.shape[-2], block, key_padding_mask, k.device)[..., None]  # [B, 1, nb, block, 1]
-        blocked = F.pad(k, (0, 0, 0, real.shape[-3] * block - k.shape[-2]))
-        blocked = blocked.reshape(*k.shape[:2], -1, block, k.shape[-1])  # [B, Hk, nb, block, D]
-        has_key = real.any(dim=-2)  # [B, 1, nb, 1]
+        q = upcast(q)
+        first, second, has_key = block_summaries(k, block, pool, key_padding_mask)
+        first, second = repeat_heads(first, q.shape[1]), repeat_heads(second, q.shape[1])
         if pool == "mean":
-            mean = (blocked * real).sum(-2) / real.sum(-2).clamp_min(1)  # [B, Hk, nb, D]
-            scores = torch.matmul(q, repeat_heads(mean, q.shape[1]).transpose(-1, -2))
+            scores = torch.matmul(q, first.transpose(-1, -2))
         else:
-            low = blocked.masked_fill(~real, float("inf")).amin(-2).masked_fill(~has_key, 0.0)  # [B, Hk, nb, D]
-            high = blocked.masked_fill(~real, float("-inf")).amax(-2).masked_fill(~has_key, 0.0)
-            low, high = repeat_heads(low, q.shape[1]), repeat_heads(high, q.shape[1])
             # max(q_d min_d, q_d max_d) picks max_d where q_d >= 0 and min_d where q_d < 0.
-            scores = torch.matmul(q.clamp_min(0), high.transpose(-1, -2)) + torch.matmul(q.clamp_max(0), low.transpose(-1, -2))
+            scores = torch.matmul(q.clamp_min(0), second.transpose(-1, -2)) + torch.matmul(
+                q.clamp_max(0), first.transpose(-1, -2)
+            )
         return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))  # [B, Hq, N, nb]
 
 
@@ -157,17 +181,12 @@ def tile_block_scores(
     score of their pooled parts: mean, (sum q) . mean(k); minmax, sum_d (sum q+)_d max_d + (sum q-)_d min_d."""
     with torch.no_grad():
         pos, neg = pooled_tile_queries(q, tile, causal)
-        kf = upcast(k)
-        real = real_key_blocks(k.shape[-2], block, key_padding_mask, k.device)[..., None]  # [B, 1, nb, block, 1]
-        blocked = F.pad(kf, (0, 0, 0, real.shape[-3] * block - k.shape[-2])).reshape(*k.shape[:2], -1, block, k.shape[-1])
-        has_key = real.any(dim=-2)  # [B, 1, nb, 1]
+        first, second, has_key = block_summaries(k, block, pool, key_padding_mask)
+        first, second = repeat_heads(first, q.shape[1]), repeat_heads(second, q.shape[1])  # [B, Hq, nb, D]
         if pool == "mean":
-            mean = repeat_heads((blocked * real).sum(-2) / real.sum(-2).clamp_min(1), q.shape[1])  # [B, Hq, nb, D]
-            scores = torch.matmul(pos + neg, mean.transpose(-1, -2))
+            scores = torch.matmul(pos + neg, first.transpose(-1, -2))
         else:
-            low = repeat_heads(blocked.masked_fill(~real, float("inf")).amin(-2).masked_fill(~has_key, 0.0), q.shape[1])
-            high = repeat_heads(blocked.masked_fill(~real, float("-inf")).amax(-2).masked_fill(~has_key, 0.0), q.shape[1])
-            scores = torch.matmul(pos, high.transpose(-1, -2)) + torch.matmul(neg, low.transpose(-1, -2))
+            scores = torch.matmul(pos, second.transpose(-1, -2)) + torch.matmul(neg, first.transpose(-1, -2))
         return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))  # [B, Hq, T, nb]
 
 

@@ -173,3 +173,18 @@ def test_pooled_tile_queries_sum_exactly_the_scoring_queries(causal):
         rows = q[:, :, max(0, end - 16) : end] if causal else q[:, :, t * 16 : end]
         torch.testing.assert_close(pos[:, :, t], rows.clamp_min(0).sum(2), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(neg[:, :, t], rows.clamp_max(0).sum(2), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pool", ["mean", "minmax"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_full_blocks_summarise_as_the_masked_path(pool, dtype):
+    """Whole blocks and no padding take a view of k (no fp32 copy); the summaries equal those of
+    the masked path (an all-real padding mask), for fp32 and bf16 keys."""
+    from sparsefocus.attention.block_topk import block_summaries
+
+    k = torch.randn(2, 3, 48, 5).to(dtype)
+    fast = block_summaries(k, 16, pool, None)
+    masked = block_summaries(k, 16, pool, torch.ones(2, 48, dtype=torch.bool))
+    for a, b in zip(fast, masked):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.expand_as(b), b, atol=1e-6, rtol=1e-6)
