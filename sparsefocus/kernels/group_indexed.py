@@ -182,8 +182,11 @@ def _bwd_kernel(
         dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PRECISION)
         dk = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale  # [BN, BD]
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)  # [BN, BDV]
-        tl.atomic_add(DK + key_rows[:, None] * D + offs_d[None, :], dk, mask=valid[:, None] & (offs_d[None, :] < D))
-        tl.atomic_add(DVB + key_rows[:, None] * DV + offs_dv[None, :], dv, mask=valid[:, None] & (offs_dv[None, :] < DV))
+        # relaxed: the sums are read only after the kernel ends, so the adds need no ordering
+        # (Triton's default acq_rel fences each one), as the other kernels' atomic adds
+        dk_ptrs, dv_ptrs = DK + key_rows[:, None] * D + offs_d[None, :], DVB + key_rows[:, None] * DV + offs_dv[None, :]
+        tl.atomic_add(dk_ptrs, dk, mask=valid[:, None] & (offs_d[None, :] < D), sem="relaxed")
+        tl.atomic_add(dv_ptrs, dv, mask=valid[:, None] & (offs_dv[None, :] < DV), sem="relaxed")
     tl.store(
         DQ + rows[:, None] * D + offs_d[None, :],
         (dq * scale).to(DQ.dtype.element_ty),
