@@ -275,7 +275,8 @@ def _kl_chunk(q: Tensor, k: Tensor, index: Tensor, iq: Tensor, ik: Tensor, w: Te
     safe = index.clamp_min(0).long()
     with torch.no_grad():
         batch, kv_heads = k.shape[:2]
-        keys = gather_keys(upcast(k), safe.expand(-1, kv_heads, -1, -1))  # [B, Hk, R, K, D], once per kv head
+        # gathered, then upcast: an fp32 copy of every key per chunk of rows would cost more than the rows' keys
+        keys = upcast(gather_keys(k, safe.expand(-1, kv_heads, -1, -1)))  # [B, Hk, R, K, D], once per kv head
         grouped = upcast(q).view(batch, kv_heads, -1, *q.shape[2:])  # [B, Hk, G, R, D]
         scores = torch.einsum("bkgrd,bkrjd->bkgrj", grouped, keys).flatten(1, 2) * scale  # [B, Hq, R, K]
         has_key = valid.any(-1, keepdim=True)[:, None]
