@@ -158,14 +158,15 @@ def pooled_tile_queries(q: Tensor, tile: int, causal: bool) -> tuple[Tensor, Ten
     t - 1 without its first query, plus query t * tile. Both come from per-tile sums (a reshape
     and a sum, no running sum over the sequence)."""
     with torch.no_grad():
-        q = upcast(q)
         n, tiles = q.shape[2], -(-q.shape[2] // tile)
-        padded = F.pad(q, (0, 0, 0, tiles * tile - n)).unflatten(2, (tiles, tile))  # [B, H, T, tile, D]
+        padded = q if n == tiles * tile else F.pad(q, (0, 0, 0, tiles * tile - n))
+        padded = padded.unflatten(2, (tiles, tile))  # [B, H, T, tile, D]
+        total_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # the clamps are exact in q's dtype
         parts = []
         for part in (padded.clamp_min(0), padded.clamp_max(0)):
-            own = part.sum(3)  # [B, H, T, D]
+            own = part.sum(3, dtype=total_dtype)  # [B, H, T, D]
             if causal:
-                first = part[:, :, :, 0]  # [B, H, T, D]: query t * tile
+                first = part[:, :, :, 0].to(total_dtype)  # [B, H, T, D]: query t * tile
                 before = F.pad(own - first, (0, 0, 1, 0))[:, :, :tiles]  # tile t - 1 without its first query
                 own = before + first
             parts.append(own)

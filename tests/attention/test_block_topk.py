@@ -167,7 +167,11 @@ def test_pooled_tile_queries_sum_exactly_the_scoring_queries(causal):
 
     q = torch.randn(2, 3, 77, 5)
     pos, neg = pooled_tile_queries(q, 16, causal)
-    assert pos.shape == neg.shape == (2, 3, 5, 5)
+    assert pos.shape == neg.shape == (2, 3, 5, 5) and pos.dtype == torch.float32
+    low = q.bfloat16()  # 16-bit queries are summed in fp32 without an fp32 copy: the same sums
+    for a, b in zip(pooled_tile_queries(low, 16, causal), pooled_tile_queries(low.float(), 16, causal)):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     for t in range(5):
         end = t * 16 + 1 if causal else min(77, t * 16 + 16)
         rows = q[:, :, max(0, end - 16) : end] if causal else q[:, :, t * 16 : end]
