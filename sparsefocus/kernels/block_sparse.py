@@ -36,6 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import row_dot
 
 GROUP_TILE = 0
 LOG2E = 1.4426950408889634
@@ -641,7 +642,7 @@ def _backward_impl(
     grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset
 ):
     run = _Launch(q, k, v, blocks, block_size, tile)
-    delta = (out.float() * grad_out.float()).sum(-1) - grad_lse.float()  # [B, Hq, N]
+    delta = row_dot(out, grad_out) - grad_lse.float()  # [B, Hq, N]
     real = _real_arg(key_real, q)
     flags = run.constexprs(causal, key_real is not None, window)
     sizes = (run.n, run.m)
