@@ -36,32 +36,46 @@ def real_key_blocks(n_keys: int, block: int, key_padding_mask: Tensor | None, de
     return real.reshape(real.shape[0], 1, n_blocks, block)
 
 
-def block_summaries(k: Tensor, block: int, pool: str, key_padding_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-block key summaries over real keys only: k [B, Hk, M, D] -> (first, second, has_key).
+def block_summaries(
+    k: Tensor, block: int, pool: str, key_padding_mask: Tensor | None, q_heads: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-block key summaries over real keys only, repeated for the query heads: k [B, Hk, M, D]
+    -> (first, second [B, Hq, nb, D] fp32, has_key [B or 1, 1, nb, 1]).
 
-    ``pool="mean"``: (mean [B, Hk, nb, D], the same tensor, has_key); ``"minmax"``: (per-channel
-    min, max [B, Hk, nb, D], has_key [B or 1, 1, nb, 1]); fp32, 0 for a block without a real key.
-    When every block is full and no key is padded the blocks are a view of k, summed in fp32
-    without an fp32 copy of k (min and max are exact in any precision): at B=4, H=16, N=64K that
-    copy alone was 1 GiB."""
+    ``pool="mean"``: (mean, the same tensor); ``"minmax"``: (per-channel min, max); 0 for a block
+    without a real key. When every block is full and no key is padded the blocks are a view of k,
+    summed in fp32 without an fp32 copy of k (min and max are exact in any precision): at B=4,
+    H=16, N=64K that copy alone was 1 GiB."""
     n_keys, dim = k.shape[-2], k.shape[-1]
     n_blocks = -(-n_keys // block)
     if key_padding_mask is None and n_keys == n_blocks * block:
         blocked = k.reshape(*k.shape[:2], n_blocks, block, dim)  # [B, Hk, nb, block, D]
         has_key = torch.ones(1, 1, n_blocks, 1, dtype=torch.bool, device=k.device)
         if pool == "mean":
-            mean = blocked.sum(-2, dtype=torch.float32) / block
+            mean = repeat_heads(blocked.sum(-2, dtype=torch.float32) / block, q_heads)
             return mean, mean, has_key
-        return blocked.amin(-2).float(), blocked.amax(-2).float(), has_key
+        return repeat_heads(blocked.amin(-2).float(), q_heads), repeat_heads(blocked.amax(-2).float(), q_heads), has_key
     real = real_key_blocks(n_keys, block, key_padding_mask, k.device)[..., None]  # [B, 1, nb, block, 1]
     blocked = F.pad(upcast(k), (0, 0, 0, n_blocks * block - n_keys)).reshape(*k.shape[:2], n_blocks, block, dim)
     has_key = real.any(dim=-2)  # [B, 1, nb, 1]
     if pool == "mean":
-        mean = (blocked * real).sum(-2) / real.sum(-2).clamp_min(1)  # [B, Hk, nb, D]
+        mean = repeat_heads((blocked * real).sum(-2) / real.sum(-2).clamp_min(1), q_heads)  # [B, Hq, nb, D]
         return mean, mean, has_key
     low = blocked.masked_fill(~real, float("inf")).amin(-2).masked_fill(~has_key, 0.0)
     high = blocked.masked_fill(~real, float("-inf")).amax(-2).masked_fill(~has_key, 0.0)
-    return low, high, has_key
+    return repeat_heads(low, q_heads), repeat_heads(high, q_heads), has_key
+
+
+def summary_scores(pos: Tensor, neg: Tensor, k: Tensor, block: int, pool: str, key_padding_mask: Tensor | None) -> Tensor:
+    """Block scores of queries given by their positive and negative parts pos, neg [B, Hq, R, D]
+    fp32 -> [B, Hq, R, nb]: mean, (pos + neg) . mean(k); minmax, Quest's bound
+    sum_d max(q_d min_d, q_d max_d) = pos . max + neg . min. A block without a real key scores -inf."""
+    first, second, has_key = block_summaries(k, block, pool, key_padding_mask, pos.shape[1])
+    if pool == "mean":
+        scores = torch.matmul(pos + neg, first.transpose(-1, -2))
+    else:
+        scores = torch.matmul(pos, second.transpose(-1, -2)) + torch.matmul(neg, first.transpose(-1, -2))
+    return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))
 
 
 def block_scores(q: Tensor, k: Tensor, block: int, pool: str, key_padding_mask: Tensor | None) -> Tensor:
@@ -70,16 +84,7 @@ def block_scores(q: Tensor, k: Tensor, block: int, pool: str, key_padding_mask: 
     Only real keys enter a summary; a block without one scores -inf. No gradient."""
     with torch.no_grad():
         q = upcast(q)
-        first, second, has_key = block_summaries(k, block, pool, key_padding_mask)
-        first, second = repeat_heads(first, q.shape[1]), repeat_heads(second, q.shape[1])
-        if pool == "mean":
-            scores = torch.matmul(q, first.transpose(-1, -2))
-        else:
-            # max(q_d min_d, q_d max_d) picks max_d where q_d >= 0 and min_d where q_d < 0.
-            scores = torch.matmul(q.clamp_min(0), second.transpose(-1, -2)) + torch.matmul(
-                q.clamp_max(0), first.transpose(-1, -2)
-            )
-        return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))  # [B, Hq, N, nb]
+        return summary_scores(q.clamp_min(0), q.clamp_max(0), k, block, pool, key_padding_mask)
 
 
 def own_block(n_queries: int, n_keys: int, block: int, device: torch.device) -> Tensor:
@@ -182,13 +187,7 @@ def tile_block_scores(
     score of their pooled parts: mean, (sum q) . mean(k); minmax, sum_d (sum q+)_d max_d + (sum q-)_d min_d."""
     with torch.no_grad():
         pos, neg = pooled_tile_queries(q, tile, causal)
-        first, second, has_key = block_summaries(k, block, pool, key_padding_mask)
-        first, second = repeat_heads(first, q.shape[1]), repeat_heads(second, q.shape[1])  # [B, Hq, nb, D]
-        if pool == "mean":
-            scores = torch.matmul(pos + neg, first.transpose(-1, -2))
-        else:
-            scores = torch.matmul(pos, second.transpose(-1, -2)) + torch.matmul(neg, first.transpose(-1, -2))
-        return scores.masked_fill(~has_key[..., 0][:, :, None, :], float("-inf"))  # [B, Hq, T, nb]
+        return summary_scores(pos, neg, k, block, pool, key_padding_mask)  # [B, Hq, T, nb]
 
 
 @dataclass(frozen=True)

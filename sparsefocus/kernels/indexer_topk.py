@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels.topk_select import _ordered_bits
 
 CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
 TILE_OVERRIDES: dict = {}
@@ -84,9 +85,7 @@ def _row_keys(S_row, PAD_row, start, limit, HAS_PAD: tl.constexpr, BLOCK: tl.con
     if HAS_PAD:
         valid = valid & (tl.load(PAD_row + pos, mask=valid, other=0) != 0)
     score = tl.load(S_row + pos, mask=valid, other=0.0)
-    score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0
-    bits = score.to(tl.int32, bitcast=True)
-    return pos, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), valid
+    return pos, _ordered_bits(tl.where(score == 0.0, 0.0, score)), valid  # -0.0 ties with 0.0
 
 
 @triton.jit

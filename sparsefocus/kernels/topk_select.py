@@ -293,11 +293,16 @@ def _popcount(words):
 
 
 @triton.jit
+def _ordered_bits(score):
+    """int32 keys of fp32 scores in the scores' order (a negative float's magnitude bits flipped)."""
+    bits = score.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
 def _pack(score, index):
     """int64 keys ordered like (score, -index): high word order-preserving score bits."""
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return (ordered.to(tl.int64) << 32) + (0x7FFFFFFF - index).to(tl.int64)
+    return (_ordered_bits(score).to(tl.int64) << 32) + (0x7FFFFFFF - index).to(tl.int64)
 
 
 @triton.jit
@@ -436,8 +441,7 @@ def _ordered_tile(
 ):
     """(fp32 scores [BM, BN], int32 keys ordered like them, INT32_MIN where the key is not allowed)."""
     s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
-    bits = s.to(tl.int32, bitcast=True)
-    return s, tl.where(allowed, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), INT32_MIN)
+    return s, tl.where(allowed, _ordered_bits(s), INT32_MIN)
 
 
 @triton.jit

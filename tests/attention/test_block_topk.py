@@ -187,8 +187,8 @@ def test_full_blocks_summarise_as_the_masked_path(pool, dtype):
     from sparsefocus.attention.block_topk import block_summaries
 
     k = torch.randn(2, 3, 48, 5).to(dtype)
-    fast = block_summaries(k, 16, pool, None)
-    masked = block_summaries(k, 16, pool, torch.ones(2, 48, dtype=torch.bool))
+    fast = block_summaries(k, 16, pool, None, 3)
+    masked = block_summaries(k, 16, pool, torch.ones(2, 48, dtype=torch.bool), 3)
     for a, b in zip(fast, masked):
         assert a.dtype == b.dtype
         torch.testing.assert_close(a.expand_as(b), b, atol=1e-6, rtol=1e-6)
