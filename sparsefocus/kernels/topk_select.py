@@ -12,7 +12,8 @@ diagonal, the end of the keys or a padding mask pay for masks:
    one within 2^-16 of the range of the values. On random data about 1.15 kk keys score >= t.
 2. collect (key tiles of 32): the keys scoring >= t become one 32-bit mask per row and tile
    (compare, select, a row sum); non-empty masks are appended to a per-row list of
-   (word number, bits) with CAP = 2 * next_pow2(kk) entries.
+   (word number, bits) with CAP = 2 * next_pow2(kk) entries. On CUDA the append is an inline
+   PTX store in the reduction's own layout (``_store_where``).
 3. finish (BLOCK_M rows, few registers, many programs in flight to hide gather latency): each
    row expands its masks into at most CAP key positions, recomputes those scores in fp32 from q
    and the gathered keys, and keeps the kk best by kk rounds of row maxima over packed
@@ -215,6 +216,27 @@ def _bound_kernel(
 
 
 @triton.jit
+def _store_where(ptr, value, pred, ASM: tl.constexpr):
+    """Store int64 ``value`` [BM] at ``ptr`` [BM] where ``pred``, in the operands' own layout.
+
+    ASM=True (CUDA) stores through inline PTX: a ``tl.store`` of a row-reduced value makes the
+    compiler move value, pointer and mask into a store layout through shared memory, with
+    barriers, once per key tile. The quad of threads holding a row stores the same 8 bytes to
+    the same address. ASM=False is ``tl.store`` (the interpreter cannot run PTX)."""
+    if ASM:
+        tl.inline_asm_elementwise(
+            asm="{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.u32 $0, 0; }",
+            constraints="=r,l,l,r",
+            args=[ptr, value, pred.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.store(ptr, value, mask=pred)
+
+
+@triton.jit
 def _collect_tile(
     s,
     allowed,
@@ -227,6 +249,7 @@ def _collect_tile(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Append the tile's 32-key hit mask to each row's list when it is not empty; returns the list
     lengths. An entry is (word number << 32) | bits.
@@ -241,8 +264,8 @@ def _collect_tile(
         hit = hit & allowed
     word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]: distinct bits, so the sum is their OR
     word_no = tl.full([BLOCK_M], start // 32, tl.int64)
-    listed = (word != 0) & (nent < CAP) & row_ok
-    tl.store(ent + nent, (word_no << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64), mask=listed)
+    entry = (word_no << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64)
+    _store_where(ent + nent, entry, (word != 0) & (nent < CAP) & row_ok, ASM)
     return nent + (word != 0).to(tl.int32)
 
 
@@ -266,6 +289,7 @@ def _collect_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
@@ -275,10 +299,10 @@ def _collect_kernel(
     nent = tl.zeros([BLOCK_M], tl.int32)
     for start in range(0, unmasked_end, BLOCK_N):
         s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, PRECISION)
-        nent = _collect_tile(s, allowed, bound, start, nent, ent, row_ok, CAP, BLOCK_M, BLOCK_N, False)
+        nent = _collect_tile(s, allowed, bound, start, nent, ent, row_ok, CAP, BLOCK_M, BLOCK_N, False, ASM)
     for start in range(unmasked_end, hi, BLOCK_N):
         s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
-        nent = _collect_tile(s, allowed, bound, start, nent, ent, row_ok, CAP, BLOCK_M, BLOCK_N, True)
+        nent = _collect_tile(s, allowed, bound, start, nent, ent, row_ok, CAP, BLOCK_M, BLOCK_N, True, ASM)
     tl.store(NENT + row_offs, nent, mask=row_ok)
 
 
@@ -592,10 +616,11 @@ def _exact_kernel(
 def _tiles(q: Tensor, kk_pow2: int) -> dict:
     """Per-kernel launch tiles; the bound's column classes are widened to give a tight bound."""
     if q.is_cuda:
-        # the fastest of three tile choices per kernel on the H200 (N=16K, kk=32, causal; benchmarks/topk_probe.py)
+        # the fastest of three tile choices per kernel on the H200 (N=16K, kk=32, causal; benchmarks/topk_probe.py);
+        # collect: 64 rows with the PTX store (3.27 ms at N=16K against 3.40 with 128 rows)
         tiles = {
             "bound": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
-            "collect": dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3),
+            "collect": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
             "finish": dict(BLOCK_M=8, num_warps=2),
             "exact": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4),
         }  # rare rows: not tuned
@@ -634,7 +659,7 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     common = dict(D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)))
     masks = dict(CAUSAL=causal, HAS_PAD=key_padding_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
-    _collect_kernel[grid("collect")](q, k, pad, bound, nent, ent, *sizes, CAP=cap, **common, **masks, **tiles["collect"])
+    _collect_kernel[grid("collect")](q, k, pad, bound, nent, ent, *sizes, CAP=cap, ASM=q.is_cuda, **common, **masks, **tiles["collect"])
     _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
     _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
     return out, count
