@@ -659,7 +659,9 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     common = dict(D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)))
     masks = dict(CAUSAL=causal, HAS_PAD=key_padding_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
-    _collect_kernel[grid("collect")](q, k, pad, bound, nent, ent, *sizes, CAP=cap, ASM=q.is_cuda, **common, **masks, **tiles["collect"])
+    _collect_kernel[grid("collect")](
+        q, k, pad, bound, nent, ent, *sizes, CAP=cap, ASM=q.is_cuda, **common, **masks, **tiles["collect"]
+    )
     _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
     _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
     return out, count
