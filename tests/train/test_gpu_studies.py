@@ -50,3 +50,29 @@ def test_the_open_question_study_keeps_its_nine_mechanisms(studies, tmp_path):
     assert labels == ["FULL", "TOPK", "zeta", "moba", "quest", "nsa", "dsa", "lsh", "entmax"]
     assert not config.model.paper_mode and config.train.epochs == 200 and len(config.seeds) == 10
     assert config.train.concurrent_groups == 6 and config.train.autocast == "bf16"
+
+
+def test_the_compile_cache_travels_only_when_it_fits_beside_the_study(studies, tmp_path, monkeypatch):
+    work, out = tmp_path / "work", tmp_path / "out"
+    (work / "even_pairs").mkdir(parents=True)
+    (work / "even_pairs" / "metrics.jsonl").write_text("{}\n")
+    assert studies.pack_cache(work, out, []) == "none"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "unset")
+    monkeypatch.setenv("TRITON_CACHE_DIR", "unset")
+    cache = studies.use_compile_cache(work)
+    assert cache == work / studies.CACHE and (cache / "triton").is_dir()
+    assert studies.os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(cache)
+    (cache / "triton" / "kernel.cubin").write_bytes(random.Random(1).randbytes(20_000))
+    monkeypatch.setattr(studies, "PART_BYTES", 8_000)
+    parts = studies.pack(work, "even_pairs", out)
+    assert studies.pack_cache(work, out, parts).startswith("packed")
+    assert studies.unpack(out, studies.CACHE, tmp_path / "again")
+    assert (tmp_path / "again" / studies.CACHE / "triton" / "kernel.cubin").read_bytes() == (
+        cache / "triton" / "kernel.cubin"
+    ).read_bytes()
+    for limit, files in ((10_000, 8), (10**9, 4)):  # too many bytes; too many files
+        monkeypatch.setattr(studies, "MAX_BYTES_BACK", limit)
+        monkeypatch.setattr(studies, "MAX_FILES_BACK", files)
+        fresh = tmp_path / f"out-{limit}"
+        assert studies.pack_cache(work, fresh, studies.pack(work, "even_pairs", fresh)).startswith("left out")
+        assert not list(fresh.glob(f"{studies.CACHE}.tgz.part*"))
