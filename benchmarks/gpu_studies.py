@@ -19,6 +19,11 @@ of at most 16 MiB, 64 MiB together, the study first): a later call then loads th
 instead of compiling again (on the H200, the first compile of a small folded model took 22.8 s
 cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 
+``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
+long for one session can be trained a few groups or seeds at a time into the same folder
+(a run is its own mechanism and seed, so folders from parts resume under the whole grid), and
+reported whole by a last call without them, which finds every run finished.
+
 The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
 each in turn, each on its own CUDA stream). ``--check`` first trains a small even-pairs grid with
 dropout both one group at a time and concurrently and records how far the two differ
@@ -85,6 +90,25 @@ def study_config(
         *extra,
     ]
     return load_config(ROOT / "experiments" / STUDIES[study], overrides)
+
+
+def subset_overrides(config, mechanisms: list[str] | None, seeds: list[int] | None) -> tuple[str, ...]:
+    """Overrides that train only ``mechanisms`` and ``seeds`` of the study ``config`` (None: all).
+
+    Raises:
+        ValueError: a mechanism or seed the study does not have."""
+    overrides = []
+    if mechanisms:
+        unknown = [m for m in mechanisms if m not in config.mechanisms]
+        if unknown:
+            raise ValueError(f"not mechanisms of {config.name}: {', '.join(unknown)} (it has {', '.join(config.mechanisms)})")
+        overrides.append(f"mechanisms={json.dumps(mechanisms)}")
+    if seeds:
+        unknown_seeds = [str(s) for s in seeds if s not in config.seeds]
+        if unknown_seeds:
+            raise ValueError(f"not seeds of {config.name}: {', '.join(unknown_seeds)}")
+        overrides.append(f"seeds={json.dumps(seeds)}")
+    return tuple(overrides)
 
 
 def check_concurrent(out: Path, work: Path, compile_mode: str) -> dict:
@@ -193,8 +217,16 @@ def main() -> int:
     parser.add_argument(
         "--no-compile-cache", action="store_true", help="neither unpack nor return Inductor's and Triton's caches"
     )
+    parser.add_argument("--mechanism", action="append", help="train only this mechanism of the study (repeatable; default: all)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="train only these of the study's seeds (default: all)")
     args = parser.parse_args()
     out, work = Path(args.out), Path(args.work)
+    full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent)
+    try:
+        only = subset_overrides(full, args.mechanism, args.seeds)
+    except ValueError as error:
+        print(f"gpu_studies: error: {error}", file=sys.stderr)
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     cached = False
@@ -205,7 +237,7 @@ def main() -> int:
     if args.check:
         print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
-    config = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent)
+    config = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only)
     began = time.time()
     run_experiment(config, quiet=True, budget=budget)
     line, complete = progress_line(config)
@@ -220,6 +252,8 @@ def main() -> int:
         "seconds": round(time.time() - began, 1),
         "parts": [p.name for p in parts],
         "settings": {
+            "mechanisms": config.mechanisms,
+            "seeds": config.seeds,
             "precision": args.precision,
             "autocast": args.autocast,
             "compile": args.compile,

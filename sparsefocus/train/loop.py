@@ -49,6 +49,8 @@ RESUME_FREE_KEYS = (
     "train.checkpoint_every",
     "train.compile",
     "train.task_cache",
+    "mechanisms",  # the grid's lists: a run is its own mechanism and seed (recorded apart), so a
+    "seeds",  # study can be trained a few groups or seeds at a time and reported whole
 )
 
 

@@ -232,6 +232,28 @@ def test_keys_that_do_not_change_results_may_change_between_calls(key, value, tm
         check_run_folder(RunSpec(tmp_path / "exp/default/FULL/seed-1", other, "default", "FULL", 1))
 
 
+def test_a_study_trained_in_parts_resumes_under_the_whole_grid(tmp_path):
+    """A run folder made by a config listing fewer mechanisms and seeds is the same run under the
+    whole grid: it is finished there, and only the other runs train."""
+    from sparsefocus.train.loop import check_run_folder
+
+    run_experiment(tiny(tmp_path, "mechanisms=[FULL]", "seeds=[1]", "train.epochs=1"), quiet=True)
+    whole = tiny(tmp_path, 'mechanisms=[FULL, "TOPK:3"]', "seeds=[1, 2]", "train.epochs=1")
+    first = tmp_path / "exp/default/FULL/seed-1"
+    assert check_run_folder(RunSpec(first, whole, "default", "FULL", 1)) == ("done", 1)
+    before = (first / "metrics.jsonl").read_text()
+    run_experiment(whole, quiet=True)
+    assert (first / "metrics.jsonl").read_text() == before
+    assert sorted(
+        p.parent.relative_to(tmp_path / "exp").as_posix() for p in (tmp_path / "exp").glob("*/*/seed-*/metrics.jsonl")
+    ) == [
+        "default/FULL/seed-1",
+        "default/FULL/seed-2",
+        "default/TOPK-3/seed-1",
+        "default/TOPK-3/seed-2",
+    ]
+
+
 def test_training_adds_the_dsa_indexer_loss(tmp_path):
     """DSA's indexer is reached only through its auxiliary loss (the selection has no gradient):
     the training loop adds it, so the indexer weights move; the logged loss is the task's."""

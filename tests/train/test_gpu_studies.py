@@ -76,3 +76,20 @@ def test_the_compile_cache_travels_only_when_it_fits_beside_the_study(studies, t
         fresh = tmp_path / f"out-{limit}"
         assert studies.pack_cache(work, fresh, studies.pack(work, "even_pairs", fresh)).startswith("left out")
         assert not list(fresh.glob(f"{studies.CACHE}.tgz.part*"))
+
+
+def test_a_call_may_train_some_mechanisms_and_seeds_of_the_study(studies, tmp_path, monkeypatch, capsys):
+    whole = studies.study_config("listops_fig1a", tmp_path, "high", "bf16", "step-graph")
+    only = studies.subset_overrides(whole, ["FULL", "BAND:5(1)"], whole.seeds[:5])
+    part = studies.study_config("listops_fig1a", tmp_path, "high", "bf16", "step-graph", 6, only)
+    assert part.mechanisms == ["FULL", "BAND:5(1)"] and part.seeds == whole.seeds[:5]
+    assert studies.subset_overrides(whole, None, None) == ()
+    with pytest.raises(ValueError, match="not mechanisms of listops_fig1a: TOPK:9"):
+        studies.subset_overrides(whole, ["TOPK:9"], None)
+    with pytest.raises(ValueError, match="not seeds of listops_fig1a: 7"):
+        studies.subset_overrides(whole, None, [7])
+    argv = ["gpu_studies.py", "--study", "listops_fig1a", "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")]
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--mechanism", "TOPK:9"])
+    assert studies.main() == 2
+    assert "not mechanisms of listops_fig1a: TOPK:9" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()  # refused before anything was written
