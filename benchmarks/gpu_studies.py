@@ -22,7 +22,10 @@ cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 ``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
 long for one session can be trained a few groups or seeds at a time into the same folder
 (a run is its own mechanism and seed, so folders from parts resume under the whole grid), and
-reported whole by a last call without them, which finds every run finished.
+reported whole by a last call without them, which finds every run finished. ``--slim`` keeps
+only the metrics of finished runs (not the paper's analysis seed, which ``sparsefocus analyze
+--seed paper`` reads), so that what a call returns, and what is kept between sittings, is the
+unfinished runs' checkpoints and a few kilobytes per finished run.
 
 The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
 each in turn, each on its own CUDA stream). ``--check`` first trains a small even-pairs grid with
@@ -50,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import PAPER_SEEDS, load_config
 from sparsefocus.train.driver import Budget
-from sparsefocus.train.experiment import progress_line, run_experiment
+from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
+from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE_1 = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
@@ -219,6 +223,11 @@ def main() -> int:
     )
     parser.add_argument("--mechanism", action="append", help="train only this mechanism of the study (repeatable; default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", help="train only these of the study's seeds (default: all)")
+    parser.add_argument(
+        "--slim",
+        action="store_true",
+        help="keep only the metrics of finished runs, except the paper's analysis seed (smaller parts to carry)",
+    )
     args = parser.parse_args()
     out, work = Path(args.out), Path(args.work)
     full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent)
@@ -241,12 +250,14 @@ def main() -> int:
     began = time.time()
     run_experiment(config, quiet=True, budget=budget)
     line, complete = progress_line(config)
+    slimmed = slim_finished_runs(work / args.study, keep_seeds=(PAPER_ANALYSIS_SEED,)) if args.slim else []
     parts = pack(work, args.study, out)
     cache = "off" if args.no_compile_cache else pack_cache(work, out, parts)
     record = {
         "study": args.study,
         "resumed": resumed,
         "compile_cache": {"found": cached, "returned": cache},
+        "slimmed_checkpoints": len(slimmed),
         "progress": line,
         "complete": complete,
         "seconds": round(time.time() - began, 1),

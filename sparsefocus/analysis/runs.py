@@ -16,7 +16,7 @@ from torch import nn
 
 from sparsefocus.models import mechanism_label
 from sparsefocus.tasks.base import TaskData
-from sparsefocus.train.checkpoint import load_checkpoint
+from sparsefocus.train.checkpoint import checkpoint_weights, load_checkpoint
 from sparsefocus.train.config import from_dict, make_task_config
 from sparsefocus.train.loop import build_model
 
@@ -73,7 +73,8 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     seed = int(record["seed"])
     data = make_task_config(config.task).build(seed)
     model = build_model(config.model, record["mechanism"], data)
-    model.load_state_dict(load_checkpoint(run_dir / "checkpoint.pt")["model"])
+    path = run_dir / "checkpoint.pt"
+    model.load_state_dict(checkpoint_weights(load_checkpoint(path), path))
     model.eval()
     label = str(record.get("label") or mechanism_label(record["mechanism"]))
     return LoadedRun(run_dir, label, seed, str(record.get("setting", "default")), record["mechanism"], model, data, record)

@@ -52,8 +52,32 @@ def load_checkpoint(path: "str | Path") -> dict[str, Any]:
         raise CheckpointError(
             f"corrupt checkpoint {path} ({type(error).__name__}: {error}); delete {path.parent} to train this run from scratch"
         ) from None
-    if not isinstance(state, dict) or "epoch" not in state or "model" not in state:
+    slim = isinstance(state, dict) and state.get("slim") is True and state.get("finished") is True
+    if not isinstance(state, dict) or "epoch" not in state or ("model" not in state and not slim):
         raise CheckpointError(
             f"corrupt checkpoint {path}: not a sparsefocus training checkpoint; delete {path.parent} to retrain"
         )
     return state
+
+
+def slim_checkpoint(path: "str | Path") -> bool:
+    """Rewrite a finished run's checkpoint with its epoch and metrics only (no weights, optimiser
+    or generator states: a finished run never resumes), atomically. About a kilobyte instead of
+    the model's size, so a study's finished runs can be kept and carried cheaply. Returns whether
+    the file was rewritten (False: the run is unfinished or already slim)."""
+    state = load_checkpoint(path)
+    if not state.get("finished") or state.get("slim"):
+        return False
+    save_checkpoint(path, {"epoch": state["epoch"], "finished": True, "metrics": state["metrics"], "slim": True})
+    return True
+
+
+def checkpoint_weights(state: dict[str, Any], path: "str | Path") -> dict[str, Any]:
+    """The model weights of a loaded checkpoint.
+
+    Raises:
+        CheckpointError: the checkpoint was slimmed (``slim_checkpoint``) and holds none.
+    """
+    if state.get("slim"):
+        raise CheckpointError(f"{path} holds a finished run's metrics only (slimmed): its weights were not kept")
+    return state["model"]

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from sparsefocus.models.blocks import is_softmax_over_kept_keys
 from sparsefocus.models.config import block_patterns, mechanism_label
-from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
+from sparsefocus.train.checkpoint import CheckpointError, slim_checkpoint, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, expand_settings, make_task_config, to_yaml
 from sparsefocus.train.driver import Budget, check_batched, group_specs, train_group, train_groups_together
 from sparsefocus.train.loop import RunSpec, check_run_folder, resolve_device, train_run
@@ -293,3 +293,18 @@ def progress_line(config: ExperimentConfig) -> tuple[str, bool]:
     complete = finished == len(specs)
     tail = "all finished" if complete else "unfinished: run the same command again to continue"
     return f"{config.name}: {finished}/{len(specs)} runs finished, {epochs}/{total} epochs; {tail}", complete
+
+
+def slim_finished_runs(root: str | Path, keep_seeds: tuple[int, ...] = ()) -> list[Path]:
+    """Slim the checkpoints of the finished runs under the experiment folder ``root`` (metrics
+    only, ``slim_checkpoint``), except the runs of ``keep_seeds`` (for example the seed that
+    ``sparsefocus analyze`` reads). They still count as finished, so the experiment resumes past
+    them and reports them; analysing them needs their weights and is refused. Returns the
+    checkpoints rewritten."""
+    slimmed = []
+    for path in sorted(Path(root).glob("*/*/seed-*/checkpoint.pt")):
+        if int(path.parent.name.removeprefix("seed-")) in keep_seeds:
+            continue
+        if slim_checkpoint(path):
+            slimmed.append(path)
+    return slimmed

@@ -270,3 +270,43 @@ def test_training_adds_the_dsa_indexer_loss(tmp_path):
     after = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["model"]
     initial = dict(before.named_parameters())
     assert all(not torch.equal(after[n], initial[n].detach()) for n in names)
+
+
+def test_slimmed_finished_runs_count_as_finished_and_refuse_analysis(tmp_path):
+    """Slimming keeps a finished run's metrics and its 'finished' state in a small checkpoint:
+    the experiment resumes past it and reports it; loading its weights is refused by name;
+    unfinished runs and the kept seeds are left whole."""
+    from sparsefocus.analysis.runs import load_run
+    from sparsefocus.train.checkpoint import CheckpointError, load_checkpoint
+    from sparsefocus.train.experiment import slim_finished_runs
+    from sparsefocus.train.report import write_report
+
+    config = tiny(tmp_path, "mechanisms=[FULL]", "seeds=[1, 2]", "train.epochs=2")
+    root = run_experiment(config, quiet=True)
+    runs = {seed: root / "default/FULL" / f"seed-{seed}" for seed in (1, 2)}
+    before = {seed: (run / "metrics.jsonl").read_text() for seed, run in runs.items()}
+    size = (runs[1] / "checkpoint.pt").stat().st_size
+    assert slim_finished_runs(root, keep_seeds=(2,)) == [runs[1] / "checkpoint.pt"]
+    assert slim_finished_runs(root) == [runs[2] / "checkpoint.pt"]
+    assert slim_finished_runs(root) == []  # already slim
+    assert (runs[1] / "checkpoint.pt").stat().st_size < size / 4
+    state = load_checkpoint(runs[1] / "checkpoint.pt")
+    assert state["finished"] and state["epoch"] == 2 and len(state["metrics"]) == 2
+    run_experiment(config, quiet=True)  # nothing left to train
+    assert {seed: (run / "metrics.jsonl").read_text() for seed, run in runs.items()} == before
+    report, _ = write_report(root)
+    assert "Left out" not in report.read_text()
+    with pytest.raises(CheckpointError, match="metrics only"):
+        load_run(runs[1])
+
+
+def test_unfinished_runs_are_not_slimmed(tmp_path):
+    from sparsefocus.train.checkpoint import save_checkpoint
+    from sparsefocus.train.experiment import slim_finished_runs
+
+    root = run_experiment(tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1"), quiet=True)
+    path = root / "default/FULL/seed-1/checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    save_checkpoint(path, {**state, "finished": False})
+    assert slim_finished_runs(root) == []
+    assert "model" in torch.load(path, weights_only=True)
