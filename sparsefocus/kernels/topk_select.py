@@ -219,7 +219,7 @@ def _bound_kernel(
 def _store_where(ptr, value, pred, ASM: tl.constexpr):
     """Store int64 ``value`` [BM] at ``ptr`` [BM] where ``pred``, in the operands' own layout.
 
-    ASM=True (CUDA) stores through inline PTX: a ``tl.store`` of a row-reduced value makes the
+    ASM=True (NVIDIA CUDA) stores through inline PTX: a ``tl.store`` of a row-reduced value makes the
     compiler move value, pointer and mask into a store layout through shared memory, with
     barriers, once per key tile. The quad of threads holding a row stores the same 8 bytes to
     the same address. ASM=False is ``tl.store`` (the interpreter cannot run PTX)."""
@@ -660,7 +660,18 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     masks = dict(CAUSAL=causal, HAS_PAD=key_padding_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
     _collect_kernel[grid("collect")](
-        q, k, pad, bound, nent, ent, *sizes, CAP=cap, ASM=q.is_cuda, **common, **masks, **tiles["collect"]
+        q,
+        k,
+        pad,
+        bound,
+        nent,
+        ent,
+        *sizes,
+        CAP=cap,
+        ASM=q.is_cuda and torch.version.hip is None,
+        **common,
+        **masks,
+        **tiles["collect"],
     )
     _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
     _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
