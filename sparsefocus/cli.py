@@ -1,4 +1,4 @@
-"""The ``sparsefocus`` command: demo, train, report, bench, analyze, patterns, corpus, list.
+"""The ``sparsefocus`` command: demo, train, report, fidelity, bench, analyze, patterns, corpus, list.
 
 Each subcommand hands its remaining arguments to the ``main(argv)`` of the module that owns it,
 imported only when used, so the core never imports ``analysis`` or ``bench``.
@@ -13,6 +13,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("sparsefocus.train.demo", "train FULL, TOPK:5, BAND:5(1), BLOC:5(1) over seeds on a small task and report"),
     "train": ("sparsefocus.train.commands", "train an experiment: sparsefocus train CONFIG [key=value ...]"),
     "report": ("sparsefocus.train.report", "write the curves and the table of a run folder: sparsefocus report RUN_DIR"),
+    "fidelity": (
+        "sparsefocus.train.fidelity",
+        "do CHOSEN's curves stay within REFERENCE's seed spread: sparsefocus fidelity REFERENCE CHOSEN",
+    ),
     "bench": (
         "sparsefocus.bench.run",
         "time patterns against the fastest SDPA backend and Flex; --model: a Decoder training step",
