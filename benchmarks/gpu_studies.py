@@ -25,7 +25,7 @@ long for one session can be trained a few groups or seeds at a time into the sam
 reported whole by a last call without them, which finds every run finished. ``--slim`` keeps
 only the metrics of finished runs (not the paper's analysis seed, which ``sparsefocus analyze
 --seed paper`` reads), so that what a call returns, and what is kept between sittings, is the
-unfinished runs' checkpoints and a few kilobytes per finished run.
+unfinished runs' checkpoints and about 16 KB per finished run.
 
 The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
 each in turn, each on its own CUDA stream). ``--check`` first trains a small even-pairs grid with

@@ -62,9 +62,9 @@ def load_checkpoint(path: "str | Path") -> dict[str, Any]:
 
 def slim_checkpoint(path: "str | Path") -> bool:
     """Rewrite a finished run's checkpoint with its epoch and metrics only (no weights, optimiser
-    or generator states: a finished run never resumes), atomically. About a kilobyte instead of
-    the model's size, so a study's finished runs can be kept and carried cheaply. Returns whether
-    the file was rewritten (False: the run is unfinished or already slim)."""
+    or generator states: a finished run never resumes), atomically: about 16 KB for 200 epochs of
+    metrics instead of the model's size, so a study's finished runs can be kept and carried
+    cheaply. Returns whether the file was rewritten (False: the run is unfinished or already slim)."""
     state = load_checkpoint(path)
     if not state.get("finished") or state.get("slim"):
         return False
