@@ -180,7 +180,7 @@ def throughput(
     extra: list[str],
     steps: int,
     compile_mode: str,
-    mechanisms: tuple[str, ...] = ("FULL", "TOPK:5"),
+    mechanisms: tuple[str, ...],
 ) -> dict:
     """ms per training step and seconds per whole evaluation, 10 seeds folded, per mechanism."""
     results = {}

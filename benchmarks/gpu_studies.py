@@ -50,10 +50,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import PAPER_SEEDS, load_config
 from sparsefocus.train.driver import Budget
-from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,19 +28,19 @@ from sparsefocus.train.report import load_runs
 METRICS = ("train_loss", "valid_acc")
 
 
-def seed_curves(root: Path, metric: str) -> dict[tuple[str, str], dict[int, list[float]]]:
-    """(setting, mechanism label) -> seed -> the run's per-epoch ``metric`` (as far as it got)."""
+def seed_curves(runs: list[dict[str, Any]], metric: str) -> dict[tuple[str, str], dict[int, list[float]]]:
+    """(setting, mechanism label) -> seed -> the run's per-epoch ``metric`` (as far as it got), from
+    ``load_runs`` records."""
     out: dict[tuple[str, str], dict[int, list[float]]] = {}
-    for run in load_runs(root):
+    for run in runs:
         values = [line[metric] for line in run["metrics"] if metric in line]
         if values:
             out.setdefault((run["setting"], run["label"]), {})[int(run["seed"])] = values
     return out
 
 
-def _inside(median: np.ndarray, band: np.ndarray) -> np.ndarray:
-    """[E] True where median [E] lies in [min, max] of band [S, E]."""
-    return (median >= band.min(axis=0)) & (median <= band.max(axis=0))
+def _rounded(values: np.ndarray) -> list[float]:
+    return [round(float(x), 6) for x in values]
 
 
 def compare_group(reference: dict[int, list[float]], chosen: dict[int, list[float]]) -> dict[str, Any]:
@@ -56,25 +56,26 @@ def compare_group(reference: dict[int, list[float]], chosen: dict[int, list[floa
         raise ValueError("no epoch in common")
     ref = np.array([v[:epochs] for _, v in sorted(reference.items())])  # [S_ref, E]
     cho = np.array([v[:epochs] for _, v in sorted(chosen.items())])  # [S_chosen, E]
+    ref_low, ref_high, cho_low, cho_high = ref.min(axis=0), ref.max(axis=0), cho.min(axis=0), cho.max(axis=0)
     ref_median, cho_median = np.median(ref, axis=0), np.median(cho, axis=0)
-    inside = _inside(cho_median, ref)
-    below, above = ref.min(axis=0) - cho_median, cho_median - ref.max(axis=0)
-    excess = np.maximum(np.maximum(below, above), 0.0)  # how far outside the reference range
+    inside = (cho_median >= ref_low) & (cho_median <= ref_high)
+    reverse = (ref_median >= cho_low) & (ref_median <= cho_high)
+    excess = np.maximum(np.maximum(ref_low - cho_median, cho_median - ref_high), 0.0)  # how far outside the reference range
     worst = int(np.argmax(excess))
     return {
         "epochs": epochs,
         "reference_seeds": sorted(reference),
         "chosen_seeds": sorted(chosen),
         "inside": round(float(inside.mean()), 4),
-        "reverse_inside": round(float(_inside(ref_median, cho).mean()) if len(chosen) > 1 else float("nan"), 4),
+        "reverse_inside": round(float(reverse.mean()) if len(chosen) > 1 else float("nan"), 4),
         "worst_excess": round(float(excess[worst]), 6),
         "worst_epoch": worst + 1 if excess[worst] > 0 else None,
-        "mean_reference_range": round(float((ref.max(axis=0) - ref.min(axis=0)).mean()), 6),
+        "mean_reference_range": round(float((ref_high - ref_low).mean()), 6),
         "epochs_outside": [int(e) + 1 for e in np.nonzero(~inside)[0][:20]],
-        "reference_median": [round(float(x), 6) for x in ref_median],
-        "chosen_median": [round(float(x), 6) for x in cho_median],
-        "reference_range": [[round(float(x), 6) for x in ref.min(axis=0)], [round(float(x), 6) for x in ref.max(axis=0)]],
-        "chosen_range": [[round(float(x), 6) for x in cho.min(axis=0)], [round(float(x), 6) for x in cho.max(axis=0)]],
+        "reference_median": _rounded(ref_median),
+        "chosen_median": _rounded(cho_median),
+        "reference_range": [_rounded(ref_low), _rounded(ref_high)],
+        "chosen_range": [_rounded(cho_low), _rounded(cho_high)],
     }
 
 
@@ -86,8 +87,9 @@ def compare_experiments(reference: Path, chosen: Path, metrics: tuple[str, ...] 
         ValueError: the experiments share no group with a metric.
     """
     groups: dict[str, Any] = {}
+    ref_runs, cho_runs = load_runs(reference), load_runs(chosen)  # each folder read once
     for metric in metrics:
-        ref_curves, cho_curves = seed_curves(reference, metric), seed_curves(chosen, metric)
+        ref_curves, cho_curves = seed_curves(ref_runs, metric), seed_curves(cho_runs, metric)
         for key in sorted(set(ref_curves) & set(cho_curves)):
             groups["/".join((*key, metric))] = compare_group(ref_curves[key], cho_curves[key])
     if not groups:
