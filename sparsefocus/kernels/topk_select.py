@@ -27,9 +27,11 @@ diagonal, the end of the keys or a padding mask pay for masks:
    rows are found and redone on the device, so the selection is capturable in a CUDA graph.
 
 Short rows (M <= ``SHORT_MAX_M`` keys, kk <= ``SHORT_MAX_K``) take one launch instead: a program
-scores BLOCK_M query rows against all M keys at once (one [BLOCK_M, next_pow2(M)] ``tl.dot``
-tile held in registers) and keeps the kk best by kk rounds of row maxima, ties to the smaller
-position. The sweeps above pay off only when a row of scores no longer fits in registers.
+sweeps the keys once with [BLOCK_M, BLOCK_N] score tiles and keeps each row's kk best (score,
+position) entries in registers; each tile is merged by rounds of row maxima that replace a row's
+worst kept entry while they beat it, so after the first tiles a round is only paid while some
+row of the tile still has a better key. The bound and collect sweeps above read every score
+twice; they pay off where a row's candidates no longer fit a few rounds per tile.
 
 ``topk_select`` is the custom op ``sparsefocus::topk_select`` (fixed output shape, no gradient):
 torch.compile treats it as one opaque call and never traces or recompiles the kernels.
@@ -63,7 +65,7 @@ INT32_MAX = tl.constexpr(2**31 - 1)
 INT64_MIN = tl.constexpr(-(2**63))
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"bound" | "collect" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
-"short": {BLOCK_M, BLOCK_DC, num_warps}} replacing the launcher's choice for that kernel."""
+"short": {BLOCK_M, BLOCK_N, num_warps}} replacing the launcher's choice for that kernel."""
 
 
 @triton.jit
@@ -407,6 +409,34 @@ def _store_ranked(packed, OUT, row_offs, store_ok, KK: tl.constexpr):
 
 
 @triton.jit
+def _worst_kept(best_s, best_p):
+    """Each row's worst kept entry [BM]: the smallest value, ties to the larger position."""
+    worst = tl.min(best_s, axis=1)
+    return worst, tl.max(tl.where(best_s == worst[:, None], best_p, -1), axis=1)
+
+
+@triton.jit
+def _merge_tile(best_s, best_p, s, cols):
+    """Merge a score tile [BM, BN] (keys ``cols``, after every key already kept) into each row's
+    kept entries [BM, KKP]: rounds of the tile's row maxima (ties to the smaller position), each
+    replacing the row's worst entry while it beats it, until no row has a better score left.
+    A round inserts at most one key per row, and a row stops after KK insertions per tile at the
+    latest (the tile's maxima come out in descending order). A tile key equal to the worst kept
+    score loses: every kept key has a smaller position (earlier tile, or earlier in this one)."""
+    worst, worst_p = _worst_kept(best_s, best_p)
+    top = tl.max(s, axis=1)
+    while tl.max((top > worst).to(tl.int32), axis=0) > 0:
+        position = tl.min(tl.where(s == top[:, None], cols[None, :], INT32_MAX), axis=1)
+        slot = (best_s == worst[:, None]) & (best_p == worst_p[:, None]) & (top > worst)[:, None]
+        best_s = tl.where(slot, top[:, None], best_s)
+        best_p = tl.where(slot, position[:, None], best_p)
+        s = tl.where(cols[None, :] == position[:, None], float("-inf"), s)
+        worst, worst_p = _worst_kept(best_s, best_p)
+        top = tl.max(s, axis=1)
+    return best_s, best_p
+
+
+@triton.jit
 def _short_kernel(
     Q,
     K,
@@ -418,34 +448,37 @@ def _short_kernel(
     GROUP,
     D: tl.constexpr,
     KK: tl.constexpr,
+    KKP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_DC: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Rows of at most BLOCK_N keys: scores [BM, BN] of every key at once, then KK rounds of row
-    maxima (the smallest position among equal maxima), -1 once a row has no allowed key left.
-
-    The scores are summed over slices of BLOCK_DC dimensions: a whole [BN, BD] fp32 key tile
-    (256 KiB at BN=1024, D=64) does not fit in shared memory, a [BN, BLOCK_DC] slice does."""
-    rows, row_offs, k_ptr, pad_ptr = _row_pointers(K, PAD, N, M, HQ, GROUP, D, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for d0 in tl.static_range(0, BLOCK_D, BLOCK_DC):
-        offs_d = d0 + tl.arange(0, BLOCK_DC)
-        q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=(rows[:, None] < N) & (offs_d[None, :] < D), other=0.0)
-        k = tl.load(k_ptr + cols[:, None] * D + offs_d[None, :], mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0)
-        s += tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BM, BN]
-    s = tl.where(_allowed_tile(cols, rows, M, pad_ptr, CAUSAL, HAS_PAD), s, float("-inf"))
+    """Rows of few keys in one sweep: each row keeps its KK best (score, position) entries in
+    registers ([BM, KKP], KKP = next_pow2(KK); the padding slots hold +inf and are never the
+    worst) and merges every [BM, BN] score tile into them (``_merge_tile``); then KK rounds of
+    row maxima write them best first, -1 for slots a row could not fill. Only the tiles that
+    touch the causal diagonal, the end of the keys or a padding mask pay for masks."""
+    rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
+    unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
+    slots = tl.arange(0, KKP)[None, :]  # [1, KKP]
+    best_s = tl.where(slots < KK, float("-inf"), float("inf")) + tl.zeros([BLOCK_M, KKP], tl.float32)
+    best_p = (INT32_MAX - slots) + tl.zeros([BLOCK_M, KKP], tl.int32)  # distinct: the worst is unique
+    for start in range(0, unmasked_end, BLOCK_N):
+        s, _ = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, PRECISION)
+        best_s, best_p = _merge_tile(best_s, best_p, s, start + tl.arange(0, BLOCK_N))
+    for start in range(unmasked_end, hi, BLOCK_N):
+        s, _ = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
+        best_s, best_p = _merge_tile(best_s, best_p, s, start + tl.arange(0, BLOCK_N))
+    best_s = tl.where(slots < KK, best_s, float("-inf"))
     row_ok = rows < N
     for rank in tl.static_range(KK):
-        top = tl.max(s, axis=1)  # [BM]
-        position = tl.min(tl.where(s == top[:, None], cols[None, :], BLOCK_N), axis=1)
+        top = tl.max(best_s, axis=1)  # [BM]
+        position = tl.min(tl.where(best_s == top[:, None], best_p, INT32_MAX), axis=1)
         tl.store(OUT + row_offs * KK + rank, tl.where(top == float("-inf"), -1, position), mask=row_ok)
-        s = tl.where(cols[None, :] == position[:, None], float("-inf"), s)
+        best_s = tl.where(best_p == position[:, None], float("-inf"), best_s)
 
 
 @triton.jit
@@ -678,36 +711,24 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     return out, count
 
 
-def _short_tiles(q: Tensor, block_n: int, masked: bool) -> dict:
-    """Tiles of the short kernel: BLOCK_M rows, key slices of BLOCK_DC dimensions, warps.
+def _short_tiles(q: Tensor) -> dict:
+    """Tiles of the short kernel: BLOCK_M rows, key tiles of BLOCK_N, warps.
 
-    On the H200 (250 and 5000 rows of 600 keys, kk=5, bf16, no causal cut or padding) 32 rows
-    with whole-D slices and 8 warps took 0.46 / 9.0 ms, 16 rows with 16-dim slices 0.72 / 14.6 ms,
-    and 64 rows ran out of registers. Those tiles are used where they were measured: 16-bit
-    inputs without a mask (``masked``: causal or padded rows carry a [BM, BN] mask too), with the
-    [BLOCK_N, BLOCK_DC] key slice as wide as shared memory allows (the device's opt-in limit less
-    32 KiB for the query tile and the reductions). Everything else keeps 16 rows and 16-dim slices."""
-    if not q.is_cuda:  # interpreter: small tiles cross several row tiles at test sizes
-        return dict(BLOCK_M=16, BLOCK_DC=16)
-    warps = 4 if block_n <= 256 else 8
-    if masked or q.element_size() != 2:
-        return dict(BLOCK_M=16, BLOCK_DC=16, num_warps=warps)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    room = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"] - 32 * 1024
-    block_dc = max(16, triton.next_power_of_2(q.shape[-1]))
-    while block_dc > 16 and block_n * block_dc * q.element_size() > room:
-        block_dc //= 2
-    return dict(BLOCK_M=32, BLOCK_DC=block_dc, num_warps=warps)
+    On the H200 (bf16, D=64; 27 tiles of 16-64 rows, 32-128 keys and 2-8 warps), 64 x 128 with
+    4 warps was fastest or within 12% of the fastest at 250 and 5000 rows of 600 keys with kk=5
+    (0.31 and 5.31 ms), causal rows of 600 (0.26) and rows of 1024 keys with kk=32 (0.75 causal,
+    1.02 not). The interpreter takes 16 x 16 so that test sizes cross tiles."""
+    if not q.is_cuda:
+        return dict(BLOCK_M=16, BLOCK_N=16)
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 
 
 def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
-    """The one-launch selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32."""
+    """The one-sweep selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32."""
     batch, q_heads, n_queries, dim = q.shape
-    n_keys = k.shape[2]
     out = torch.empty(batch, q_heads, n_queries, kk, dtype=torch.int32, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
-    block_n = max(16, triton.next_power_of_2(n_keys))
-    tiles = _short_tiles(q, block_n, causal or key_padding_mask is not None) | TILE_OVERRIDES.get("short", {})
+    tiles = _short_tiles(q) | TILE_OVERRIDES.get("short", {})
     grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
     _short_kernel[grid](
         q,
@@ -715,12 +736,12 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
         pad,
         out,
         n_queries,
-        n_keys,
+        k.shape[2],
         q_heads,
         q_heads // k.shape[1],
         D=dim,
         KK=kk,
-        BLOCK_N=block_n,
+        KKP=triton.next_power_of_2(kk),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         CAUSAL=causal,
         HAS_PAD=key_padding_mask is not None,

@@ -105,3 +105,18 @@ def test_16_bit_rows_select_the_largest_fp32_scores(n, m, causal, padded, launch
     torch.testing.assert_close(chosen, best, atol=1e-4, rtol=1e-5)
     listed = got.masked_fill(got < 0, m).sort(dim=-1).values  # -1 slots last
     assert ((listed.diff(dim=-1) > 0) | (listed[..., 1:] == m)).all()  # distinct keys
+
+
+@pytest.mark.parametrize("kk", [3, 5, 32])
+def test_short_rows_merge_tiles_that_keep_improving_and_repeat(kk, launches):
+    """Scores rising with the position (every key tile displaces all kept keys) and a pattern
+    repeated in every key tile (each tile ties the kept scores, so the earlier keys must stay):
+    both the worst-entry replacement and the tie rule across tiles of the one-sweep merge."""
+    m = 70
+    q = torch.ones(1, 1, 9, 2, device=DEVICE)
+    rising = torch.stack([torch.arange(m, device=DEVICE) / m, torch.zeros(m, device=DEVICE)], -1)[None, None]
+    repeated = torch.stack([(torch.arange(m, device=DEVICE) % 7).float(), torch.zeros(m, device=DEVICE)], -1)[None, None]
+    for k in (rising, repeated, -rising):
+        got = topk_select(q, k, kk)
+        assert torch.equal(got, topk_select_torch(q, k, kk))
+    assert launches == ["_launch_short"] * 3
