@@ -117,6 +117,7 @@ def indexed_attention_ref(
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
+    slot_weight: Tensor | None = None,
 ) -> Tensor:
     """Attention of each query over an explicit list of keys (the slow twin of the Triton kernel).
 
@@ -135,6 +136,10 @@ def indexed_attention_ref(
         sink_key: optional [Hq, D] attention sink, Cauchy only: one more slot in every row with
             this key (per query head) and value 0, so it only adds its weight to the normaliser
             (ZETA's ``sink=1``). Default: none.
+        slot_weight: optional [B, Hq, N, K] factor on each listed slot's normalised weight, applied
+            after normalisation and outside the normaliser (attention dropout: the kept slots'
+            ``1 / (1 - p)``, 0 for dropped ones); the extra slot and the sink keep their weights.
+            A constant: it receives no gradient. Default: none.
     Returns:
         [B, Hq, N, Dv] in fp32; rows with no valid key are zero.
     """
@@ -156,7 +161,20 @@ def indexed_attention_ref(
         weights = cauchy_weights(raw, valid, gamma, q.shape[1])
     else:
         weights = masked_softmax(raw, valid)
+    if slot_weight is not None:
+        check_slot_weight(q, index, slot_weight)
+        listed = index.shape[-1]  # the extra slot and the sink, if any, come after the listed ones
+        factor = torch.ones_like(weights)
+        factor[..., :listed] = upcast(slot_weight.detach())
+        weights = weights * factor
     return torch.einsum("bhnk,bhnkd->bhnd", weights, values)
+
+
+def check_slot_weight(q: Tensor, index: Tensor, slot_weight: Tensor) -> None:
+    """A slot weight is [B, Hq, N, K]: one factor per query row and listed slot (ValueError otherwise)."""
+    want = (*q.shape[:3], index.shape[-1])
+    if tuple(slot_weight.shape) != want:
+        raise ValueError(f"slot_weight must be [B, Hq, N, K] = {list(want)}, got {list(slot_weight.shape)}")
 
 
 def check_sink_key(q: Tensor, sink_key: Tensor | None, score: str) -> None:

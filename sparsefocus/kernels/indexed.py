@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, indexed_attention_ref
+from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, check_slot_weight, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name
 from sparsefocus.kernels.scan import mean_scales, scaled_scan
@@ -68,8 +68,10 @@ def _slot_weights(q, kt, idx, gamma_sq, scale, SCORE: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(m_i, l_i, acc, s, vt, SCORE: tl.constexpr):
-    """Online-softmax (or Cauchy sum) update of (max, sum, acc) with weights s [BM, BK], values vt [BM, BK, BDV]."""
+def _accumulate(m_i, l_i, acc, s, vt, a, SCORE: tl.constexpr, HAS_SW: tl.constexpr):
+    """Online-softmax (or Cauchy sum) update of (max, sum, acc) with weights s [BM, BK], values vt
+    [BM, BK, BDV]; with HAS_SW the values are weighted by p * a (a [BM, BK], the slot weights)
+    while the sum takes p alone."""
     if SCORE == 2:
         p = s
     else:
@@ -80,14 +82,20 @@ def _accumulate(m_i, l_i, acc, s, vt, SCORE: tl.constexpr):
         acc = acc * alpha[:, None]
         m_i = m_new
     l_i += tl.sum(p, axis=1)
+    if HAS_SW:
+        p = p * a
     acc += tl.sum(p[:, :, None] * vt, axis=1)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE: tl.constexpr):
-    """Gradients of one tile of slots: (p [BM, BK], d gamma^2 [BM], dq [BM, BD], dk [BM, BK, BD])."""
+def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE: tl.constexpr, HAS_SW: tl.constexpr):
+    """Gradients of one tile of slots: (the values' weights p (* a) [BM, BK], d gamma^2 [BM], dq
+    [BM, BD], dk [BM, BK, BD]). With HAS_SW a slot's output weight is a * p: its dp is a * dO.v,
+    and delta = dO.o is still sum_j p_j dp_j."""
     dp = tl.sum(do[:, None, :] * vt, axis=2)  # [BM, BK]
+    if HAS_SW:
+        dp = dp * a
     if SCORE == 2:
         p = s * inv_total[:, None]
         d_sq = -(dp - delta[:, None]) * s * p  # d loss / d squared distance = -(dp - delta) w^2 / S
@@ -106,7 +114,21 @@ def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE: tl.con
         dk = coef[:, :, None] * q[:, None, :]
     else:
         dk = -coef[:, :, None] * diff
+    if HAS_SW:
+        p = p * a
     return p, dgamma_sq, dq, dk
+
+
+@triton.jit
+def _slot_factors(SW, row_offs, row_ok, slots, NUM_SLOTS, HAS_SW: tl.constexpr):
+    """The slot weights [BM, BK] fp32 of these rows and slots (HAS_SW), else a placeholder of the
+    same shape and type (the callers do not read it)."""
+    ok = row_ok[:, None] & (slots[None, :] < NUM_SLOTS)
+    if HAS_SW:
+        a = tl.load(SW + row_offs[:, None] * NUM_SLOTS + slots[None, :], mask=ok, other=0.0).to(tl.float32)
+    else:
+        a = ok.to(tl.float32)
+    return a
 
 
 @triton.jit
@@ -155,6 +177,7 @@ def _indexed_fwd_kernel(
     EV,
     EMASK,
     SINK,
+    SW,
     N,
     M,
     NUM_SLOTS,
@@ -177,6 +200,7 @@ def _indexed_fwd_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr,
+    HAS_SW: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -201,7 +225,7 @@ def _indexed_fwd_kernel(
             other=0.0,
         ).to(tl.float32)
         s_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)[0]  # names apart from the loop's: types differ
-        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s_x, evt, SCORE)
+        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s_x, evt, s_x, SCORE, False)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(
@@ -215,7 +239,8 @@ def _indexed_fwd_kernel(
             v_base + idx[:, :, None] * DV + offs_dv[None, None, :], mask=valid & (offs_dv[None, None, :] < DV), other=0.0
         ).to(tl.float32)
         s, _ = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
-        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s, vt, SCORE)
+        a = _slot_factors(SW, row_offs, row_ok, slots, NUM_SLOTS, HAS_SW)
+        m_i, l_i, acc = _accumulate(m_i, l_i, acc, s, vt, a, SCORE, HAS_SW)
     has_key = l_i > 0
     out = acc / tl.where(has_key, l_i, 1.0)[:, None]
     tl.store(
@@ -254,6 +279,7 @@ def _indexed_bwd_kernel(
     DELTA,
     SINK,
     DSINK,
+    SW,
     N,
     M,
     NUM_SLOTS,
@@ -278,6 +304,7 @@ def _indexed_bwd_kernel(
     SCATTER_KV: tl.constexpr,
     HAS_SINK: tl.constexpr,
     DK_ROW: tl.constexpr,
+    HAS_SW: tl.constexpr,
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -311,7 +338,7 @@ def _indexed_bwd_kernel(
         ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=ek_mask, other=0.0).to(tl.float32)
         evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=ev_mask, other=0.0).to(tl.float32)
         s_x, diff_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)  # names apart from the loop's: types differ
-        p_x, dg_x, dq_x, dk_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, SCORE)
+        p_x, dg_x, dq_x, dk_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, s_x, SCORE, False)
         dgamma_sq += dg_x
         dq += dq_x
         tl.store(
@@ -334,7 +361,8 @@ def _indexed_bwd_kernel(
         kt = tl.load(K + k_offs, mask=k_mask, other=0.0).to(tl.float32)
         vt = tl.load(V + v_offs, mask=v_mask, other=0.0).to(tl.float32)
         s, diff = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
-        p, dg, dq_tile, dk = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, SCORE)
+        a = _slot_factors(SW, row_offs, row_ok, slots, NUM_SLOTS, HAS_SW)
+        p, dg, dq_tile, dk = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE, HAS_SW)
         dgamma_sq += dg
         dq += dq_tile
         if SCATTER_KV:  # off when indexed_csr.key_grads computes dk and dv
@@ -382,9 +410,11 @@ def _extra_args(q: Tensor, extra: "Extra | None") -> tuple[tuple, dict]:
     return (extra.key, extra.value, extra.mask), dict(sizes=(group, *strides), HAS_EXTRA=True)
 
 
-def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel (sink: [Hq, D] or None). Returns out [B, Hq, N, Dv] (q.dtype)
-    and stat [B, Hq, N] fp32."""
+def _indexed_forward(
+    q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None, slot_weight=None
+) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel (sink: [Hq, D] or None; slot_weight: [B, Hq, N, K] or None).
+    Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     stat = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
@@ -400,6 +430,7 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, si
         stat,
         *pointers,
         q if sink is None else sink,
+        q if slot_weight is None else slot_weight,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -408,6 +439,7 @@ def _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra=None, si
         SCORE=score_code,
         HAS_EXTRA=extra_kw["HAS_EXTRA"],
         HAS_SINK=sink is not None,
+        HAS_SW=slot_weight is not None,
         **blocks,
     )
     return out, stat
@@ -418,7 +450,7 @@ KEY_GRADS = "atomic"
 default, measured) or "inverse" (``indexed_csr``: an inverse index, then per-key sums in
 registers; tested against the reference; on the H200 at ZETA's 64K 27% slower than the atomics,
 with 528 MB less memory, ``benchmarks/results/zeta_candidates_ab.json``). Other scores always use
-atomics."""
+atomics, and so do lists with slot weights."""
 
 
 class _Grads(NamedTuple):
@@ -458,14 +490,16 @@ def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: 
     )
 
 
-def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None, cast=True):
+def _indexed_backward(
+    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None, cast=True, slot_weight=None
+):
     """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes; with ``cast`` False dk
     and dv as summed, fp32 from the atomics), d gamma^2 per head [Hq] fp32, the extra slot's d
     key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and the sink's d key [Hq, D]
     fp32 (None without sink)."""
     if KEY_GRADS not in ("atomic", "inverse"):
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
-    inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"]
+    inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"] and slot_weight is None
     g = _grad_buffers(q, k, v, extra, sink, inverse)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
@@ -485,6 +519,7 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         g.dgamma_sq,
         *pointers,
         *optional,
+        q if slot_weight is None else slot_weight,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -495,6 +530,7 @@ def _indexed_backward(q, k, v, index, gamma_sq, out, grad_out, stat, scale, scor
         SCATTER_KV=not inverse,
         HAS_SINK=sink is not None,
         DK_ROW=dk_row(q.shape[-1]),
+        HAS_SW=slot_weight is not None,
         **blocks,
     )
     dk, dv = g.dk[..., : k.shape[-1]], g.dv
@@ -550,19 +586,22 @@ def indexed_fwd(
     sink: Tensor | None,
     scale: float,
     score_code: int,
+    slot_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``sparsefocus::indexed_fwd``: out [B, Hq, N, Dv] (q.dtype) and the row statistic stat
     [B, Hq, N] fp32 (softmax kinds: base-2 log-sum-exp, +inf for a row with no key; Cauchy: the
     sum of the weights). q, k, v in one dtype, index int32 [B, Hq, N, K], gamma_sq [Hq] fp32,
-    extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink [Hq, D] fp32.
+    extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink [Hq, D] fp32,
+    slot_weight fp32 [B, Hq, N, K] (factors on the listed slots' normalised weights).
     Differentiable in q, k, v, gamma_sq, extra key/value and sink (backward: ``indexed_bwd``);
-    stat gets no gradient."""
-    q, k, v, index, gamma_sq, sink = _dense(q, k, v, index, gamma_sq, sink)
-    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, _op_extra(q, extra_key, extra_value, extra_mask), sink)
+    stat and slot_weight get no gradient."""
+    q, k, v, index, gamma_sq, sink, slot_weight = _dense(q, k, v, index, gamma_sq, sink, slot_weight)
+    extra = _op_extra(q, extra_key, extra_value, extra_mask)
+    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, slot_weight)
 
 
 @indexed_fwd.register_fake
-def _indexed_fwd_fake(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code):
+def _indexed_fwd_fake(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight=None):
     return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -583,15 +622,18 @@ def indexed_bwd(
     scale: float,
     score_code: int,
     cast: bool,
+    slot_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq [Hq] fp32, d extra_key, d extra_value,
     d sink [Hq, D] fp32), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
     extra_key come in their inputs' dtypes, else fp32 as summed (for a caller that adds more
     into them); d extra_value is always in its input's dtype. Reads ``KEY_GRADS``."""
-    q, k, v, index, gamma_sq, out, grad_out, stat, sink = _dense(q, k, v, index, gamma_sq, out, grad_out, stat, sink)
+    q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight = _dense(
+        q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight
+    )
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast=cast
+        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast=cast, slot_weight=slot_weight
     )
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     dk, dv = dk.to(key_dtypes[0]).contiguous(), dv.to(key_dtypes[1]).contiguous()
@@ -605,7 +647,22 @@ def indexed_bwd(
 
 @indexed_bwd.register_fake
 def _indexed_bwd_fake(
-    q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, scale, score_code, cast
+    q,
+    k,
+    v,
+    index,
+    gamma_sq,
+    out,
+    grad_out,
+    stat,
+    extra_key,
+    extra_value,
+    extra_mask,
+    sink,
+    scale,
+    score_code,
+    cast,
+    slot_weight=None,
 ):
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape, dtype=key_dtypes[0]), v.new_empty(v.shape, dtype=key_dtypes[1])]
@@ -620,21 +677,36 @@ def _indexed_bwd_fake(
 
 
 def _indexed_setup(ctx, inputs, output) -> None:
-    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code = inputs
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight = inputs
     out, stat = output
-    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink)
+    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight)
     ctx.scale, ctx.score_code = scale, score_code
 
 
 def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     """Gradients of every differentiable input; stat is not differentiated (``grad_stat`` unused)."""
-    q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink = ctx.saved_tensors
+    q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight = ctx.saved_tensors
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = indexed_bwd(
-        q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, ctx.scale, ctx.score_code, True
+        q,
+        k,
+        v,
+        index,
+        gamma_sq,
+        out,
+        grad_out,
+        stat,
+        extra_key,
+        extra_value,
+        extra_mask,
+        sink,
+        ctx.scale,
+        ctx.score_code,
+        True,
+        slot_weight,
     )
     has_extra = extra_key is not None
     extra_grads = (d_extra_k, d_extra_v) if has_extra else (None, None)
-    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None
+    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None
 
 
 indexed_fwd.register_autograd(_indexed_grads, setup_context=_indexed_setup)
@@ -791,6 +863,7 @@ def indexed_attention(
     extra_value: Tensor | None = None,
     extra_mask: Tensor | None = None,
     sink_key: Tensor | None = None,
+    slot_weight: Tensor | None = None,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
@@ -816,6 +889,9 @@ def indexed_attention(
         sink_key: optional [Hq, D] attention sink (Cauchy only): a key per query head with value
             0 in every row, adding only its weight to the normaliser; receives a gradient.
             Computed per row in the kernels, so k, v and index are not extended. Default: none.
+        slot_weight: optional [B, Hq, N, K] factor on each listed slot's normalised weight,
+            outside the normaliser (attention dropout: ``F.dropout`` of ones); the extra slot and
+            the sink keep theirs; no gradient. The lse is unchanged by it. Default: none.
         return_lse: also return each row's log-sum-exp. Default: False.
     Returns:
         out [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero. With ``return_lse``,
@@ -841,12 +917,16 @@ def indexed_attention(
             extra_value=extra_value,
             extra_mask=extra_mask,
             sink_key=sink_key,
+            slot_weight=slot_weight,
         ).to(q.dtype)
         return (out, q.new_zeros(q.shape[:3], dtype=torch.float32)) if return_lse else out
+    if slot_weight is not None:
+        check_slot_weight(q, index, slot_weight)
+        slot_weight = slot_weight.detach().float().contiguous() if index.shape[-1] > 0 else None
     k, v, index = _nonempty_lists(k, v, index)
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score])
+    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight)
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 

@@ -350,16 +350,30 @@ def _select(q: Tensor, k: Tensor, pattern: TopK | BottomK, topk_select: str) -> 
         return scores.topk(pattern.k, dim=-1, largest=isinstance(pattern, TopK)).indices
 
 
+GATHER_IMPL = "auto"
+"""How ``gathered_attention`` computes: "triton" (the indexed kernel, ``indexed_attention``),
+"torch" (gathered [B, H, N, K, D] keys and values), or "auto" (the kernel on CUDA, else torch)."""
+
+
 def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: float, dropout_p: float) -> Tensor:
     """Softmax attention over the listed keys only: q [B, H, N, D], k, v [B, H, M, D], index
-    [B, H, N, K] long (every entry a valid key) -> [B, H, N, D]. Dropout on the K weights."""
+    [B, H, N, K] long (every entry a valid key) -> [B, H, N, D]. Dropout on the K weights: one
+    ``F.dropout`` of ones [B, H, N, K] multiplies the normalised weights (what ``F.dropout`` of
+    the weights draws, and the same draw for both implementations)."""
+    keep = F.dropout(q.new_ones(index.shape, dtype=torch.float32), dropout_p, training=True) if dropout_p > 0 else None
+    if GATHER_IMPL == "triton" or (GATHER_IMPL == "auto" and q.is_cuda):
+        from sparsefocus.kernels.indexed import indexed_attention
+
+        return cast(Tensor, indexed_attention(q, k, v, index, scale=scale, slot_weight=keep))
     batch, heads, n_queries, dim = q.shape
     rows = torch.arange(batch * heads, device=q.device)[:, None, None]  # [B*H, 1, 1]
     flat_index = index.reshape(batch * heads, n_queries, -1)  # [B*H, N, K]
     keys = k.reshape(batch * heads, -1, dim)[rows, flat_index]  # [B*H, N, K, D]
     values = v.reshape(batch * heads, -1, v.shape[-1])[rows, flat_index]  # [B*H, N, K, Dv]
     scores = torch.einsum("rnd,rnkd->rnk", q.reshape(batch * heads, n_queries, dim), keys) * scale
-    weights = F.dropout(scores.softmax(dim=-1), dropout_p, training=True) if dropout_p > 0 else scores.softmax(dim=-1)
+    weights = scores.softmax(dim=-1)  # [B*H, N, K]
+    if keep is not None:
+        weights = (weights.float() * keep.reshape(weights.shape)).to(weights.dtype)
     out = torch.einsum("rnk,rnkd->rnd", weights, values)  # [B*H, N, Dv]
     return out.reshape(batch, heads, n_queries, -1)
 
@@ -381,10 +395,11 @@ def fused_paper_attention(
 
     q, k, v: [B, H, N, D] (k, v already expanded to H heads). FULL -> SDPA; an input-agnostic
     pattern -> SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
-    causality -> SDPA with the chosen keys as a boolean mask (rows of at most
-    ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys' gradients,
-    which serialises on keys that many queries choose) or the scores of the k chosen keys only
-    (``gathered_attention``, O(N k) memory); anything else -> the dense masked softmax. Returns
+    causality -> while gradients are recorded, SDPA with the chosen keys as a boolean mask (rows
+    of at most ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys'
+    gradients, which serialises on keys that many queries choose), otherwise (evaluation, longer
+    rows) the scores of the k chosen keys only (``gathered_attention``, O(N k) memory); anything
+    else -> the dense masked softmax. Returns
     [B, H, N, D]. The dropout masks are drawn from the default generator (not the single model's
     draws).
     """
@@ -396,7 +411,7 @@ def fused_paper_attention(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=fixed_mask, dropout_p=dropout_p, scale=scale)
     if plain and isinstance(pattern, (TopK, BottomK)):
         index = _select(q, k, pattern, topk_select)  # [B, H, N, K]
-        if k.shape[-2] > MASKED_SELECTION_MAX_KEYS:
+        if k.shape[-2] > MASKED_SELECTION_MAX_KEYS or not torch.is_grad_enabled():
             return gathered_attention(q, k, v, index, scale, dropout_p)
         keep = torch.zeros(*index.shape[:-1], k.shape[-2], dtype=torch.bool, device=q.device).scatter_(-1, index, True)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale)

@@ -300,3 +300,62 @@ def test_causal_mean_extra_slot_fp16_within_twice_torch_error_and_bad_shapes():
         indexed_attention_causal_mean(q, k[:, :, :40], v[:, :, :40], index.clamp_max(39))
     with pytest.raises(ValueError, match="key_padding_mask"):
         indexed_attention_causal_mean(q, k, v, index, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device=DEVICE))
+
+
+@pytest.mark.parametrize("score", ["dot", "neg_sqeuclid", "cauchy"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse"])
+def test_slot_weights_match_reference_with_extra_slot_and_sink(monkeypatch, score, key_grads):
+    """Slot weights (attention dropout) scale each listed slot's normalised weight outside the
+    normaliser: outputs and every gradient as the reference, at odd sizes, GQA, unused slots, an
+    empty row, two slot tiles, and with the extra slot (and, for Cauchy, the sink) unscaled."""
+    import sparsefocus.kernels.indexed as indexed_module
+
+    monkeypatch.setattr(indexed_module, "KEY_GRADS", key_grads)
+    q, k, v, index, gamma = make_case(37, 23, score, torch.float32, slots=19)
+    weight = torch.nn.functional.dropout(torch.ones(index.shape, device=DEVICE), 0.3)  # 0 or 1/0.7
+    extra_k, extra_v = torch.randn(2, 2, 37, 6, device=DEVICE), torch.randn(2, 2, 37, 3, device=DEVICE)
+    sink = torch.randn(4, 6, device=DEVICE) if score == "cauchy" else None
+    grad_out = torch.randn(2, 4, 37, 3, device=DEVICE)
+    results = []
+    for fn in (indexed_attention, indexed_attention_ref):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v)]
+        extras = {} if sink is None else {"sink_key": sink.clone().requires_grad_()}
+        out = fn(*leaves[:3], index, score=score, gamma=gamma, extra_key=leaves[3], extra_value=leaves[4], slot_weight=weight, **extras)
+        results.append([out, *torch.autograd.grad(out, leaves + list(extras.values()), grad_out)])
+    for name, x, y in zip(["out", "dq", "dk", "dv", "d extra k", "d extra v", "d sink"], *results):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf"
+        assert rel_err(x, y) < 1e-5, f"{score} {name}: relative error {rel_err(x, y):.2e}"
+    plain = indexed_attention_ref(q, k, v, index, score=score, gamma=gamma, extra_key=extra_k, extra_value=extra_v)
+    assert rel_err(results[0][0], plain) > 1e-3, "the slot weights must change the output"
+
+
+def test_slot_weights_fp16_within_twice_torch_error_lse_unchanged_and_checked(monkeypatch):
+    q, k, v, index, _ = make_case(31, 50, "dot", torch.float16, slots=19, dim=16, dim_v=8)
+    q, k, v = (x.half().float() for x in (q, k, v))
+    weight = torch.nn.functional.dropout(torch.ones(index.shape, device=DEVICE), 0.2)
+    grad_out = torch.randn(2, 4, 31, 8, device=DEVICE)
+
+    def run_weighted(fn, dtype):
+        leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*leaves, index, slot_weight=weight)
+        return [out, *torch.autograd.grad(out.float(), leaves, grad_out)]
+
+    truth = run_weighted(indexed_attention_ref, torch.float32)
+    with monkeypatch.context() as patch:
+        patch.setattr(common, "upcast", lambda x: x)
+        torch_low = run_weighted(indexed_attention_ref, torch.float16)
+    kernel = run_weighted(indexed_attention, torch.float16)
+    for name, x, y, t in zip(["out", "dq", "dk", "dv"], kernel, torch_low, truth):
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-5, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    _, lse = indexed_attention(q, k, v, index, slot_weight=weight, return_lse=True)
+    _, plain_lse = indexed_attention(q, k, v, index, return_lse=True)
+    assert torch.equal(lse, plain_lse)
+    with pytest.raises(ValueError, match="slot_weight must be"):
+        indexed_attention(q, k, v, index, slot_weight=weight[..., :3])
+
+
+def test_slot_weights_op_passes_opcheck():
+    q, k, v, index, _ = make_case(9, 7, "dot", torch.float32, slots=3)
+    weight = torch.nn.functional.dropout(torch.ones(index.shape, device=DEVICE), 0.5)
+    args = (q, k, v, index.to(torch.int32), torch.ones(4, device=DEVICE), None, None, None, None, 0.4, 0, weight)
+    torch.library.opcheck(torch.ops.sparsefocus.indexed_fwd.default, args)

@@ -409,3 +409,44 @@ def test_clip_per_run_scales_each_run_by_its_own_norm(exact):
         coef = min(1.0, 0.5 / (expected.item() + 1e-6))
         for p, g in zip(params[:2], singles[r]):
             torch.testing.assert_close(p.grad[r], g * coef)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+def test_gathered_attention_kernel_equals_torch_with_the_same_dropout_draw(dropout_p, monkeypatch):
+    """The gathered-keys attention on the indexed Triton kernel (slot weights for the dropout)
+    gives the torch form's outputs and gradients when both draw from the same generator state."""
+    from sparsefocus.train import batched
+
+    q, k, v = (torch.randn(3, 2, 21, 8, requires_grad=True) for _ in range(3))
+    index = torch.randint(0, 21, (3, 2, 21, 5))
+    grad = torch.randn(3, 2, 21, 8)
+    results = []
+    for impl in ("torch", "triton"):
+        monkeypatch.setattr(batched, "GATHER_IMPL", impl)
+        torch.manual_seed(7)
+        out = batched.gathered_attention(q, k, v, index, 0.35, dropout_p)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    if dropout_p:
+        torch.manual_seed(7)
+        assert not torch.allclose(results[0][0], batched.gathered_attention(q, k, v, index, 0.35, 0.0))
+
+
+def test_fast_selection_without_gradients_attends_through_the_gathered_keys(monkeypatch):
+    """Evaluation (no gradients) attends over the chosen keys only; at dropout 0 that is the
+    masked form's output."""
+    from sparsefocus.attention import parse_pattern
+    from sparsefocus.train import batched
+
+    q, k, v = (torch.randn(2, 1, 30, 8) for _ in range(3))
+    calls = []
+    original = batched.gathered_attention
+    monkeypatch.setattr(batched, "gathered_attention", lambda *a: calls.append(1) or original(*a))
+    kw = dict(fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.0)
+    with torch.no_grad():
+        evaluated = fused_paper_attention(q, k, v, parse_pattern("TOPK:5"), **kw)
+    assert calls == [1]
+    trained = fused_paper_attention(q, k, v, parse_pattern("TOPK:5"), **kw)
+    assert calls == [1]
+    torch.testing.assert_close(evaluated, trained, rtol=1e-5, atol=1e-6)
