@@ -446,11 +446,11 @@ def _indexed_forward(
 
 
 KEY_GRADS = "atomic"
-"""How dk and dv of Cauchy lists are summed: "atomic" (fp32 atomic adds per (query, slot), the
-default, measured) or "inverse" (``indexed_csr``: an inverse index, then per-key sums in
-registers; tested against the reference; on the H200 at ZETA's 64K 27% slower than the atomics,
-with 528 MB less memory, ``benchmarks/results/zeta_candidates_ab.json``). Other scores always use
-atomics, and so do lists with slot weights."""
+"""How dk and dv are summed: "atomic" (fp32 atomic adds per (query, slot), the default) or
+"inverse" (``indexed_csr``: an inverse index, then per-key sums in registers; every score kind,
+with or without slot weights; tested against the reference). On the H200 at ZETA's 64K (Cauchy)
+the inverse was 27% slower than the atomics, with 528 MB less memory
+(``benchmarks/results/zeta_candidates_ab.json``)."""
 
 
 class _Grads(NamedTuple):
@@ -499,7 +499,7 @@ def _indexed_backward(
     fp32 (None without sink)."""
     if KEY_GRADS not in ("atomic", "inverse"):
         raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
-    inverse = KEY_GRADS == "inverse" and score_code == SCORE_CODES["cauchy"] and slot_weight is None
+    inverse = KEY_GRADS == "inverse"
     g = _grad_buffers(q, k, v, extra, sink, inverse)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
     pointers, extra_kw = _extra_args(q, extra)
@@ -537,7 +537,7 @@ def _indexed_backward(
     if inverse:
         from sparsefocus.kernels.indexed_csr import key_grads
 
-        dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, g.delta)
+        dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, g.delta, scale, score_code, slot_weight)
     d_sink = None if sink is None else g.d_sink.sum(dim=(0, 2))  # [Hq, D]
     if cast:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)

@@ -86,6 +86,9 @@ def test_opcheck_scan_morton_and_inverse_ops():
     gamma_sq = torch.rand(HQ, device=DEVICE) + 0.5
     stat, delta = torch.rand(B, HQ, N, device=DEVICE) + 0.5, randn(B, HQ, N)
     torch.library.opcheck(indexed_csr.key_grads_op, (q, k, v, index, gamma_sq, randn(B, HQ, N, DV), stat, delta))
+    slot_weight = torch.rand(index.shape, device=DEVICE)
+    dot_args = (q, k, v, index, gamma_sq, randn(B, HQ, N, DV), stat, delta, 0.3, 0, slot_weight)
+    torch.library.opcheck(indexed_csr.key_grads_op, dot_args)
 
 
 def every_kernel(q, k, v, index, start, gamma, extra_key, extra_value, sink, real, x, base, stat, delta):
