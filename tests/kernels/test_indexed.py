@@ -323,7 +323,9 @@ def test_slot_weights_match_reference_with_extra_slot_and_sink(monkeypatch, scor
     for fn in (indexed_attention, indexed_attention_ref):
         leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v)]
         extras = {} if sink is None else {"sink_key": sink.clone().requires_grad_()}
-        out = fn(*leaves[:3], index, score=score, gamma=gamma, extra_key=leaves[3], extra_value=leaves[4], slot_weight=weight, **extras)
+        out = fn(
+            *leaves[:3], index, score=score, gamma=gamma, extra_key=leaves[3], extra_value=leaves[4], slot_weight=weight, **extras
+        )
         results.append([out, *torch.autograd.grad(out, leaves + list(extras.values()), grad_out)])
     for name, x, y in zip(["out", "dq", "dk", "dv", "d extra k", "d extra v", "d sink"], *results):
         assert torch.isfinite(x).all(), f"{name} has NaN/inf"
