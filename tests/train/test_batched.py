@@ -450,3 +450,20 @@ def test_fast_selection_without_gradients_attends_through_the_gathered_keys(monk
     trained = fused_paper_attention(q, k, v, parse_pattern("TOPK:5"), **kw)
     assert calls == [1]
     torch.testing.assert_close(evaluated, trained, rtol=1e-5, atol=1e-6)
+
+
+def test_fast_selection_compiles_in_both_grad_modes():
+    """The masked (training) and gathered (evaluation) branches of fast-mode TOPK compile with
+    fullgraph and give eager's outputs (grad mode is part of the compiled graph's guards)."""
+    from sparsefocus.attention import parse_pattern
+
+    q, k, v = (torch.randn(2, 1, 30, 8) for _ in range(3))
+    kw = dict(fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.0)
+
+    def attend(q, k, v):
+        return fused_paper_attention(q, k, v, parse_pattern("TOPK:5"), **kw)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            torch.testing.assert_close(compiled(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-6)
