@@ -399,9 +399,8 @@ def fused_paper_attention(
     of at most ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys'
     gradients, which serialises on keys that many queries choose), otherwise (evaluation, longer
     rows) the scores of the k chosen keys only (``gathered_attention``, O(N k) memory); anything
-    else -> the dense masked softmax. Returns
-    [B, H, N, D]. The dropout masks are drawn from the default generator (not the single model's
-    draws).
+    else -> the dense masked softmax. Returns [B, H, N, D]. The dropout masks are drawn from the
+    default generator (not the single model's draws).
     """
     scale = 1.0 / math.sqrt(q.shape[-1])
     plain = key_padding_mask is None and not causal
