@@ -221,7 +221,8 @@ def _key_grads_kernel(
     tl.store(DV_ + flat[:, None] * DV + offs_dv[None, :], dv.to(DV_.dtype.element_ty), mask=key_ok[:, None] & dv_ok[None, :])
 
 
-def key_grads(
+@torch.library.custom_op(op_name("key_grads"), mutates_args=())
+def key_grads_op(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -245,24 +246,6 @@ def key_grads(
     scale (dot, neg_sqeuclid; default 1); score_code 0 dot, 1 neg_sqeuclid, 2 Cauchy (default);
     slot_weight optional fp32 [B, Hq, N, K] (``indexed_attention``'s slot weights).
     """
-    return key_grads_op(q, k, v, index, gamma_sq, grad_out, stat, delta, scale, score_code, slot_weight)
-
-
-@torch.library.custom_op(op_name("key_grads"), mutates_args=())
-def key_grads_op(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    index: Tensor,
-    gamma_sq: Tensor,
-    grad_out: Tensor,
-    stat: Tensor,
-    delta: Tensor,
-    scale: float = 1.0,
-    score_code: int = 2,
-    slot_weight: Tensor | None = None,
-) -> tuple[Tensor, Tensor]:
-    """``sparsefocus::key_grads``: see ``key_grads``."""
     q, k, v, index, gamma_sq, grad_out, stat, delta = (x.contiguous() for x in (q, k, v, index, gamma_sq, grad_out, stat, delta))
     slot_weight = None if slot_weight is None else slot_weight.float().contiguous()
     offsets, entries = build_inverse_op(index, k.shape[2], k.shape[1])
@@ -297,6 +280,10 @@ def key_grads_op(
         **TILES,
     )
     return dk, dv
+
+
+key_grads = key_grads_op
+"""The public name of ``key_grads_op``."""
 
 
 @key_grads_op.register_fake

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sparsefocus.train.checkpoint import write_text_atomic
-from sparsefocus.train.report import load_runs
+from sparsefocus.train.report import load_runs, save_png
 
 METRICS = ("train_loss", "valid_acc")
 
@@ -121,10 +121,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    save_png(fig, path, dpi=100)
 
 
 def table(result: dict[str, Any]) -> str:

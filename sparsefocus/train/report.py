@@ -444,8 +444,15 @@ def plot_curves(curves: dict[str, Curves], title: str, path: Path) -> None:
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
     figure.tight_layout()
+    save_png(figure, path, dpi=110)
+
+
+def save_png(figure, path: Path, dpi: int) -> None:
+    """Save a matplotlib figure at ``path`` through a temporary name, then close it."""
+    import matplotlib.pyplot as plt
+
     tmp = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(tmp, dpi=110)
+    figure.savefig(tmp, dpi=dpi)
     plt.close(figure)
     tmp.replace(path)
 
