@@ -22,7 +22,9 @@ cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 ``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
 long for one session can be trained a few groups or seeds at a time into the same folder
 (a run is its own mechanism and seed, so folders from parts resume under the whole grid), and
-reported whole by a last call without them, which finds every run finished. ``--slim`` keeps
+reported whole by a last call without them, which finds every run finished. Finished groups
+kept between sittings (say committed under ``docs/studies/<study>/experiment``) are continued
+with ``--start-from FOLDER``; the inbox's parts are unpacked over them. ``--slim`` keeps
 only the metrics of finished runs (not the paper's analysis seed, which ``sparsefocus analyze
 --seed paper`` reads), so that what a call returns, and what is kept between sittings, is the
 unfinished runs' checkpoints and about 16 KB per finished run.
@@ -43,6 +45,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import sys
 import tarfile
 import time
@@ -158,6 +161,21 @@ def unpack(inbox: Path, study: str, work: Path) -> bool:
     return True
 
 
+def start_from(folder: Path, study: str, work: Path) -> int:
+    """Copy a kept study folder (say the finished groups committed under ``docs/studies/``) into
+    ``work/<study>``, before the inbox's parts, which are newer, are unpacked over it. Run locks
+    and the task cache are left out. Returns the number of run folders copied.
+
+    Raises:
+        ValueError: ``folder`` holds no run folder."""
+    runs = sorted(folder.glob("*/*/seed-*/metrics.jsonl"))
+    if not runs:
+        raise ValueError(f"{folder} holds no run folder (<setting>/<mechanism>/seed-<seed>/metrics.jsonl)")
+    skip = shutil.ignore_patterns(".lock", ".task-cache")
+    shutil.copytree(folder, work / study, ignore=skip, dirs_exist_ok=True)
+    return len(runs)
+
+
 def archive(work: Path, name: str) -> bytes:
     """``work/name`` as tar.gz bytes, without the task cache (rebuilt on the device)."""
     buffer = io.BytesIO()
@@ -211,6 +229,11 @@ def main() -> int:
     parser.add_argument("--study", required=True, choices=sorted(STUDIES))
     parser.add_argument("--out", required=True, help="where the packed study and its progress line go")
     parser.add_argument("--inbox", default="studies_in", help="folder with the parts a previous call returned")
+    parser.add_argument(
+        "--start-from",
+        type=Path,
+        help="a kept study folder (finished groups) to continue; the inbox's parts are unpacked over it",
+    )
     parser.add_argument("--work", default="/tmp/sparsefocus-studies", help="where the study trains")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds of this call, the check included")
     parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
@@ -238,6 +261,11 @@ def main() -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        started = start_from(args.start_from, args.study, work) if args.start_from else 0
+    except ValueError as error:
+        print(f"gpu_studies: error: {error}", file=sys.stderr)
+        return 2
     cached = False
     if not args.no_compile_cache:
         cached = unpack(Path(args.inbox), CACHE, work)
@@ -256,6 +284,7 @@ def main() -> int:
     record = {
         "study": args.study,
         "resumed": resumed,
+        "runs_started_from": started,
         "compile_cache": {"found": cached, "returned": cache},
         "slimmed_checkpoints": len(slimmed),
         "progress": line,

@@ -93,3 +93,26 @@ def test_a_call_may_train_some_mechanisms_and_seeds_of_the_study(studies, tmp_pa
     assert studies.main() == 2
     assert "not mechanisms of listops_fig1a: TOPK:9" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # refused before anything was written
+
+
+def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
+    kept = tmp_path / "kept"
+    for seed, text in ((1, "kept-1"), (2, "kept-2")):
+        run = kept / "default" / "FULL" / f"seed-{seed}"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(f'{{"epoch": "{text}"}}\n')
+        (run / ".lock").write_text("pid 1")
+    (kept / ".task-cache").mkdir()
+    newer = tmp_path / "newer" / "even_pairs" / "default" / "FULL" / "seed-2"
+    newer.mkdir(parents=True)
+    (newer / "metrics.jsonl").write_text('{"epoch": "newer-2"}\n')
+    studies.pack(tmp_path / "newer", "even_pairs", tmp_path / "inbox")
+    work = tmp_path / "work"
+    assert studies.start_from(kept, "even_pairs", work) == 2
+    assert studies.unpack(tmp_path / "inbox", "even_pairs", work)
+    runs = work / "even_pairs" / "default" / "FULL"
+    assert (runs / "seed-1" / "metrics.jsonl").read_text() == '{"epoch": "kept-1"}\n'
+    assert (runs / "seed-2" / "metrics.jsonl").read_text() == '{"epoch": "newer-2"}\n'
+    assert not (runs / "seed-1" / ".lock").exists() and not (work / "even_pairs" / ".task-cache").exists()
+    with pytest.raises(ValueError, match="holds no run folder"):
+        studies.start_from(tmp_path / "newer" / "nothing", "even_pairs", work)
