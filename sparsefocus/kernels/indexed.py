@@ -19,8 +19,9 @@ per-row stores (no atomics) and the caller need not append it to k and v. An opt
 per query head (``sink_key``, Cauchy; value 0) is handled the same way: its weight joins each
 row's normaliser, its gradient is stored per row and summed.
 
-``KEY_GRADS = "inverse"`` moves dk and dv of Cauchy lists out of this backward into
-``indexed_csr`` (per-key sums over an inverse index, no float atomics).
+``KEY_GRADS`` "inverse" and "short" move dk and dv out of this backward, into ``indexed_csr``
+(per-key sums over an inverse index) or ``indexed_short`` (one-hot tiles over every query row,
+for short key rows); neither uses float atomics.
 
 The launchers are ``torch.library`` ops (``sparsefocus::indexed_fwd``, ``indexed_bwd``,
 ``indexed_causal_mean_fwd``; docs/kernels.md), so ``torch.compile`` treats each as one opaque
@@ -91,8 +92,9 @@ def _accumulate(m_i, l_i, acc, s, vt, a, SCORE: tl.constexpr, HAS_SW: tl.constex
 @triton.jit
 def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE: tl.constexpr, HAS_SW: tl.constexpr):
     """Gradients of one tile of slots: (the values' weights p (* a) [BM, BK], d gamma^2 [BM], dq
-    [BM, BD], dk [BM, BK, BD]). With HAS_SW a slot's output weight is a * p: its dp is a * dO.v,
-    and delta = dO.o is still sum_j p_j dp_j."""
+    [BM, BD], coef [BM, BK], the pairs' key coefficients: ``_key_terms`` makes them dk terms).
+    With HAS_SW a slot's output weight is a * p: its dp is a * dO.v, and delta = dO.o is still
+    sum_j p_j dp_j."""
     dp = tl.sum(do[:, None, :] * vt, axis=2)  # [BM, BK]
     if HAS_SW:
         dp = dp * a
@@ -110,13 +112,19 @@ def _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE: tl.
         else:
             coef = -2.0 * scale * ds
     dq = tl.sum(coef[:, :, None] * diff, axis=1)
+    if HAS_SW:
+        p = p * a
+    return p, dgamma_sq, dq, coef
+
+
+@triton.jit
+def _key_terms(coef, q, diff, SCORE: tl.constexpr):
+    """The pairs' dk terms [BM, BK, BD]: coef * q (dot scores), -coef * (q - k) (distances)."""
     if SCORE == 0:
         dk = coef[:, :, None] * q[:, None, :]
     else:
         dk = -coef[:, :, None] * diff
-    if HAS_SW:
-        p = p * a
-    return p, dgamma_sq, dq, dk
+    return dk
 
 
 @triton.jit
@@ -280,6 +288,8 @@ def _indexed_bwd_kernel(
     SINK,
     DSINK,
     SW,
+    PCOEF,
+    PPROB,
     N,
     M,
     NUM_SLOTS,
@@ -301,7 +311,7 @@ def _indexed_bwd_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-    SCATTER_KV: tl.constexpr,
+    KEY_MODE: tl.constexpr,
     HAS_SINK: tl.constexpr,
     DK_ROW: tl.constexpr,
     HAS_SW: tl.constexpr,
@@ -313,7 +323,7 @@ def _indexed_bwd_kernel(
     o = tl.load(OUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
     do = tl.load(DOUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
     delta = tl.sum(o * do, axis=1)  # [BM]: sum_j p_j dp_j
-    if not SCATTER_KV:  # indexed_csr.key_grads needs it per query
+    if KEY_MODE == 1:  # indexed_csr.key_grads needs it per query
         tl.store(DELTA + row_offs, delta, mask=row_ok)
     stat = tl.load(STAT + row_offs, mask=row_ok, other=0.0)
     gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
@@ -338,11 +348,13 @@ def _indexed_bwd_kernel(
         ekt = tl.load(EK + ek_offs[:, None, None] + offs_d[None, None, :], mask=ek_mask, other=0.0).to(tl.float32)
         evt = tl.load(EV + ev_offs[:, None, None] + offs_dv[None, None, :], mask=ev_mask, other=0.0).to(tl.float32)
         s_x, diff_x = _slot_weights(q, ekt, e_idx, gamma_sq, scale, SCORE)  # names apart from the loop's: types differ
-        p_x, dg_x, dq_x, dk_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, s_x, SCORE, False)
+        p_x, dg_x, dq_x, coef_x = _slot_grads(q, s_x, diff_x, evt, do, delta, stat, inv_total, scale, s_x, SCORE, False)
         dgamma_sq += dg_x
         dq += dq_x
         tl.store(
-            DEK + row_offs[:, None, None] * D + offs_d[None, None, :], dk_x, mask=row_ok[:, None, None] & d_ok[None, None, :]
+            DEK + row_offs[:, None, None] * D + offs_d[None, None, :],
+            _key_terms(coef_x, q, diff_x, SCORE),
+            mask=row_ok[:, None, None] & d_ok[None, None, :],
         )
         tl.store(
             DEV + row_offs[:, None, None] * DV + offs_dv[None, None, :],
@@ -362,13 +374,18 @@ def _indexed_bwd_kernel(
         vt = tl.load(V + v_offs, mask=v_mask, other=0.0).to(tl.float32)
         s, diff = _slot_weights(q, kt, idx, gamma_sq, scale, SCORE)
         a = _slot_factors(SW, row_offs, row_ok, slots, NUM_SLOTS, HAS_SW)
-        p, dg, dq_tile, dk = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE, HAS_SW)
+        p, dg, dq_tile, coef = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE, HAS_SW)
         dgamma_sq += dg
         dq += dq_tile
-        if SCATTER_KV:  # off when indexed_csr.key_grads computes dk and dv
+        if KEY_MODE == 0:  # atomic adds per pair
             dk_offs = kv_bh.to(tl.int64) * M * DK_ROW + idx[:, :, None] * DK_ROW + offs_d[None, None, :]
-            tl.atomic_add(DK + dk_offs, dk, mask=k_mask, sem="relaxed")
+            tl.atomic_add(DK + dk_offs, _key_terms(coef, q, diff, SCORE), mask=k_mask, sem="relaxed")
             tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
+        if KEY_MODE == 2:  # the pairs' coefficients for indexed_short.short_key_grads
+            pair_offs = row_offs[:, None] * NUM_SLOTS + slots[None, :]
+            pair_ok = row_ok[:, None] & (slots[None, :] < NUM_SLOTS)
+            tl.store(PCOEF + pair_offs, coef, mask=pair_ok)
+            tl.store(PPROB + pair_offs, p, mask=pair_ok)
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
@@ -391,9 +408,12 @@ TILE_OVERRIDES: dict[str, dict] = {}
 """Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
+KEY_MODES = {"atomic": 0, "inverse": 1, "short": 2}  # the backward kernel's KEY_MODE
+
+
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True) -> tuple[tuple, dict]:
-    """Grid, sizes and tiles; a backward that does not scatter dk, dv (KEY_GRADS "inverse") is a
-    gather like the forward and starts from the forward's tiles (a guess, not tuned)."""
+    """Grid, sizes and tiles; a backward that does not scatter dk, dv (KEY_GRADS "inverse",
+    "short") is a gather like the forward and starts from the forward's tiles (a guess, not tuned)."""
     batch, q_heads, n_queries, dim = q.shape
     blocks = _blocks(dim, v.shape[-1], backward and scatter) | TILE_OVERRIDES.get("bwd" if backward else "fwd", {})
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
@@ -446,11 +466,29 @@ def _indexed_forward(
 
 
 KEY_GRADS = "atomic"
-"""How dk and dv are summed: "atomic" (fp32 atomic adds per (query, slot), the default) or
-"inverse" (``indexed_csr``: an inverse index, then per-key sums in registers; every score kind,
-with or without slot weights; tested against the reference). On the H200 at ZETA's 64K (Cauchy)
-the inverse was 27% slower than the atomics, with 528 MB less memory
-(``benchmarks/results/zeta_candidates_ab.json``)."""
+"""How dk and dv are summed: "atomic" (fp32 atomic adds per (query, slot), the default),
+"inverse" (``indexed_csr``: an inverse index, then per-key sums in registers), "short"
+(``indexed_short``: the pairs' coefficients, then one-hot tiles over every query row; O(N M K)
+work, for rows of at most ``SHORT_KEY_GRADS_MAX_KEYS`` keys, atomics above), or "auto" ("short"
+up to that length, else "atomic"). Every mode takes every score kind, with or without slot
+weights, and is tested against the reference. On the H200 at ZETA's 64K (Cauchy) the inverse
+was 27% slower than the atomics, with 528 MB less memory
+(``benchmarks/results/zeta_candidates_ab.json``); "short" is not timed yet."""
+
+SHORT_KEY_GRADS_MAX_KEYS = 2048
+"""Longest key rows (M) that ``KEY_GRADS`` "short" and "auto" sum by one-hot tiles."""
+
+KEY_GRADS_MODES = ("atomic", "inverse", "short", "auto")
+
+
+def key_grads_mode(n_keys: int) -> str:
+    """The way this call sums dk and dv: ``KEY_GRADS``, with "auto" and "short" resolved by the
+    key rows' length. ValueError for an unknown mode."""
+    if KEY_GRADS not in KEY_GRADS_MODES:
+        raise ValueError(f"indexed.KEY_GRADS must be one of {', '.join(KEY_GRADS_MODES)}, got {KEY_GRADS!r}")
+    if KEY_GRADS in ("short", "auto"):
+        return "short" if n_keys <= SHORT_KEY_GRADS_MAX_KEYS else "atomic"
+    return KEY_GRADS
 
 
 class _Grads(NamedTuple):
@@ -464,6 +502,8 @@ class _Grads(NamedTuple):
     d_extra_v: Tensor | None  # [B, Hq, N, Dv] in the extra value's dtype
     delta: Tensor  # [B, Hq, N] fp32 sum(o * dO) (inverse key gradients)
     d_sink: Tensor | None  # [B, Hq, N, D] fp32, per row
+    pair_coef: Tensor  # [B, Hq, N, K] fp32 d loss / d score per (query, slot) (short key gradients)
+    pair_prob: Tensor  # [B, Hq, N, K] fp32 the values' weights per (query, slot) (short key gradients)
 
 
 def dk_row(d: int) -> int:
@@ -474,19 +514,24 @@ def dk_row(d: int) -> int:
     return -(-d // 4) * 4
 
 
-def _grad_buffers(q: Tensor, k: Tensor, v: Tensor, extra: "Extra | None", sink: Tensor | None, inverse: bool) -> _Grads:
+def _grad_buffers(
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, extra: "Extra | None", sink: Tensor | None, mode: str
+) -> _Grads:
     fp32 = dict(dtype=torch.float32, device=q.device)
     rows = q.shape[:3]
     unused = torch.empty(1, **fp32)
+    atomic, short = mode == "atomic", mode == "short"
     return _Grads(
         dq=torch.empty_like(q),
-        dk=unused if inverse else torch.zeros(*k.shape[:3], dk_row(k.shape[-1]), **fp32),
-        dv=unused if inverse else torch.zeros(v.shape, **fp32),
+        dk=torch.zeros(*k.shape[:3], dk_row(k.shape[-1]), **fp32) if atomic else unused,
+        dv=torch.zeros(v.shape, **fp32) if atomic else unused,
         dgamma_sq=torch.zeros(rows, **fp32),
         d_extra_k=None if extra is None else torch.empty(*rows, q.shape[-1], **fp32),
         d_extra_v=None if extra is None else torch.empty(*rows, v.shape[-1], dtype=extra.value.dtype, device=q.device),
-        delta=torch.empty(rows, **fp32) if inverse else unused,
+        delta=torch.empty(rows, **fp32) if mode == "inverse" else unused,
         d_sink=None if sink is None else torch.empty(*rows, q.shape[-1], **fp32),
+        pair_coef=torch.empty(index.shape, **fp32) if short else unused,
+        pair_prob=torch.empty(index.shape, **fp32) if short else unused,
     )
 
 
@@ -497,11 +542,9 @@ def _indexed_backward(
     and dv as summed, fp32 from the atomics), d gamma^2 per head [Hq] fp32, the extra slot's d
     key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and the sink's d key [Hq, D]
     fp32 (None without sink)."""
-    if KEY_GRADS not in ("atomic", "inverse"):
-        raise ValueError(f"indexed.KEY_GRADS must be 'atomic' or 'inverse', got {KEY_GRADS!r}")
-    inverse = KEY_GRADS == "inverse"
-    g = _grad_buffers(q, k, v, extra, sink, inverse)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=not inverse)
+    mode = key_grads_mode(k.shape[2])
+    g = _grad_buffers(q, k, v, index, extra, sink, mode)
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
     _indexed_bwd_kernel[grid](
@@ -520,6 +563,8 @@ def _indexed_backward(
         *pointers,
         *optional,
         q if slot_weight is None else slot_weight,
+        g.pair_coef,
+        g.pair_prob,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -527,17 +572,21 @@ def _indexed_backward(
         DV=v.shape[-1],
         SCORE=score_code,
         HAS_EXTRA=extra_kw["HAS_EXTRA"],
-        SCATTER_KV=not inverse,
+        KEY_MODE=KEY_MODES[mode],
         HAS_SINK=sink is not None,
         DK_ROW=dk_row(q.shape[-1]),
         HAS_SW=slot_weight is not None,
         **blocks,
     )
     dk, dv = g.dk[..., : k.shape[-1]], g.dv
-    if inverse:
+    if mode == "inverse":
         from sparsefocus.kernels.indexed_csr import key_grads
 
         dk, dv = key_grads(q, k, v, index, gamma_sq, grad_out, stat, g.delta, scale, score_code, slot_weight)
+    if mode == "short":
+        from sparsefocus.kernels.indexed_short import short_key_grads
+
+        dk, dv = short_key_grads(q, k, v, grad_out, index, g.pair_coef, g.pair_prob, score_code)
     d_sink = None if sink is None else g.d_sink.sum(dim=(0, 2))  # [Hq, D]
     if cast:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)

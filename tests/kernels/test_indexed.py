@@ -168,6 +168,58 @@ def test_inverse_index_key_grads_match_reference(monkeypatch, score, n, m, slots
     assert (got[2][:, :, max(1, m // 2) :] == 0).all() and (got[3][:, :, max(1, m // 2) :] == 0).all()
 
 
+@pytest.mark.parametrize("score", ["cauchy", "dot", "neg_sqeuclid"])
+@pytest.mark.parametrize("n,m,slots,heads", [(1, 4, 3, (4, 2)), (37, 23, 9, (4, 2)), (70, 81, 20, (4, 4)), (21, 64, 5, (3, 1))])
+def test_short_key_grads_match_reference(monkeypatch, score, n, m, slots, heads):
+    """KEY_GRADS="short" (one-hot tiles over every query row): dk and dv as the reference for every
+    score kind, with repeated keys, unused slots, an empty row, GQA, several row and key tiles, and
+    keys that no query lists (their gradients are 0)."""
+    from sparsefocus.kernels import indexed, indexed_short
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", "short")
+    monkeypatch.setattr(indexed_short, "TILES", {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4})  # several tiles
+    q, k, v, _, gamma = make_case(n, m, score, torch.float32, slots=slots, q_heads=heads[0], kv_heads=heads[1], dim_v=5)
+    index = torch.randint(-1, max(1, m // 2), (2, heads[0], n, slots), device=DEVICE)  # keys >= m // 2 never listed
+    index[0, 0, 0] = -1  # a row with no key
+    index[1, -1, :, 0] = 0  # one key listed by every query of a head (a sink)
+    grad_out = torch.randn(2, heads[0], n, 5, device=DEVICE)
+    got = run(indexed_attention, q, k, v, index, gamma, score, torch.float32, grad_out)
+    want = run(indexed_attention_ref, q, k, v, index, gamma, score, torch.float32, grad_out)
+    for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
+        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
+        assert rel_err(x, y) < 1e-5, f"{name}: relative error {rel_err(x, y):.2e}"
+    assert (got[2][:, :, max(1, m // 2) :] == 0).all() and (got[3][:, :, max(1, m // 2) :] == 0).all()
+
+
+def test_short_key_grads_fp16_within_twice_torch_error_and_long_rows_use_atomics(monkeypatch):
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", "short")
+    q, k, v, index, gamma = make_case(63, 50, "dot", torch.float16, slots=37, dim=16, dim_v=8)
+    grad_out = torch.randn(2, 4, 63, 8, device=DEVICE)
+    truth = run(indexed_attention_ref, q, k, v, index, gamma, "dot", torch.float32, grad_out)
+    torch_low = run(indexed_attention_ref, q, k, v, index, gamma, "dot", torch.float16, grad_out)
+    kernel = run(indexed_attention, q, k, v, index, gamma, "dot", torch.float16, grad_out)
+    for name, x, y, t in zip(["out", "dq", "dk", "dv"], kernel, torch_low, truth):
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS) == "short"
+    assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
+    monkeypatch.setattr(indexed, "KEY_GRADS", "auto")
+    assert indexed.key_grads_mode(10) == "short"
+    assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
+
+
+def test_short_key_grads_op_passes_opcheck():
+    from sparsefocus.kernels.indexed_short import short_key_grads
+
+    q, k, v, index, _ = make_case(19, 23, "dot", torch.float32, slots=4, dim=16, dim_v=8)
+    grad_out = torch.randn(2, 4, 19, 8, device=DEVICE)
+    coef, prob = torch.randn(index.shape, device=DEVICE), torch.rand(index.shape, device=DEVICE)
+    for score_code in (0, 2):
+        args = (q, k, v, grad_out, index.int(), coef, prob, score_code)
+        torch.library.opcheck(short_key_grads, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_inverse_index_with_extra_slot_and_fp16_within_twice_torch_error(monkeypatch):
     from sparsefocus.kernels import indexed
 
@@ -200,7 +252,7 @@ def test_key_grads_mode_is_checked(monkeypatch):
         out.sum().backward()
 
 
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
 def test_sink_key_matches_reference_with_extra_slot_and_gqa(monkeypatch, key_grads):
     """A per-query-head zero-value sink computed in the kernels (k, v, index not extended):
     output and every gradient, the sink's included, as the reference that appends it as a slot."""
@@ -259,7 +311,7 @@ def _causal_mean_twin(q, k, v, index, *, score, gamma, key_padding_mask, sink_ke
     )
 
 
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
 @pytest.mark.parametrize("n,heads,sink", [(2, (2, 2), False), (37, (4, 2), True), (130, (3, 1), False)])
 def test_causal_mean_extra_slot_fused_matches_twin(monkeypatch, key_grads, n, heads, sink):
     """The causal mean token computed inside (its gradient scan added onto the atomics' fp32 dk,
@@ -306,7 +358,7 @@ def test_causal_mean_extra_slot_fp16_within_twice_torch_error_and_bad_shapes():
 
 
 @pytest.mark.parametrize("score", ["dot", "neg_sqeuclid", "cauchy"])
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
 def test_slot_weights_match_reference_with_extra_slot_and_sink(monkeypatch, score, key_grads):
     """Slot weights (attention dropout) scale each listed slot's normalised weight outside the
     normaliser: outputs and every gradient as the reference, at odd sizes, GQA, unused slots, an
