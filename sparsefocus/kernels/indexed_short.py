@@ -92,9 +92,7 @@ def _short_key_grads_kernel(
         ok = t < GROUP * N
         rows = first_row + t  # [BM] flat query rows
         q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        do = tl.load(DOUT + rows[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0).to(
-            tl.float32
-        )
+        do = tl.load(DOUT + rows[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
         w_coef, w_prob = _one_hot_weights(IDX, COEF, PROB, rows, ok, keys, NUM_SLOTS, BLOCK_M, BLOCK_N)
         dk += tl.dot(tl.trans(w_coef), q, input_precision=PRECISION)  # [BN, BD]
         dv += tl.dot(tl.trans(w_prob), do, input_precision=PRECISION)  # [BN, BDV]
