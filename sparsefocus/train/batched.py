@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY
+from sparsefocus.attention.patterns import AUX_KEY, IndexedPattern
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models.blocks import (
@@ -314,8 +314,8 @@ class RunAttention(nn.Module):
         """The paper's attention without the N x N weights where the pattern allows (see
         ``fused_paper_attention``); dropout stays active in eval, as in the paper's code."""
         k, v = expand_kv(k, self.heads), expand_kv(v, self.heads)
-        fixed = None
-        if not self.pattern.input_dependent and not isinstance(self.pattern, Full):
+        fixed, fixed_index = None, fixed_key_lists(self.pattern, q, k, self.causal)
+        if fixed_index is None and not self.pattern.input_dependent and not isinstance(self.pattern, Full):
             # [1, 1, N, M]: the same for every row; rebuilt per call (cheap, and no state under torch.compile)
             fixed = selection_mask(self.pattern, q[:1, :1], k[:1, :1], causal=self.causal)
         return fused_paper_attention(
@@ -328,7 +328,25 @@ class RunAttention(nn.Module):
             causal=self.causal,
             dropout_p=self.dropout.p,
             topk_select=self.topk_select,
+            fixed_index=fixed_index,
         )
+
+
+FIXED_LIST_MAX_SLOTS = 0
+"""Fast mode attends input-agnostic patterns without global tokens (BAND:k, BLOC:k, ...) over
+their key lists (``gathered_attention``) when a list has at most this many slots; otherwise, and
+at the default 0, through SDPA with the pattern's [N, M] mask. Not the default until measured."""
+
+
+def fixed_key_lists(pattern, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:
+    """[1, 1, N, K] long key lists of an input-agnostic pattern without global tokens, -1 for
+    unused slots, if it has at most ``FIXED_LIST_MAX_SLOTS`` slots; else None."""
+    if FIXED_LIST_MAX_SLOTS <= 0 or not isinstance(pattern, IndexedPattern):
+        return None
+    if pattern.input_dependent or pattern.num_global_tokens:
+        return None
+    index = pattern.indices(q[:1, :1], k[:1, :1], causal, None, None)  # [1, 1, N, K] int32
+    return index.long() if index.shape[-1] <= FIXED_LIST_MAX_SLOTS else None
 
 
 MASKED_SELECTION_MAX_KEYS = 4096
@@ -357,9 +375,9 @@ GATHER_IMPL = "auto"
 
 def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: float, dropout_p: float) -> Tensor:
     """Softmax attention over the listed keys only: q [B, H, N, D], k, v [B, H, M, D], index
-    [B, H, N, K] long (every entry a valid key) -> [B, H, N, D]. Dropout on the K weights: one
-    ``F.dropout`` of ones [B, H, N, K] multiplies the normalised weights (what ``F.dropout`` of
-    the weights draws, and the same draw for both implementations)."""
+    [B, H, N, K] long (-1: an unused slot; a row without keys gives 0) -> [B, H, N, D]. Dropout
+    on the K weights: one ``F.dropout`` of ones [B, H, N, K] multiplies the normalised weights
+    (what ``F.dropout`` of the weights draws, and the same draw for both implementations)."""
     keep = F.dropout(q.new_ones(index.shape, dtype=torch.float32), dropout_p, training=True) if dropout_p > 0 else None
     if GATHER_IMPL == "triton" or (GATHER_IMPL == "auto" and q.is_cuda):
         from sparsefocus.kernels.indexed import indexed_attention
@@ -368,10 +386,13 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: fl
     batch, heads, n_queries, dim = q.shape
     rows = torch.arange(batch * heads, device=q.device)[:, None, None]  # [B*H, 1, 1]
     flat_index = index.reshape(batch * heads, n_queries, -1)  # [B*H, N, K]
+    listed = flat_index >= 0
+    flat_index = flat_index.clamp_min(0)
     keys = k.reshape(batch * heads, -1, dim)[rows, flat_index]  # [B*H, N, K, D]
     values = v.reshape(batch * heads, -1, v.shape[-1])[rows, flat_index]  # [B*H, N, K, Dv]
     scores = torch.einsum("rnd,rnkd->rnk", q.reshape(batch * heads, n_queries, dim), keys) * scale
-    weights = scores.softmax(dim=-1)  # [B*H, N, K]
+    # a finite fill and a product, not -inf: a row without keys gets weights 0 and finite gradients
+    weights = scores.masked_fill(~listed, PAPER_FILL).softmax(dim=-1) * listed  # [B*H, N, K]
     if keep is not None:
         weights = (weights.float() * keep.reshape(weights.shape)).to(weights.dtype)
     out = torch.einsum("rnk,rnkd->rnd", weights, values)  # [B*H, N, Dv]
@@ -389,12 +410,14 @@ def fused_paper_attention(
     causal: bool,
     dropout_p: float,
     topk_select: str = "torch",
+    fixed_index: Tensor | None = None,
 ) -> Tensor:
     """The Semantic Focus attention (softmax over the kept keys, dropout on the weights) computed
     without materialising N x N weights where possible.
 
     q, k, v: [B, H, N, D] (k, v already expanded to H heads). FULL -> SDPA; an input-agnostic
-    pattern -> SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
+    pattern -> attention over its ``fixed_index`` [1, 1, N, K] key lists if given
+    (``gathered_attention``), else SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
     causality -> while gradients are recorded, SDPA with the chosen keys as a boolean mask (rows
     of at most ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys'
     gradients, which serialises on keys that many queries choose), otherwise (evaluation, longer
@@ -406,6 +429,8 @@ def fused_paper_attention(
     plain = key_padding_mask is None and not causal
     if plain and isinstance(pattern, Full):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
+    if plain and fixed_index is not None:
+        return gathered_attention(q, k, v, fixed_index.expand(*q.shape[:2], *fixed_index.shape[2:]), scale, dropout_p)
     if plain and fixed_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=fixed_mask, dropout_p=dropout_p, scale=scale)
     if plain and isinstance(pattern, (TopK, BottomK)):

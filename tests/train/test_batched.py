@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from sparsefocus.attention import selection_mask
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models import Encoder, ModelConfig
 from sparsefocus.train.batched import (
@@ -269,6 +270,21 @@ def test_fast_fold_computes_each_models_logits(mechanism, layout):
 
 
 @pytest.mark.parametrize(
+    "layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"]
+)
+@pytest.mark.parametrize("mechanism", ["BAND:3", "BLOC:4"])
+def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, layout, monkeypatch):
+    from sparsefocus.train import batched
+
+    monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", 8)
+    calls = []
+    original = batched.gathered_attention
+    monkeypatch.setattr(batched, "gathered_attention", lambda *a: calls.append(1) or original(*a))
+    test_fast_fold_computes_each_models_logits(mechanism, layout)
+    assert calls, "the key lists were not used"
+
+
+@pytest.mark.parametrize(
     "overrides, message",
     [
         (["train.batched_mode=fast"], "needs train.batched_mode=fast on a CUDA device"),
@@ -414,11 +430,13 @@ def test_clip_per_run_scales_each_run_by_its_own_norm(exact):
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 def test_gathered_attention_kernel_equals_torch_with_the_same_dropout_draw(dropout_p, monkeypatch):
     """The gathered-keys attention on the indexed Triton kernel (slot weights for the dropout)
-    gives the torch form's outputs and gradients when both draw from the same generator state."""
+    gives the torch form's outputs and gradients when both draw from the same generator state,
+    with unused slots (-1) and a row without keys (output 0)."""
     from sparsefocus.train import batched
 
     q, k, v = (torch.randn(3, 2, 21, 8, requires_grad=True) for _ in range(3))
-    index = torch.randint(0, 21, (3, 2, 21, 5))
+    index = torch.randint(-1, 21, (3, 2, 21, 5))
+    index[0, 1, 4] = -1
     grad = torch.randn(3, 2, 21, 8)
     results = []
     for impl in ("torch", "triton"):
@@ -428,9 +446,38 @@ def test_gathered_attention_kernel_equals_torch_with_the_same_dropout_draw(dropo
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert (results[0][0][0, 1, 4] == 0).all() and torch.isfinite(results[0][1]).all()
     if dropout_p:
         torch.manual_seed(7)
         assert not torch.allclose(results[0][0], batched.gathered_attention(q, k, v, index, 0.35, 0.0))
+
+
+@pytest.mark.parametrize("pattern", ["BAND:3", "BLOC:4", "BAND:5"])
+def test_fixed_patterns_over_their_key_lists_equal_the_masked_form(pattern, monkeypatch):
+    """With FIXED_LIST_MAX_SLOTS set, fast mode attends BAND and BLOC over their key lists (unused
+    slots at the edges included): the outputs and gradients of SDPA with the pattern's mask. A
+    pattern with global tokens, or lists longer than the limit, keeps the mask."""
+    from sparsefocus.attention import parse_pattern
+    from sparsefocus.train import batched
+
+    q, k, v = (torch.randn(3, 2, 22, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    grad = torch.randn(3, 2, 22, 8, dtype=torch.float64)
+    spec = parse_pattern(pattern)
+    results = []
+    for limit in (0, 16):
+        monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", limit)
+        index = batched.fixed_key_lists(spec, q, k, causal=False)
+        assert (index is None) == (limit == 0)
+        fixed = selection_mask(spec, q[:1, :1], k[:1, :1]) if index is None else None
+        out = fused_paper_attention(
+            q, k, v, spec, fixed_mask=fixed, key_padding_mask=None, causal=False, dropout_p=0.0, fixed_index=index
+        )
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for name, masked, listed in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(masked, listed, rtol=1e-10, atol=1e-12, msg=name)
+    assert batched.fixed_key_lists(parse_pattern("BAND:3(1)"), q, k, causal=False) is None
+    monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", 2)
+    assert batched.fixed_key_lists(spec, q, k, causal=False) is None
 
 
 def test_fast_selection_without_gradients_attends_through_the_gathered_keys(monkeypatch):
@@ -467,3 +514,22 @@ def test_fast_selection_compiles_in_both_grad_modes():
     for grad_mode in (True, False):
         with torch.set_grad_enabled(grad_mode):
             torch.testing.assert_close(compiled(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_key_lists_compile_with_fullgraph(monkeypatch):
+    """The key lists of an input-agnostic pattern are built inside the compiled graph and give
+    eager's outputs."""
+    from sparsefocus.attention import parse_pattern
+    from sparsefocus.train import batched
+
+    monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", 8)
+    spec = parse_pattern("BAND:3")
+    q, k, v = (torch.randn(2, 1, 30, 8) for _ in range(3))
+
+    def attend(q, k, v):
+        index = batched.fixed_key_lists(spec, q, k, causal=False)
+        kw = dict(fixed_mask=None, key_padding_mask=None, causal=False, dropout_p=0.0, fixed_index=index)
+        return fused_paper_attention(q, k, v, spec, **kw)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-6)
