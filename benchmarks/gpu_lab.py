@@ -19,12 +19,18 @@ Usage (one H200, about 9 minutes a call):
     python benchmarks/gpu_lab.py --out OUT [--budget 540] [--precision high] [--autocast none]
     python benchmarks/gpu_lab.py --out OUT --summarise --precision high --autocast bf16 --fidelity-epochs 8  # no GPU
 Writes ``<out>/gpu_lab.json`` and prints a table. Extra ``--set key=value`` overrides go to
-every ListOps config (e.g. ``--set model.global_tokens=append_paper``).
+every ListOps config (e.g. ``--set model.global_tokens=append_paper``). ``--constant
+MODULE.NAME=VALUE`` sets a module constant of the package before anything runs, to time the
+step with another implementation choice (e.g. ``--constant
+sparsefocus.train.batched.FIXED_LIST_MAX_SLOTS=64``); the constants are recorded with the
+results. ``--only-throughput`` times and stops (no check, fidelity or study).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import statistics
@@ -48,6 +54,24 @@ FIG1A = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
 FP32 = ("highest", "none")
 DEVICE = "cuda"
 TOPK_SELECT = "torch"
+
+
+def set_constant(assignment: str) -> tuple[str, object]:
+    """Apply ``MODULE.NAME=VALUE`` (VALUE a Python literal, else a string) to a module constant of
+    sparsefocus that already exists. Returns (the dotted name, the value). ValueError otherwise."""
+    target, sep, text = assignment.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name.startswith("sparsefocus") or not name:
+        raise ValueError(f"--constant takes sparsefocus.MODULE.NAME=VALUE, got {assignment!r}")
+    module = importlib.import_module(module_name)
+    if not hasattr(module, name):
+        raise ValueError(f"{module_name} has no constant {name}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    setattr(module, name, value)
+    return target, value
 
 
 def synchronize() -> None:
@@ -383,6 +407,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--set", action="append", default=[], dest="extra", metavar="KEY=VALUE", help="override for every ListOps config"
     )
+    parser.add_argument(
+        "--constant", action="append", default=[], metavar="MODULE.NAME=VALUE", help="a sparsefocus module constant to set"
+    )
+    parser.add_argument("--only-throughput", action="store_true", help="time the step and stop: no check, fidelity or study")
     return parser.parse_args()
 
 
@@ -392,6 +420,11 @@ def main() -> int:
     DEVICE, TOPK_SELECT = args.device, args.topk_select
     if args.summarise:
         return summarise_only(args)
+    try:
+        constants = dict(set_constant(assignment) for assignment in args.constant)
+    except ValueError as error:
+        print(f"gpu_lab: error: {error}", file=sys.stderr)
+        return 2
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("gpu_lab needs CUDA (--device cpu with small --set sizes is a smoke test only)")
         return 2
@@ -409,6 +442,7 @@ def main() -> int:
     state["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     state["torch"] = torch.__version__
     state["chosen"] = {"matmul_precision": chosen[0], "autocast": chosen[1], "compile": args.compile, "topk_select": TOPK_SELECT}
+    state["constants"] = constants
 
     def save() -> None:
         write_text_atomic(state_path, json.dumps(state, indent=1))
@@ -416,7 +450,7 @@ def main() -> int:
     def left() -> float:
         return args.budget - (time.time() - started)
 
-    if "check" not in state:
+    if "check" not in state and not args.only_throughput:
         state["check"] = check(out, extra)
         save()
     if "throughput" not in state and left() > args.min_stage:
@@ -426,6 +460,9 @@ def main() -> int:
         save()
     elif "throughput" not in state:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
+    if args.only_throughput:
+        print_table(state)
+        return 0
     fidelity_due = chosen != FP32 and not state.get("fidelity", {}).get("finished")
     if fidelity_due and left() > args.margin + 120:
         state["fidelity"] = fidelity(out, compared, extra, args.fidelity_epochs, Budget(left() - args.margin))

@@ -385,18 +385,18 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: fl
         return cast(Tensor, indexed_attention(q, k, v, index, scale=scale, slot_weight=keep))
     batch, heads, n_queries, dim = q.shape
     rows = torch.arange(batch * heads, device=q.device)[:, None, None]  # [B*H, 1, 1]
-    flat_index = index.reshape(batch * heads, n_queries, -1)  # [B*H, N, K]
+    flat_index = index.reshape(batch * heads, n_queries, index.shape[-1])  # [B*H, N, K]
     listed = flat_index >= 0
     flat_index = flat_index.clamp_min(0)
-    keys = k.reshape(batch * heads, -1, dim)[rows, flat_index]  # [B*H, N, K, D]
-    values = v.reshape(batch * heads, -1, v.shape[-1])[rows, flat_index]  # [B*H, N, K, Dv]
+    keys = k.reshape(batch * heads, k.shape[2], dim)[rows, flat_index]  # [B*H, N, K, D]
+    values = v.reshape(batch * heads, v.shape[2], v.shape[-1])[rows, flat_index]  # [B*H, N, K, Dv]
     scores = torch.einsum("rnd,rnkd->rnk", q.reshape(batch * heads, n_queries, dim), keys) * scale
     # a finite fill and a product, not -inf: a row without keys gets weights 0 and finite gradients
     weights = scores.masked_fill(~listed, PAPER_FILL).softmax(dim=-1) * listed  # [B*H, N, K]
     if keep is not None:
         weights = (weights.float() * keep.reshape(weights.shape)).to(weights.dtype)
     out = torch.einsum("rnk,rnkd->rnd", weights, values)  # [B*H, N, Dv]
-    return out.reshape(batch, heads, n_queries, -1)
+    return out.reshape(batch, heads, n_queries, v.shape[-1])
 
 
 def fused_paper_attention(

@@ -533,3 +533,11 @@ def test_fixed_key_lists_compile_with_fullgraph(monkeypatch):
 
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), attend(q, k, v), rtol=1e-5, atol=1e-6)
+
+
+def test_gathered_attention_of_an_empty_batch_is_empty():
+    from sparsefocus.train import batched
+
+    q, k, v = torch.randn(0, 2, 7, 8), torch.randn(0, 2, 9, 8), torch.randn(0, 2, 9, 5)
+    out = batched.gathered_attention(q, k, v, torch.zeros(0, 2, 7, 3, dtype=torch.long), 0.3, 0.1)
+    assert out.shape == (0, 2, 7, 5)
