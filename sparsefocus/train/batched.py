@@ -333,20 +333,37 @@ class RunAttention(nn.Module):
 
 
 FIXED_LIST_MAX_SLOTS = 0
-"""Fast mode attends input-agnostic patterns without global tokens (BAND:k, BLOC:k, ...) over
-their key lists (``gathered_attention``) when a list has at most this many slots; otherwise, and
-at the default 0, through SDPA with the pattern's [N, M] mask. Not the default until measured."""
+"""Fast mode attends input-agnostic patterns (BAND:k(g), BLOC:k(g), ...) over their key lists
+(``gathered_attention``; the g global query rows over every key, through SDPA) when a list has
+at most this many slots; otherwise, and at the default 0, through SDPA with the pattern's
+[N, M] mask. Not the default until measured."""
 
 
 def fixed_key_lists(pattern, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:
-    """[1, 1, N, K] long key lists of an input-agnostic pattern without global tokens, -1 for
-    unused slots, if it has at most ``FIXED_LIST_MAX_SLOTS`` slots; else None."""
-    if FIXED_LIST_MAX_SLOTS <= 0 or not isinstance(pattern, IndexedPattern):
-        return None
-    if pattern.input_dependent or pattern.num_global_tokens:
+    """[1, 1, N, K] long key lists of an input-agnostic pattern, -1 for unused slots (the global
+    query rows' lists are not used), if it has at most ``FIXED_LIST_MAX_SLOTS`` slots; else None."""
+    if FIXED_LIST_MAX_SLOTS <= 0 or not isinstance(pattern, IndexedPattern) or pattern.input_dependent:
         return None
     index = pattern.indices(q[:1, :1], k[:1, :1], causal, None, None)  # [1, 1, N, K] int32
     return index.long() if index.shape[-1] <= FIXED_LIST_MAX_SLOTS else None
+
+
+def global_rows(pattern, n_queries: int) -> slice:
+    """The query rows of ``pattern``'s global tokens, which attend to every key: the first g, or
+    the last g when the pattern puts them at the end (the Semantic Focus layout)."""
+    count = min(pattern.num_global_tokens, n_queries)
+    return slice(n_queries - count, n_queries) if getattr(pattern, "globals_last", False) else slice(0, count)
+
+
+def listed_attention(q: Tensor, k: Tensor, v: Tensor, pattern, index: Tensor, scale: float, dropout_p: float) -> Tensor:
+    """An input-agnostic pattern's attention, non-causal: each query over its ``index`` [1, 1, N, K]
+    key list, the global rows over every key (SDPA, their dropout drawn there)."""
+    out = gathered_attention(q, k, v, index.expand(*q.shape[:2], *index.shape[2:]), scale, dropout_p)
+    rows = global_rows(pattern, q.shape[2])
+    if rows.start == rows.stop:
+        return out
+    head = F.scaled_dot_product_attention(q[:, :, rows], k, v, dropout_p=dropout_p, scale=scale)
+    return torch.cat([out[:, :, : rows.start], head.to(out.dtype), out[:, :, rows.stop :]], dim=2)
 
 
 MASKED_SELECTION_MAX_KEYS = 4096
@@ -417,7 +434,7 @@ def fused_paper_attention(
 
     q, k, v: [B, H, N, D] (k, v already expanded to H heads). FULL -> SDPA; an input-agnostic
     pattern -> attention over its ``fixed_index`` [1, 1, N, K] key lists if given
-    (``gathered_attention``), else SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
+    (``listed_attention``), else SDPA with its ``fixed_mask`` [1, 1, N, M]; TOPK/BOTK without padding mask or
     causality -> while gradients are recorded, SDPA with the chosen keys as a boolean mask (rows
     of at most ``MASKED_SELECTION_MAX_KEYS`` keys: fused kernels, and no atomic scatter of the keys'
     gradients, which serialises on keys that many queries choose), otherwise (evaluation, longer
@@ -430,7 +447,7 @@ def fused_paper_attention(
     if plain and isinstance(pattern, Full):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     if plain and fixed_index is not None:
-        return gathered_attention(q, k, v, fixed_index.expand(*q.shape[:2], *fixed_index.shape[2:]), scale, dropout_p)
+        return listed_attention(q, k, v, pattern, fixed_index, scale, dropout_p)
     if plain and fixed_mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=fixed_mask, dropout_p=dropout_p, scale=scale)
     if plain and isinstance(pattern, (TopK, BottomK)):

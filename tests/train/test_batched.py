@@ -272,7 +272,7 @@ def test_fast_fold_computes_each_models_logits(mechanism, layout):
 @pytest.mark.parametrize(
     "layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"]
 )
-@pytest.mark.parametrize("mechanism", ["BAND:3", "BLOC:4"])
+@pytest.mark.parametrize("mechanism", ["BAND:3", "BLOC:4", "BAND:3(1)", "BLOC:4(1)"])
 def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, layout, monkeypatch):
     from sparsefocus.train import batched
 
@@ -452,11 +452,13 @@ def test_gathered_attention_kernel_equals_torch_with_the_same_dropout_draw(dropo
         assert not torch.allclose(results[0][0], batched.gathered_attention(q, k, v, index, 0.35, 0.0))
 
 
-@pytest.mark.parametrize("pattern", ["BAND:3", "BLOC:4", "BAND:5"])
+@pytest.mark.parametrize(
+    "pattern", ["BAND:3", "BLOC:4", "BAND:5", "BAND:3(1)", "bloc:k=4,g=2,globals_at=end", "band:k=5,g=1,globals_at=end"]
+)
 def test_fixed_patterns_over_their_key_lists_equal_the_masked_form(pattern, monkeypatch):
     """With FIXED_LIST_MAX_SLOTS set, fast mode attends BAND and BLOC over their key lists (unused
-    slots at the edges included): the outputs and gradients of SDPA with the pattern's mask. A
-    pattern with global tokens, or lists longer than the limit, keeps the mask."""
+    slots at the edges included; global rows, first or last, over every key): the outputs and
+    gradients of SDPA with the pattern's mask. Lists longer than the limit keep the mask."""
     from sparsefocus.attention import parse_pattern
     from sparsefocus.train import batched
 
@@ -475,7 +477,6 @@ def test_fixed_patterns_over_their_key_lists_equal_the_masked_form(pattern, monk
         results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
     for name, masked, listed in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(masked, listed, rtol=1e-10, atol=1e-12, msg=name)
-    assert batched.fixed_key_lists(parse_pattern("BAND:3(1)"), q, k, causal=False) is None
     monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", 2)
     assert batched.fixed_key_lists(spec, q, k, causal=False) is None
 
