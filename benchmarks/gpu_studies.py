@@ -90,6 +90,7 @@ def study_config(
         "train.batched_mode=fast",
         f"train.compile={compile_mode}",
         "train.task_cache=true",
+        "train.topk_select=triton",  # exact fp32 scores whatever the matmul precision, and faster
         f"train.matmul_precision={precision}",
         f"train.autocast={autocast}",
         f"train.concurrent_groups={concurrent}",

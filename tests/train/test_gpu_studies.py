@@ -42,6 +42,7 @@ def test_study_configs_are_the_figure_1_grid(studies, study, epochs, tmp_path):
     config = studies.study_config(study, tmp_path, "highest", "none", "step-graph")
     assert config.mechanisms == studies.FIGURE_1 and len(config.seeds) == 10
     assert config.train.epochs == epochs and config.model.activation == "relu" and config.settings == {}
+    assert config.train.topk_select == "triton"
 
 
 def test_the_open_question_study_keeps_its_nine_mechanisms(studies, tmp_path):
