@@ -43,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.bench.profiling import count_kernels, device_ms, profile_events, top_kernels
+from sparsefocus.train.batched import fast_attention
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import PAPER_SEEDS, load_config
 from sparsefocus.train.driver import Budget, GroupTrainer, build_datas
@@ -211,7 +212,7 @@ def throughput(
     for precision in precisions:
         for mechanism in mechanisms:
             config = listops(out, "listops_fig1a", [mechanism], PAPER_SEEDS, precision, extra, f"train.compile={compile_mode}")
-            with matmul_precision(precision[0]):
+            with matmul_precision(precision[0]), fast_attention(config.train.fast_attention):
                 if DEVICE == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 trainer = trainer_for(config, mechanism, PAPER_SEEDS)

@@ -75,9 +75,17 @@ CACHE = "compile-cache"
 
 
 def study_config(
-    study: str, work: Path, precision: str, autocast: str, compile_mode: str, concurrent: int = 1, extra: tuple[str, ...] = ()
+    study: str,
+    work: Path,
+    precision: str,
+    autocast: str,
+    compile_mode: str,
+    concurrent: int = 1,
+    extra: tuple[str, ...] = (),
+    attention: str = "masks",
 ):
-    """The study's config as this script trains it; ``extra`` overrides come last."""
+    """The study's config as this script trains it (``attention``: ``train.fast_attention``);
+    ``extra`` overrides come last."""
     overrides = [
         f"out_dir={work}",
         f"name={study}",
@@ -94,6 +102,7 @@ def study_config(
         f"train.matmul_precision={precision}",
         f"train.autocast={autocast}",
         f"train.concurrent_groups={concurrent}",
+        f"train.fast_attention={attention}",
         "train.checkpoint_every=10",  # a budget stop saves every run anyway; 60 saves an epoch cost ~10%
         *extra,
     ]
@@ -241,6 +250,9 @@ def main() -> int:
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"))
     parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph"))
     parser.add_argument("--concurrent", type=int, default=len(FIGURE_1), help="mechanism groups trained at once")
+    parser.add_argument(
+        "--fast-attention", default="masks", choices=("masks", "lists"), help="train.fast_attention (default: masks)"
+    )
     parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
     parser.add_argument(
         "--no-compile-cache", action="store_true", help="neither unpack nor return Inductor's and Triton's caches"
@@ -254,7 +266,7 @@ def main() -> int:
     )
     args = parser.parse_args()
     out, work = Path(args.out), Path(args.work)
-    full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent)
+    full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent, (), args.fast_attention)
     try:
         only = subset_overrides(full, args.mechanism, args.seeds)
     except ValueError as error:
@@ -275,7 +287,9 @@ def main() -> int:
     if args.check:
         print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
-    config = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only)
+    config = study_config(
+        args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only, args.fast_attention
+    )
     began = time.time()
     run_experiment(config, quiet=True, budget=budget)
     line, complete = progress_line(config)
@@ -299,6 +313,7 @@ def main() -> int:
             "autocast": args.autocast,
             "compile": args.compile,
             "concurrent": args.concurrent,
+            "fast_attention": args.fast_attention,
         },
     }
     write_text_atomic(out / f"{args.study}_progress.json", json.dumps(record, indent=1))

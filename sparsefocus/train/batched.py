@@ -22,9 +22,10 @@ Two modes:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -337,6 +338,30 @@ FIXED_LIST_MAX_SLOTS = 0
 (``gathered_attention``; the g global query rows over every key, through SDPA) when a list has
 at most this many slots; otherwise, and at the default 0, through SDPA with the pattern's
 [N, M] mask. Not the default until measured."""
+
+
+LIST_SLOTS = 64
+"""``fast_attention("lists")``: the longest key lists of an input-agnostic pattern it attends over."""
+
+
+@contextlib.contextmanager
+def fast_attention(choice: str) -> Iterator[None]:
+    """``train.fast_attention`` while training: "masks" leaves the settings as they are; "lists"
+    sets ``MASKED_SELECTION_MAX_KEYS`` to 0 (TOPK trains over its chosen keys),
+    ``FIXED_LIST_MAX_SLOTS`` to ``LIST_SLOTS`` and the indexed kernel's ``KEY_GRADS`` to "auto"
+    (no atomics for rows of up to 2,048 keys), and restores them afterwards."""
+    if choice == "masks":
+        yield
+        return
+    from sparsefocus.kernels import indexed
+
+    global MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
+    saved = MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS
+    MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS = 0, LIST_SLOTS, "auto"
+    try:
+        yield
+    finally:
+        MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS = saved
 
 
 def fixed_key_lists(pattern, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:

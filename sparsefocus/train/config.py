@@ -30,6 +30,7 @@ COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead", "step-graph")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 AUTOCASTS = ("none", "bf16")
 TOPK_SELECTS = ("torch", "triton")
+FAST_ATTENTIONS = ("masks", "lists")
 
 
 @dataclass
@@ -114,6 +115,10 @@ class TrainConfig:
         autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".
         topk_select: how the batched fast path picks TOPK keys: "torch" (scores + topk) or
             "triton" (the fused selection kernel, CUDA). Default: "torch".
+        fast_attention: how the batched fast path trains the paper's BAND, BLOC and TOPK: "masks"
+            (SDPA with the pattern's [N, M] mask, or a mask of the chosen keys) or "lists" (each
+            query over its key list: ``batched.gathered_attention``, key gradients without
+            atomics for rows of up to 2,048 keys; global rows over every key). Default: "masks".
         task_cache: the batched path keeps each seed's built task data under
             ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
             and builds missing seeds in parallel processes. Default: False.
@@ -140,6 +145,7 @@ class TrainConfig:
     matmul_precision: str = "highest"
     autocast: str = "none"
     topk_select: str = "torch"
+    fast_attention: str = "masks"
     task_cache: bool = False
     shuffle: bool = True
 
@@ -162,6 +168,7 @@ class TrainConfig:
         _choice("train.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("train.autocast", self.autocast, AUTOCASTS)
         _choice("train.topk_select", self.topk_select, TOPK_SELECTS)
+        _choice("train.fast_attention", self.fast_attention, FAST_ATTENTIONS)
         if self.batched_max_runs < 0:
             raise ValueError(f"train.batched_max_runs must be >= 0, got {self.batched_max_runs}")
         _positive("train.concurrent_groups", self.concurrent_groups)
@@ -169,6 +176,8 @@ class TrainConfig:
             raise ValueError("train.concurrent_groups is read by the batched path only: set train.batched=true")
         if not self.batched and self.autocast != "none":
             raise ValueError("train.autocast is read by the batched path only: set train.batched=true")
+        if not self.batched and self.fast_attention != "masks":
+            raise ValueError("train.fast_attention is read by the batched path only: set train.batched=true")
         if self.batched and self.jobs > 1:
             raise ValueError("train.jobs must be 1 with train.batched (one process trains the folded runs)")
 

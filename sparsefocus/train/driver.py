@@ -37,6 +37,7 @@ from sparsefocus.train.batched import (
     RunRandomness,
     clip_per_run_,
     default_generator,
+    fast_attention,
     fold_models,
     fold_optimizer_states,
     load_run_states,
@@ -718,7 +719,7 @@ def train_group(specs: list[RunSpec], budget: Budget | None = None, on_epoch: Ca
     most ``train.batched_max_runs`` runs with data of one shape. Returns True when all finished."""
     config: ExperimentConfig = specs[0].config
     device = resolve_device(config.train.device)
-    with matmul_precision(config.train.matmul_precision):
+    with matmul_precision(config.train.matmul_precision), fast_attention(config.train.fast_attention):
         datas = build_datas(config, [spec.seed for spec in specs], device)
         for chosen in _folded_parts(specs, datas):
             if budget is not None and not budget.allows():
@@ -741,11 +742,14 @@ def train_groups_together(
     configs = [group[0].config for group in groups]
     devices = {config.train.device for config in configs}
     precisions = {config.train.matmul_precision for config in configs}
-    if len(devices) > 1 or len(precisions) > 1:
-        raise ValueError("train.concurrent_groups > 1 needs one train.device and one train.matmul_precision across settings")
+    attentions = {config.train.fast_attention for config in configs}
+    if len(devices) > 1 or len(precisions) > 1 or len(attentions) > 1:
+        raise ValueError(
+            "train.concurrent_groups > 1 needs one train.device, train.matmul_precision and train.fast_attention across settings"
+        )
     device = resolve_device(configs[0].train.device)
     parts: list[tuple[Callable[[], PartRun], Callable[[int], None] | None]] = []
-    with matmul_precision(configs[0].train.matmul_precision):
+    with matmul_precision(configs[0].train.matmul_precision), fast_attention(configs[0].train.fast_attention):
         for index, specs in enumerate(groups):
             datas = build_datas(specs[0].config, [spec.seed for spec in specs], device)
             callback = on_epochs[index] if on_epochs is not None else None

@@ -50,6 +50,7 @@ RESUME_FREE_KEYS = (
     "train.compile",
     "train.task_cache",
     "train.topk_select",  # both pick the k largest scores; they differ only between near ties (rounding)
+    "train.fast_attention",  # the same attention computed another way (rounding, fast mode's dropout draws)
     "mechanisms",  # the grid's lists: a run is its own mechanism and seed (recorded apart), so a
     "seeds",  # study can be trained a few groups or seeds at a time and reported whole
 )

@@ -93,11 +93,28 @@ def test_exact_batched_seeds_equal_single_runs_with_dropout(single, tmp_path):
     assert_same_params(params_of(single / "dropout" / "exp"), params_of(root), atol=0.0)
 
 
-def test_fast_batched_seeds_equal_single_runs_without_dropout(single, tmp_path):
+@pytest.mark.parametrize("attention", ["masks", "lists"])
+def test_fast_batched_seeds_equal_single_runs_without_dropout(single, tmp_path, attention):
     overrides = ["model.dropout=0.0", "mechanisms=[FULL,BAND:3(1),TOPK:3]", "train.batched=true", "train.batched_mode=fast"]
-    root = run_experiment(config(tmp_path, *overrides), quiet=True)
+    root = run_experiment(config(tmp_path, *overrides, f"train.fast_attention={attention}"), quiet=True)
     assert_same_metrics(metrics_of(single / "plain" / "exp"), metrics_of(root), rtol=1e-5)
     assert_same_params(params_of(single / "plain" / "exp"), params_of(root), atol=1e-5)
+
+
+def test_fast_attention_lists_sets_the_switches_while_training_only(tmp_path):
+    from sparsefocus.kernels import indexed
+    from sparsefocus.train import batched
+
+    before = batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS
+    with batched.fast_attention("lists"):
+        assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == (0, 64, "auto")
+    with batched.fast_attention("masks"):
+        assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
+    assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
+    with pytest.raises(ValueError, match="train.fast_attention is read by the batched path only"):
+        config(tmp_path, "train.fast_attention=lists")
+    with pytest.raises(ValueError, match="train.fast_attention"):
+        config(tmp_path, "train.batched=true", "train.fast_attention=sdpa")
 
 
 class EpochBudget(Budget):

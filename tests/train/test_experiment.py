@@ -221,7 +221,13 @@ def test_a_folder_written_before_a_key_existed_resumes_at_its_default(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key, value", [("train.checkpoint_every", 3), ("train.concurrent_groups", 2), ("train.topk_select", "triton")]
+    "key, value",
+    [
+        ("train.checkpoint_every", 3),
+        ("train.concurrent_groups", 2),
+        ("train.topk_select", "triton"),
+        ("train.fast_attention", "lists"),
+    ],
 )
 def test_keys_that_do_not_change_results_may_change_between_calls(key, value, tmp_path):
     from sparsefocus.train.loop import check_run_folder
