@@ -22,8 +22,10 @@ Writes ``<out>/gpu_lab.json`` and prints a table. Extra ``--set key=value`` over
 every ListOps config (e.g. ``--set model.global_tokens=append_paper``). ``--constant
 MODULE.NAME=VALUE`` sets a module constant of the package before anything runs, to time the
 step with another implementation choice (e.g. ``--constant
-sparsefocus.train.batched.FIXED_LIST_MAX_SLOTS=64``); the constants are recorded with the
-results. ``--only-throughput`` times and stops (no check, fidelity or study).
+sparsefocus.kernels.indexed.SHORT_KEY_GRADS_MAX_KEYS=2048``; ``train.fast_attention=lists`` sets
+its two switches of ``sparsefocus.train.batched`` itself, over such constants); the overrides and
+constants are recorded beside the timings. ``--only-throughput`` times and stops (no check,
+fidelity or study; exit status 1 when the budget left no time to time).
 """
 
 from __future__ import annotations
@@ -116,9 +118,10 @@ def trainer_for(config, mechanism: str, seeds: list[int]) -> GroupTrainer:
 
 
 def check(out: Path, extra: list[str]) -> dict:
-    """Fast against exact folded models on CUDA (fp32, dropout 0): logits and gradients."""
+    """Fast (in the chosen ``train.fast_attention``) against exact folded models on CUDA (fp32,
+    dropout 0): logits and gradients."""
     results = {}
-    for mechanism in ("FULL", "TOPK:5"):
+    for mechanism in ("FULL", "TOPK:5", "BAND:5(1)"):
         grads = {}
         for mode in ("exact", "fast"):
             config = listops(
@@ -131,8 +134,9 @@ def check(out: Path, extra: list[str]) -> dict:
                 "model.dropout=0.0",
                 f"train.batched_mode={mode}",
                 "train.compile=eager",
+                *(["train.fast_attention=masks"] if mode == "exact" else []),  # the exact path has one form
             )
-            with matmul_precision("highest"):
+            with matmul_precision("highest"), fast_attention(config.train.fast_attention):
                 trainer = trainer_for(config, mechanism, PAPER_SEEDS[:2])
                 inputs, targets = trainer.rows(
                     trainer.train_inputs, trainer.train_targets, torch.arange(8, device=DEVICE).expand(2, -1)
@@ -175,7 +179,7 @@ def check_step_graph(out: Path, extra: list[str], steps: int = 5) -> dict:
     finals = {}
     for mode in ("default", "step-graph"):
         config = listops(out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, f"train.compile={mode}"], "model.dropout=0.0")
-        with matmul_precision("highest"):
+        with matmul_precision("highest"), fast_attention(config.train.fast_attention):
             trainer = trainer_for(config, "FULL", PAPER_SEEDS[:2])
             batch = trainer.train_cfg.batch_size
             order = torch.arange(steps * batch, device=DEVICE).view(steps, 1, batch).expand(steps, 2, batch)
@@ -443,7 +447,6 @@ def main() -> int:
     state["device"] = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"
     state["torch"] = torch.__version__
     state["chosen"] = {"matmul_precision": chosen[0], "autocast": chosen[1], "compile": args.compile, "topk_select": TOPK_SELECT}
-    state["constants"] = constants
 
     def save() -> None:
         write_text_atomic(state_path, json.dumps(state, indent=1))
@@ -458,12 +461,13 @@ def main() -> int:
         state["throughput"] = throughput(
             out, timed, extra, args.steps, args.compile, tuple(args.throughput_mechanism or FIG1A[:2])
         )
+        state["throughput_settings"] = {"set": args.extra, "constants": constants}  # what the timings ran with
         save()
     elif "throughput" not in state:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
     if args.only_throughput:
         print_table(state)
-        return 0
+        return 0 if "throughput" in state else 1
     fidelity_due = chosen != FP32 and not state.get("fidelity", {}).get("finished")
     if fidelity_due and left() > args.margin + 120:
         state["fidelity"] = fidelity(out, compared, extra, args.fidelity_epochs, Budget(left() - args.margin))

@@ -128,7 +128,7 @@ def subset_overrides(config, mechanisms: list[str] | None, seeds: list[int] | No
     return tuple(overrides)
 
 
-def check_concurrent(out: Path, work: Path, compile_mode: str) -> dict:
+def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = "masks") -> dict:
     """FULL, TOPK:5 and BAND:5(1) on a small even-pairs grid with dropout, 3 seeds, 3 epochs: one
     group at a time against all three concurrently. Returns the largest differences."""
     tiny = [
@@ -142,7 +142,7 @@ def check_concurrent(out: Path, work: Path, compile_mode: str) -> dict:
     metrics = {}
     for width in (1, 3):
         config = study_config(
-            "even_pairs", work / "check", "highest", "none", compile_mode, width, (f"name=width-{width}", *tiny)
+            "even_pairs", work / "check", "highest", "none", compile_mode, width, (f"name=width-{width}", *tiny), attention
         )
         root = run_experiment(config, quiet=True)
         metrics[width] = {
@@ -154,7 +154,7 @@ def check_concurrent(out: Path, work: Path, compile_mode: str) -> dict:
         for want, got in zip(lines, metrics[3][run], strict=True):
             for key in worst:
                 worst[key] = max(worst[key], abs(want[key] - got[key]))
-    record = {"runs": len(metrics[1]), "epochs": 3, "max_abs_diff": worst, "compile": compile_mode}
+    record = {"runs": len(metrics[1]), "epochs": 3, "max_abs_diff": worst, "compile": compile_mode, "fast_attention": attention}
     write_text_atomic(out / "concurrent_check.json", json.dumps(record, indent=1))
     return record
 
@@ -285,7 +285,7 @@ def main() -> int:
         use_compile_cache(work)
     budget = Budget(args.budget)  # the check's time counts towards it
     if args.check:
-        print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile)}), flush=True)
+        print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile, args.fast_attention)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
     config = study_config(
         args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only, args.fast_attention

@@ -475,20 +475,24 @@ weights, and is tested against the reference. On the H200 at ZETA's 64K (Cauchy)
 was 27% slower than the atomics, with 528 MB less memory
 (``benchmarks/results/zeta_candidates_ab.json``); "short" is not timed yet."""
 
-SHORT_KEY_GRADS_MAX_KEYS = 2048
-"""Longest key rows (M) that ``KEY_GRADS`` "short" and "auto" sum by one-hot tiles."""
+SHORT_KEY_GRADS_MAX_KEYS = 1024
+"""Longest key rows (M) that ``KEY_GRADS`` "short" and "auto" sum by one-hot tiles. Per listed
+pair the one-hot tiles cost about 2 M compare-and-selects against D + Dv atomic adds, so the
+break-even length depends on how much the atomics collide; 1,024 is an estimate, not a measurement."""
 
 KEY_GRADS_MODES = ("atomic", "inverse", "short", "auto")
 
 
-def key_grads_mode(n_keys: int) -> str:
-    """The way this call sums dk and dv: ``KEY_GRADS``, with "auto" and "short" resolved by the
-    key rows' length. ValueError for an unknown mode."""
-    if KEY_GRADS not in KEY_GRADS_MODES:
-        raise ValueError(f"indexed.KEY_GRADS must be one of {', '.join(KEY_GRADS_MODES)}, got {KEY_GRADS!r}")
-    if KEY_GRADS in ("short", "auto"):
+def key_grads_mode(n_keys: int, choice: str = "") -> str:
+    """The way a call sums dk and dv: ``choice`` (the call's ``key_grads``), or ``KEY_GRADS`` when
+    it is "", with "auto" and "short" resolved by the key rows' length. ValueError for an
+    unknown mode."""
+    mode = choice or KEY_GRADS
+    if mode not in KEY_GRADS_MODES:
+        raise ValueError(f"key gradients must be one of {', '.join(KEY_GRADS_MODES)} (indexed.KEY_GRADS), got {mode!r}")
+    if mode in ("short", "auto"):
         return "short" if n_keys <= SHORT_KEY_GRADS_MAX_KEYS else "atomic"
-    return KEY_GRADS
+    return mode
 
 
 class _Grads(NamedTuple):
@@ -502,7 +506,7 @@ class _Grads(NamedTuple):
     d_extra_v: Tensor | None  # [B, Hq, N, Dv] in the extra value's dtype
     delta: Tensor  # [B, Hq, N] fp32 sum(o * dO) (inverse key gradients)
     d_sink: Tensor | None  # [B, Hq, N, D] fp32, per row
-    pair_coef: Tensor  # [B, Hq, N, K] fp32 d loss / d score per (query, slot) (short key gradients)
+    pair_coef: Tensor  # [B, Hq, N, K] fp32 per (query, slot): dk term coef q (dot), -coef (q - k) (distances)
     pair_prob: Tensor  # [B, Hq, N, K] fp32 the values' weights per (query, slot) (short key gradients)
 
 
@@ -536,13 +540,27 @@ def _grad_buffers(
 
 
 def _indexed_backward(
-    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra=None, sink=None, cast=True, slot_weight=None
+    q,
+    k,
+    v,
+    index,
+    gamma_sq,
+    out,
+    grad_out,
+    stat,
+    scale,
+    score_code,
+    extra=None,
+    sink=None,
+    cast=True,
+    slot_weight=None,
+    key_grads="",
 ):
     """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes; with ``cast`` False dk
     and dv as summed, fp32 from the atomics), d gamma^2 per head [Hq] fp32, the extra slot's d
     key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and the sink's d key [Hq, D]
     fp32 (None without sink)."""
-    mode = key_grads_mode(k.shape[2])
+    mode = key_grads_mode(k.shape[2], key_grads)
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
@@ -636,21 +654,24 @@ def indexed_fwd(
     scale: float,
     score_code: int,
     slot_weight: Tensor | None = None,
+    key_grads: str = "",
 ) -> tuple[Tensor, Tensor]:
     """``sparsefocus::indexed_fwd``: out [B, Hq, N, Dv] (q.dtype) and the row statistic stat
     [B, Hq, N] fp32 (softmax kinds: base-2 log-sum-exp, +inf for a row with no key; Cauchy: the
     sum of the weights). q, k, v in one dtype, index int32 [B, Hq, N, K], gamma_sq [Hq] fp32,
     extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink [Hq, D] fp32,
-    slot_weight fp32 [B, Hq, N, K] (factors on the listed slots' normalised weights).
-    Differentiable in q, k, v, gamma_sq, extra key/value and sink (backward: ``indexed_bwd``);
-    stat and slot_weight get no gradient."""
+    slot_weight fp32 [B, Hq, N, K] (factors on the listed slots' normalised weights), key_grads:
+    how the backward sums dk and dv ("" = ``KEY_GRADS``). Differentiable in q, k, v, gamma_sq,
+    extra key/value and sink (backward: ``indexed_bwd``); stat and slot_weight get no gradient."""
     q, k, v, index, gamma_sq, sink, slot_weight = _dense(q, k, v, index, gamma_sq, sink, slot_weight)
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
     return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, slot_weight)
 
 
 @indexed_fwd.register_fake
-def _indexed_fwd_fake(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight=None):
+def _indexed_fwd_fake(
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight=None, key_grads=""
+):
     return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -672,17 +693,33 @@ def indexed_bwd(
     score_code: int,
     cast: bool,
     slot_weight: Tensor | None = None,
+    key_grads: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq [Hq] fp32, d extra_key, d extra_value,
     d sink [Hq, D] fp32), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
     extra_key come in their inputs' dtypes, else fp32 as summed (for a caller that adds more
-    into them); d extra_value is always in its input's dtype. Reads ``KEY_GRADS``."""
+    into them); d extra_value is always in its input's dtype. ``key_grads``: how dk and dv are
+    summed ("" = the module setting ``KEY_GRADS``)."""
     q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight = _dense(
         q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight
     )
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast=cast, slot_weight=slot_weight
+        q,
+        k,
+        v,
+        index,
+        gamma_sq,
+        out,
+        grad_out,
+        stat,
+        scale,
+        score_code,
+        extra,
+        sink,
+        cast=cast,
+        slot_weight=slot_weight,
+        key_grads=key_grads,
     )
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     dk, dv = dk.to(key_dtypes[0]).contiguous(), dv.to(key_dtypes[1]).contiguous()
@@ -712,6 +749,7 @@ def _indexed_bwd_fake(
     score_code,
     cast,
     slot_weight=None,
+    key_grads="",
 ):
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape, dtype=key_dtypes[0]), v.new_empty(v.shape, dtype=key_dtypes[1])]
@@ -726,10 +764,10 @@ def _indexed_bwd_fake(
 
 
 def _indexed_setup(ctx, inputs, output) -> None:
-    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight = inputs
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight, key_grads = inputs
     out, stat = output
     ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight)
-    ctx.scale, ctx.score_code = scale, score_code
+    ctx.scale, ctx.score_code, ctx.key_grads = scale, score_code, key_grads
 
 
 def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
@@ -752,10 +790,11 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
         ctx.score_code,
         True,
         slot_weight,
+        ctx.key_grads,
     )
     has_extra = extra_key is not None
     extra_grads = (d_extra_k, d_extra_v) if has_extra else (None, None)
-    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None
+    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None, None
 
 
 indexed_fwd.register_autograd(_indexed_grads, setup_context=_indexed_setup)
@@ -914,6 +953,7 @@ def indexed_attention(
     sink_key: Tensor | None = None,
     slot_weight: Tensor | None = None,
     return_lse: bool = False,
+    key_grads: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -942,6 +982,8 @@ def indexed_attention(
             outside the normaliser (attention dropout: ``F.dropout`` of ones); the extra slot and
             the sink keep theirs; no gradient. The lse is unchanged by it. Default: none.
         return_lse: also return each row's log-sum-exp. Default: False.
+        key_grads: how the backward sums dk and dv: "atomic", "inverse", "short" or "auto" (see
+            ``KEY_GRADS``). Default: None, the module setting ``KEY_GRADS``.
     Returns:
         out [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero. With ``return_lse``,
         (out, lse): lse [B, Hq, N] fp32 = log sum_j exp(s_ij) over the row's valid slots (the
@@ -951,6 +993,8 @@ def indexed_attention(
     """
     index = _checked_index(q, k, v, index, score, sink_key)
     _check_extra(q, v, extra_key, extra_value, extra_mask)
+    if key_grads is not None and key_grads not in KEY_GRADS_MODES:
+        raise ValueError(f"key_grads must be one of {', '.join(KEY_GRADS_MODES)}, got {key_grads!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_sq = _gamma_per_head(gamma, q.shape[1], q.device).float().pow(2)  # [Hq]
     if q.shape[2] == 0:  # no query: nothing to launch
@@ -975,7 +1019,7 @@ def indexed_attention(
     k, v, index = _nonempty_lists(k, v, index)
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight)
+    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight, key_grads or "")
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 

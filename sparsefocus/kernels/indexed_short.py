@@ -8,18 +8,19 @@ The inverse index (``indexed_csr``) removes the atomics but gives the program th
 all of its pairs, so one program does the row's work. For rows of few keys there is a third way,
 which neither serialises nor unbalances:
 
-1. The query-side backward stores each pair's two coefficients, ``coef`` (d loss / d score, so
-   the pair's dk term is ``coef * q`` for dot scores and ``-coef * (q - k)`` for the distance
-   scores) and ``prob`` (the value's weight, slot weight included), as [B, Hq, N, K] fp32.
+1. The query-side backward stores each pair's two coefficients, ``coef`` (the pair's dk term is
+   ``coef * q`` for dot scores, coef = scale * d loss / d score, and ``-coef * (q - k)`` for the
+   distance scores) and ``prob`` (the value's weight, slot weight included), as [B, Hq, N, K]
+   fp32.
 2. ``short_key_grads``: one program per (BLOCK_N keys, batch x kv head) walks every query row of
    the kv head's group BLOCK_M at a time, builds W [BM, BN] = sum over slots s of coef[:, s] where
    index[:, s] equals the key (K compares per element), and adds W^T @ q into dk and the same with
    prob and dO into dv (``tl.dot``). Distance scores add k_j * sum(coef) at the end.
 
 Work is O(N M K) per head instead of O(N K), so it serves rows of at most a few thousand keys;
-the indexed backward's ``KEY_GRADS`` picks it. Sums are exact to fp32 rounding (the products run
-as three TF32 passes for 16-bit inputs and in full fp32 for fp32 inputs) and, unlike the atomics,
-in a fixed order, so repeated calls give identical gradients.
+the indexed backward's key-gradient mode picks it. Sums are exact to fp32 rounding (the
+products run as three TF32 passes for 16-bit inputs and in full fp32 for fp32 inputs) and, unlike
+the atomics, in a fixed order, so repeated calls give identical gradients.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def _short_key_grads_kernel(
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """Products in (about) fp32: full fp32 for fp32 inputs, three TF32 passes otherwise (fp16's
-    11-bit mantissa does not fit TF32's 10, and the coefficients are fp32)."""
+    """Products in (about) fp32: full fp32 for fp32 inputs; otherwise three TF32 passes, because
+    the one-hot tiles hold fp32 coefficients (16-bit q and dO are exact in TF32 already)."""
     return "ieee" if dtype == torch.float32 else "tf32x3"
 
 

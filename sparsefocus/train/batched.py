@@ -315,7 +315,8 @@ class RunAttention(nn.Module):
         """The paper's attention without the N x N weights where the pattern allows (see
         ``fused_paper_attention``); dropout stays active in eval, as in the paper's code."""
         k, v = expand_kv(k, self.heads), expand_kv(v, self.heads)
-        fixed, fixed_index = None, fixed_key_lists(self.pattern, q, k, self.causal)
+        plain = key_padding_mask is None and not self.causal  # the only case the key lists serve
+        fixed, fixed_index = None, fixed_key_lists(self.pattern, q, k, self.causal) if plain else None
         if fixed_index is None and not self.pattern.input_dependent and not isinstance(self.pattern, Full):
             # [1, 1, N, M]: the same for every row; rebuilt per call (cheap, and no state under torch.compile)
             fixed = selection_mask(self.pattern, q[:1, :1], k[:1, :1], causal=self.causal)
@@ -347,21 +348,21 @@ LIST_SLOTS = 64
 @contextlib.contextmanager
 def fast_attention(choice: str) -> Iterator[None]:
     """``train.fast_attention`` while training: "masks" leaves the settings as they are; "lists"
-    sets ``MASKED_SELECTION_MAX_KEYS`` to 0 (TOPK trains over its chosen keys),
-    ``FIXED_LIST_MAX_SLOTS`` to ``LIST_SLOTS`` and the indexed kernel's ``KEY_GRADS`` to "auto"
-    (no atomics for rows of up to 2,048 keys), and restores them afterwards."""
+    sets ``MASKED_SELECTION_MAX_KEYS`` to 0 (TOPK trains over its chosen keys) and
+    ``FIXED_LIST_MAX_SLOTS`` to ``LIST_SLOTS``, and restores them afterwards. ValueError for
+    another choice."""
+    if choice not in ("masks", "lists"):
+        raise ValueError(f"train.fast_attention must be 'masks' or 'lists', got {choice!r}")
     if choice == "masks":
         yield
         return
-    from sparsefocus.kernels import indexed
-
     global MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
-    saved = MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS
-    MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS = 0, LIST_SLOTS, "auto"
+    saved = MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
+    MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS = 0, LIST_SLOTS
     try:
         yield
     finally:
-        MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS = saved
+        MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS = saved
 
 
 def fixed_key_lists(pattern, q: Tensor, k: Tensor, causal: bool) -> Tensor | None:
@@ -424,7 +425,9 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: fl
     if GATHER_IMPL == "triton" or (GATHER_IMPL == "auto" and q.is_cuda):
         from sparsefocus.kernels.indexed import indexed_attention
 
-        return cast(Tensor, indexed_attention(q, k, v, index, scale=scale, slot_weight=keep))
+        # "auto": short rows sum their key gradients by one-hot tiles, where the atomics would
+        # collide on the keys that many queries list (the paper's sinks)
+        return cast(Tensor, indexed_attention(q, k, v, index, scale=scale, slot_weight=keep, key_grads="auto"))
     batch, heads, n_queries, dim = q.shape
     rows = torch.arange(batch * heads, device=q.device)[:, None, None]  # [B*H, 1, 1]
     flat_index = index.reshape(batch * heads, n_queries, index.shape[-1])  # [B*H, N, K]
@@ -433,8 +436,9 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: fl
     keys = k.reshape(batch * heads, k.shape[2], dim)[rows, flat_index]  # [B*H, N, K, D]
     values = v.reshape(batch * heads, v.shape[2], v.shape[-1])[rows, flat_index]  # [B*H, N, K, Dv]
     scores = torch.einsum("rnd,rnkd->rnk", q.reshape(batch * heads, n_queries, dim), keys) * scale
-    # a finite fill and a product, not -inf: a row without keys gets weights 0 and finite gradients
-    weights = scores.masked_fill(~listed, PAPER_FILL).softmax(dim=-1) * listed  # [B*H, N, K]
+    # the lowest finite value and a product, not -inf: a row without keys gets weights 0 and
+    # finite gradients
+    weights = scores.masked_fill(~listed, torch.finfo(scores.dtype).min).softmax(dim=-1) * listed  # [B*H, N, K]
     if keep is not None:
         weights = (weights.float() * keep.reshape(weights.shape)).to(weights.dtype)
     out = torch.einsum("rnk,rnkd->rnd", weights, values)  # [B*H, N, Dv]

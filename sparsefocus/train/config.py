@@ -118,7 +118,7 @@ class TrainConfig:
         fast_attention: how the batched fast path trains the paper's BAND, BLOC and TOPK: "masks"
             (SDPA with the pattern's [N, M] mask, or a mask of the chosen keys) or "lists" (each
             query over its key list: ``batched.gathered_attention``, key gradients without
-            atomics for rows of up to 2,048 keys; global rows over every key). Default: "masks".
+            atomics for rows of up to 1,024 keys; global rows over every key). Default: "masks".
         task_cache: the batched path keeps each seed's built task data under
             ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
             and builds missing seeds in parallel processes. Default: False.
@@ -176,8 +176,10 @@ class TrainConfig:
             raise ValueError("train.concurrent_groups is read by the batched path only: set train.batched=true")
         if not self.batched and self.autocast != "none":
             raise ValueError("train.autocast is read by the batched path only: set train.batched=true")
-        if not self.batched and self.fast_attention != "masks":
-            raise ValueError("train.fast_attention is read by the batched path only: set train.batched=true")
+        if self.fast_attention != "masks" and not (self.batched and self.batched_mode == "fast"):
+            raise ValueError(
+                "train.fast_attention is read by the batched fast path only: set train.batched=true, train.batched_mode=fast"
+            )
         if self.batched and self.jobs > 1:
             raise ValueError("train.jobs must be 1 with train.batched (one process trains the folded runs)")
 

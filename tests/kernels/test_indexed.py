@@ -209,6 +209,26 @@ def test_short_key_grads_fp16_within_twice_torch_error_and_long_rows_use_atomics
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
 
 
+def test_a_call_chooses_its_key_gradients(monkeypatch):
+    """``key_grads=`` overrides the module setting for that call (here "short" while the module
+    says an unknown mode, which would fail); a bad value is refused before anything runs."""
+    from sparsefocus.kernels import indexed
+
+    monkeypatch.setattr(indexed, "KEY_GRADS", "csr")
+    q, k, v, index, gamma = make_case(29, 17, "neg_sqeuclid", torch.float32, slots=6)
+    grad_out = torch.randn(2, 4, 29, 3, device=DEVICE)
+
+    def short(*args, **kw):
+        return indexed_attention(*args, **kw, key_grads="short")
+
+    got = run(short, q, k, v, index, gamma, "neg_sqeuclid", torch.float32, grad_out)
+    want = run(indexed_attention_ref, q, k, v, index, gamma, "neg_sqeuclid", torch.float32, grad_out)
+    for name, x, y in zip(["out", "dq", "dk", "dv"], got, want):
+        assert rel_err(x, y) < 1e-5, f"{name}: relative error {rel_err(x, y):.2e}"
+    with pytest.raises(ValueError, match="key_grads must be one of"):
+        indexed_attention(q, k, v, index, key_grads="fast")
+
+
 def test_short_key_grads_op_passes_opcheck():
     from sparsefocus.kernels.indexed_short import short_key_grads
 

@@ -107,14 +107,31 @@ def test_fast_attention_lists_sets_the_switches_while_training_only(tmp_path):
 
     before = batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS
     with batched.fast_attention("lists"):
-        assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == (0, 64, "auto")
+        assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == (0, 64, before[2])
     with batched.fast_attention("masks"):
         assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
     assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
-    with pytest.raises(ValueError, match="train.fast_attention is read by the batched path only"):
+    with pytest.raises(ValueError, match="'masks' or 'lists'"), batched.fast_attention("list"):
+        pass
+    with pytest.raises(ValueError, match="train.fast_attention is read by the batched fast path only"):
         config(tmp_path, "train.fast_attention=lists")
+    with pytest.raises(ValueError, match="train.fast_attention is read by the batched fast path only"):
+        config(tmp_path, "train.batched=true", "train.fast_attention=lists")  # exact mode
     with pytest.raises(ValueError, match="train.fast_attention"):
-        config(tmp_path, "train.batched=true", "train.fast_attention=sdpa")
+        config(tmp_path, "train.batched=true", "train.batched_mode=fast", "train.fast_attention=sdpa")
+
+
+def test_gathered_attention_in_fp16_with_unused_slots():
+    """The torch form in fp16: unused slots and a row without keys (no overflowing fill)."""
+    from sparsefocus.train import batched
+
+    q, k, v = (torch.randn(2, 1, 9, 8).half() for _ in range(3))
+    index = torch.randint(-1, 9, (2, 1, 9, 4))
+    index[1, 0, 3] = -1
+    out = batched.gathered_attention(q, k, v, index, 0.35, 0.0)
+    want = batched.gathered_attention(q.float(), k.float(), v.float(), index, 0.35, 0.0)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
+    assert (out[1, 0, 3] == 0).all()
 
 
 class EpochBudget(Budget):

@@ -221,21 +221,22 @@ def test_a_folder_written_before_a_key_existed_resumes_at_its_default(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "key, value",
+    "key, value, mode",
     [
-        ("train.checkpoint_every", 3),
-        ("train.concurrent_groups", 2),
-        ("train.topk_select", "triton"),
-        ("train.fast_attention", "lists"),
+        ("train.checkpoint_every", 3, "exact"),
+        ("train.concurrent_groups", 2, "exact"),
+        ("train.topk_select", "triton", "exact"),
+        ("train.fast_attention", "lists", "fast"),
     ],
 )
-def test_keys_that_do_not_change_results_may_change_between_calls(key, value, tmp_path):
+def test_keys_that_do_not_change_results_may_change_between_calls(key, value, mode, tmp_path):
     from sparsefocus.train.loop import check_run_folder
 
-    run_experiment(tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.batched=true"), quiet=True)
-    again = tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.batched=true", f"{key}={value}")
+    base = ["mechanisms=[FULL]", "train.epochs=1", "train.batched=true", f"train.batched_mode={mode}", "train.compile=eager"]
+    run_experiment(tiny(tmp_path, *base), quiet=True)
+    again = tiny(tmp_path, *base, f"{key}={value}")
     assert check_run_folder(RunSpec(tmp_path / "exp/default/FULL/seed-1", again, "default", "FULL", 1)) == ("done", 1)
-    other = tiny(tmp_path, "mechanisms=[FULL]", "train.epochs=1", "train.batched=true", "train.batch_size=3")
+    other = tiny(tmp_path, *base, "train.batch_size=3")
     with pytest.raises(ValueError, match="train.batch_size"):
         check_run_folder(RunSpec(tmp_path / "exp/default/FULL/seed-1", other, "default", "FULL", 1))
 
