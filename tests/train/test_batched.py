@@ -576,3 +576,24 @@ def test_gathered_attention_of_an_empty_batch_is_empty():
     q, k, v = torch.randn(0, 2, 7, 8), torch.randn(0, 2, 9, 8), torch.randn(0, 2, 9, 5)
     out = batched.gathered_attention(q, k, v, torch.zeros(0, 2, 7, 3, dtype=torch.long), 0.3, 0.1)
     assert out.shape == (0, 2, 7, 5)
+
+
+def test_gathered_attention_on_the_kernel_compiles_with_fullgraph(monkeypatch):
+    """The kernel form (with its per-call key-gradient mode) inside a compiled graph: eager's
+    outputs and gradients."""
+    from sparsefocus.train import batched
+
+    monkeypatch.setattr(batched, "GATHER_IMPL", "triton")
+    q, k, v = (torch.randn(2, 1, 30, 16, requires_grad=True) for _ in range(3))
+    index = torch.randint(-1, 30, (2, 1, 30, 4))
+
+    def attend(q, k, v):
+        return batched.gathered_attention(q, k, v, index, 0.25, 0.0)
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (compiled, attend):
+        out = fn(q, k, v)
+        results.append([out, *torch.autograd.grad(out.sum(), (q, k, v))])
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
