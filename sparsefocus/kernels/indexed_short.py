@@ -18,9 +18,10 @@ which neither serialises nor unbalances:
    prob and dO into dv (``tl.dot``). Distance scores add k_j * sum(coef) at the end.
 
 Work is O(N M K) per head instead of O(N K), so it serves rows of at most a few thousand keys;
-the indexed backward's key-gradient mode picks it. Sums are exact to fp32 rounding (the
-products run as three TF32 passes for 16-bit inputs and in full fp32 for fp32 inputs) and, unlike
-the atomics, in a fixed order, so repeated calls give identical gradients.
+the indexed backward's key-gradient mode picks it. The sums are fp32; for 16-bit inputs each
+coefficient goes to the 16-bit tensor cores as two parts (about 16 bits for bf16, 22 for fp16:
+far below the rounding of the 16-bit gradients they make), for fp32 inputs the products are
+fp32. Unlike the atomics they run in a fixed order, so repeated calls give identical gradients.
 """
 
 from __future__ import annotations
@@ -33,26 +34,39 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import op_name
 
-TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
-"""Tile of ``_short_key_grads_kernel``: BLOCK_M query rows against BLOCK_N keys. A first guess,
-not tuned."""
+TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8}
+"""Tile of ``_short_key_grads_kernel``: BLOCK_M query rows against BLOCK_N keys. Not timed: 8 warps
+because ptxas (sm_90a, D = Dv = 64, bf16 and fp32) spills registers with 4 and not with 8."""
 
 
 @triton.jit
-def _one_hot_weights(IDX, COEF, PROB, rows, ok, keys, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(W_coef, W_prob) [BM, BN] fp32: the sums of the pairs' coefficients over the slots of the
-    rows [BM] (flat, int64) that list each key of ``keys`` [BN] (a key listed twice counts twice)."""
-    w_coef = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    w_prob = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+def _one_hot_weights(IDX, WEIGHT, rows, ok, keys, NUM_SLOTS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W [BM, BN] fp32: the sums of the pairs' weights (``WEIGHT``: coef or prob) over the slots
+    of the rows [BM] (flat, int64) that list each key of ``keys`` [BN] (a key listed twice
+    counts twice). One tile at a time: two would double the registers live in the loop."""
+    w = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for s in range(NUM_SLOTS):
         pair = rows * NUM_SLOTS + s  # [BM]
         idx = tl.load(IDX + pair, mask=ok, other=-1)
-        coef = tl.load(COEF + pair, mask=ok, other=0.0)
-        prob = tl.load(PROB + pair, mask=ok, other=0.0)
-        hit = idx[:, None] == keys[None, :]  # [BM, BN]; -1 (unused slot) lists no key
-        w_coef += tl.where(hit, coef[:, None], 0.0)
-        w_prob += tl.where(hit, prob[:, None], 0.0)
-    return w_coef, w_prob
+        weight = tl.load(WEIGHT + pair, mask=ok, other=0.0)
+        w += tl.where(idx[:, None] == keys[None, :], weight[:, None], 0.0)  # -1 (unused slot) lists no key
+    return w
+
+
+@triton.jit
+def _onehot_dot(w, x, SPLIT: tl.constexpr):
+    """w^T @ x, [BN, BX] fp32, for one-hot weights w [BM, BN] fp32 and x [BM, BX]: with SPLIT (x
+    in a 16-bit dtype) w is split into two parts in x's dtype, w_hi + w_lo, which keeps about
+    16 (bf16) or 22 (fp16) bits of each weight on 16-bit tensor cores; else x and w are fp32 and
+    the product is exact fp32."""
+    if SPLIT:
+        w_hi = w.to(x.dtype)
+        w_lo = (w - w_hi.to(tl.float32)).to(x.dtype)
+        out = tl.dot(tl.trans(w_hi), x)
+        out = tl.dot(tl.trans(w_lo), x, out)
+    else:
+        out = tl.dot(tl.trans(w), x, input_precision="ieee")
+    return out
 
 
 @triton.jit
@@ -73,7 +87,7 @@ def _short_key_grads_kernel(
     D: tl.constexpr,
     DV: tl.constexpr,
     DISTANCE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -92,13 +106,14 @@ def _short_key_grads_kernel(
         t = start + tl.arange(0, BLOCK_M)
         ok = t < GROUP * N
         rows = first_row + t  # [BM] flat query rows
-        q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        do = tl.load(DOUT + rows[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
-        w_coef, w_prob = _one_hot_weights(IDX, COEF, PROB, rows, ok, keys, NUM_SLOTS, BLOCK_M, BLOCK_N)
-        dk += tl.dot(tl.trans(w_coef), q, input_precision=PRECISION)  # [BN, BD]
-        dv += tl.dot(tl.trans(w_prob), do, input_precision=PRECISION)  # [BN, BDV]
+        q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # input dtype
+        do = tl.load(DOUT + rows[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        w_coef = _one_hot_weights(IDX, COEF, rows, ok, keys, NUM_SLOTS, BLOCK_M, BLOCK_N)
+        dk += _onehot_dot(w_coef, q, SPLIT)  # [BN, BD]
         if DISTANCE:
             coef_sum += tl.sum(w_coef, axis=0)
+        w_prob = _one_hot_weights(IDX, PROB, rows, ok, keys, NUM_SLOTS, BLOCK_M, BLOCK_N)
+        dv += _onehot_dot(w_prob, do, SPLIT)  # [BN, BDV]
     key_ok = keys < M
     flat = kv_bh.to(tl.int64) * M + keys  # [BN]
     if DISTANCE:  # the pair's term is -coef * (q - k_j)
@@ -106,12 +121,6 @@ def _short_key_grads_kernel(
         dk = kt * coef_sum[:, None] - dk
     tl.store(DK + flat[:, None] * D + offs_d[None, :], dk, mask=key_ok[:, None] & d_ok[None, :])
     tl.store(DV_ + flat[:, None] * DV + offs_dv[None, :], dv, mask=key_ok[:, None] & dv_ok[None, :])
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """Products in (about) fp32: full fp32 for fp32 inputs; otherwise three TF32 passes, because
-    the one-hot tiles hold fp32 coefficients (16-bit q and dO are exact in TF32 already)."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
 
 
 @torch.library.custom_op(op_name("short_key_grads"), mutates_args=())
@@ -148,7 +157,7 @@ def short_key_grads(
         D=dim,
         DV=v.shape[-1],
         DISTANCE=score_code != 0,
-        PRECISION=_precision(q.dtype),
+        SPLIT=q.dtype != torch.float32,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),  # tl.dot takes tiles of at least 16
         BLOCK_DV=max(16, triton.next_power_of_2(v.shape[-1])),
         **TILES,
