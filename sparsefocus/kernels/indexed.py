@@ -540,26 +540,12 @@ def _grad_buffers(
 
 
 def _indexed_backward(
-    q,
-    k,
-    v,
-    index,
-    gamma_sq,
-    out,
-    grad_out,
-    stat,
-    scale,
-    score_code,
-    extra=None,
-    sink=None,
-    cast=True,
-    slot_weight=None,
-    key_grads="",
+    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads
 ):
-    """Launch the backward kernel(s). Returns dq, dk, dv (input dtypes; with ``cast`` False dk
-    and dv as summed, fp32 from the atomics), d gamma^2 per head [Hq] fp32, the extra slot's d
-    key [B, Hq, N, D], d value [B, Hq, N, Dv] (None without extra) and the sink's d key [Hq, D]
-    fp32 (None without sink)."""
+    """Launch the backward kernel(s), dk and dv summed as ``key_grads`` says ("" = ``KEY_GRADS``).
+    Returns dq, dk, dv (input dtypes; with ``cast`` False dk and dv in fp32 as summed), d gamma^2
+    per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
+    without extra) and the sink's d key [Hq, D] fp32 (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
@@ -705,21 +691,7 @@ def indexed_bwd(
     )
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-        q,
-        k,
-        v,
-        index,
-        gamma_sq,
-        out,
-        grad_out,
-        stat,
-        scale,
-        score_code,
-        extra,
-        sink,
-        cast=cast,
-        slot_weight=slot_weight,
-        key_grads=key_grads,
+        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads
     )
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     dk, dv = dk.to(key_dtypes[0]).contiguous(), dv.to(key_dtypes[1]).contiguous()

@@ -54,7 +54,7 @@ def _one_hot_weights(IDX, WEIGHT, rows, ok, keys, NUM_SLOTS, BLOCK_M: tl.constex
 
 
 @triton.jit
-def _onehot_dot(w, x, SPLIT: tl.constexpr):
+def _one_hot_dot(w, x, SPLIT: tl.constexpr):
     """w^T @ x, [BN, BX] fp32, for one-hot weights w [BM, BN] fp32 and x [BM, BX]: with SPLIT (x
     in a 16-bit dtype) w is split into two parts in x's dtype, w_hi + w_lo, which keeps about
     16 (bf16) or 22 (fp16) bits of each weight on 16-bit tensor cores; else x and w are fp32 and
@@ -109,11 +109,11 @@ def _short_key_grads_kernel(
         q = tl.load(Q + rows[:, None] * D + offs_d[None, :], mask=ok[:, None] & d_ok[None, :], other=0.0)  # input dtype
         do = tl.load(DOUT + rows[:, None] * DV + offs_dv[None, :], mask=ok[:, None] & dv_ok[None, :], other=0.0)
         w_coef = _one_hot_weights(IDX, COEF, rows, ok, keys, NUM_SLOTS, BLOCK_M, BLOCK_N)
-        dk += _onehot_dot(w_coef, q, SPLIT)  # [BN, BD]
+        dk += _one_hot_dot(w_coef, q, SPLIT)  # [BN, BD]
         if DISTANCE:
             coef_sum += tl.sum(w_coef, axis=0)
         w_prob = _one_hot_weights(IDX, PROB, rows, ok, keys, NUM_SLOTS, BLOCK_M, BLOCK_N)
-        dv += _onehot_dot(w_prob, do, SPLIT)  # [BN, BDV]
+        dv += _one_hot_dot(w_prob, do, SPLIT)  # [BN, BDV]
     key_ok = keys < M
     flat = kv_bh.to(tl.int64) * M + keys  # [BN]
     if DISTANCE:  # the pair's term is -coef * (q - k_j)

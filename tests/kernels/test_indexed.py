@@ -35,6 +35,16 @@ def run(fn, q, k, v, index, gamma, score, dtype, grad_out):
     return [out] + list(grads)
 
 
+def assert_fp16_within_twice_torch_error(q, k, v, index, gamma, score, grad_out, names):
+    """FlashAttention's rule on fp16 inputs: the kernel's error against fp32 is at most twice
+    PyTorch's own fp16 error (the reference computed in fp16), for each of ``names``."""
+    truth = run(indexed_attention_ref, q, k, v, index, gamma, score, torch.float32, grad_out)
+    torch_low = run(indexed_attention_ref, q, k, v, index, gamma, score, torch.float16, grad_out)
+    kernel = run(indexed_attention, q, k, v, index, gamma, score, torch.float16, grad_out)
+    for name, x, y, t in zip(names, kernel, torch_low, truth):
+        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+
+
 @pytest.mark.parametrize("score", ["dot", "neg_sqeuclid", "cauchy"])
 @pytest.mark.parametrize("n,m", [(1, 4), (7, 7), (63, 40), (100, 9)])
 def test_indexed_kernel_matches_reference_fp32(score, n, m):
@@ -180,11 +190,7 @@ def test_short_key_grads_fp16_within_twice_torch_error_and_long_rows_use_atomics
     monkeypatch.setattr(indexed, "KEY_GRADS", "short")
     q, k, v, index, gamma = make_case(63, 50, "dot", torch.float16, slots=37, dim=16, dim_v=8)
     grad_out = torch.randn(2, 4, 63, 8, device=DEVICE)
-    truth = run(indexed_attention_ref, q, k, v, index, gamma, "dot", torch.float32, grad_out)
-    torch_low = run(indexed_attention_ref, q, k, v, index, gamma, "dot", torch.float16, grad_out)
-    kernel = run(indexed_attention, q, k, v, index, gamma, "dot", torch.float16, grad_out)
-    for name, x, y, t in zip(["out", "dq", "dk", "dv"], kernel, torch_low, truth):
-        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    assert_fp16_within_twice_torch_error(q, k, v, index, gamma, "dot", grad_out, ["out", "dq", "dk", "dv"])
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS) == "short"
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
     monkeypatch.setattr(indexed, "KEY_GRADS", "auto")
@@ -229,11 +235,7 @@ def test_inverse_index_with_extra_slot_and_fp16_within_twice_torch_error(monkeyp
     monkeypatch.setattr(indexed, "KEY_GRADS", "inverse")
     q, k, v, index, gamma = make_case(63, 50, "cauchy", torch.float16, slots=37, dim=16, dim_v=8)
     grad_out = torch.randn(2, 4, 63, 8, device=DEVICE)
-    truth = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float32, grad_out)
-    torch_low = run(indexed_attention_ref, q, k, v, index, gamma, "cauchy", torch.float16, grad_out)
-    kernel = run(indexed_attention, q, k, v, index, gamma, "cauchy", torch.float16, grad_out)
-    for name, x, y, t in zip(["out", "dq", "dk", "dv", "dgamma"], kernel, torch_low, truth):
-        assert rel_err(x, t) <= 2 * rel_err(y, t) + 1e-4, f"{name}: {rel_err(x, t):.2e} vs torch {rel_err(y, t):.2e}"
+    assert_fp16_within_twice_torch_error(q, k, v, index, gamma, "cauchy", grad_out, ["out", "dq", "dk", "dv", "dgamma"])
     n, extra_k, extra_v = 19, *_extras("per_kv_head", 19, 2, 6, 3)
     q, k, v, index, gamma = make_case(n, 11, "cauchy", torch.float32)
     results = []

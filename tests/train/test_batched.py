@@ -111,8 +111,8 @@ def test_fast_attention_lists_sets_the_switches_while_training_only(tmp_path):
     with batched.fast_attention("masks"):
         assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
     assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
-    with pytest.raises(ValueError, match="'masks' or 'lists'"), batched.fast_attention("list"):
-        pass
+    with pytest.raises(ValueError, match="'masks' or 'lists'"):
+        batched.fast_attention("list").__enter__()
     with pytest.raises(ValueError, match="train.fast_attention is read by the batched fast path only"):
         config(tmp_path, "train.fast_attention=lists")
     with pytest.raises(ValueError, match="train.fast_attention is read by the batched fast path only"):
