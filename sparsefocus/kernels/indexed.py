@@ -467,31 +467,33 @@ def _indexed_forward(
 
 KEY_GRADS = "atomic"
 """How dk and dv are summed: "atomic" (fp32 atomic adds per (query, slot), the default),
-"inverse" (``indexed_csr``: an inverse index, then per-key sums in registers), "short"
+"inverse" (``indexed_csr``: an inverse index, then per-key sums in registers) or "short"
 (``indexed_short``: the pairs' coefficients, then one-hot tiles over every query row; O(N M K)
-work, for rows of at most ``SHORT_KEY_GRADS_MAX_KEYS`` keys, atomics above), or "auto" ("short"
-up to that length, else "atomic"). Every mode takes every score kind, with or without slot
-weights, and is tested against the reference. On the H200 at ZETA's 64K (Cauchy) the inverse
-was 27% slower than the atomics, with 528 MB less memory
-(``benchmarks/results/zeta_candidates_ab.json``); "short" is not timed yet."""
+work, for rows of at most ``SHORT_KEY_GRADS_MAX_KEYS`` keys, atomics above; its sums run in a
+fixed order, so repeated calls give identical gradients). Every mode takes every score kind,
+with or without slot weights, and is tested against the reference. On the H200 at ZETA's 64K
+(Cauchy) the inverse was 27% slower than the atomics, with 528 MB less memory
+(``benchmarks/results/zeta_candidates_ab.json``). At the lab's ListOps shape ([250, 1, 601, 64]
+bf16, 5 keys a row) "short" took 2.5 ms a call for dk and dv alone, where the atomic kernel's
+whole forward and backward took 1.5 ms (``h200_lab_fast_attention_cc65061.json``,
+``h200_lab_band_bloc_5580fed.json``): the atomics stay the default."""
 
 SHORT_KEY_GRADS_MAX_KEYS = 1024
-"""Longest key rows (M) that ``KEY_GRADS`` "short" and "auto" sum by one-hot tiles. Per listed
-pair the one-hot tiles cost about 2 M compare-and-selects against D + Dv atomic adds, so the
-break-even length depends on how much the atomics collide; 1,024 is an estimate, not a measurement."""
+"""Longest key rows (M) that ``KEY_GRADS`` "short" sums by one-hot tiles; longer rows use the
+atomics, since the one-hot work grows with N M per head."""
 
-KEY_GRADS_MODES = ("atomic", "inverse", "short", "auto")
+KEY_GRADS_MODES = ("atomic", "inverse", "short")
 
 
 def key_grads_mode(n_keys: int, choice: str = "") -> str:
     """The way a call sums dk and dv: ``choice`` (the call's ``key_grads``), or ``KEY_GRADS`` when
-    it is "", with "auto" and "short" resolved by the key rows' length. ValueError for an
-    unknown mode."""
+    it is "", with "short" falling back to "atomic" for rows longer than
+    ``SHORT_KEY_GRADS_MAX_KEYS``. ValueError for an unknown mode."""
     mode = choice or KEY_GRADS
     if mode not in KEY_GRADS_MODES:
         raise ValueError(f"key gradients must be one of {', '.join(KEY_GRADS_MODES)} (indexed.KEY_GRADS), got {mode!r}")
-    if mode in ("short", "auto"):
-        return "short" if n_keys <= SHORT_KEY_GRADS_MAX_KEYS else "atomic"
+    if mode == "short" and n_keys > SHORT_KEY_GRADS_MAX_KEYS:
+        return "atomic"
     return mode
 
 
@@ -954,7 +956,7 @@ def indexed_attention(
             outside the normaliser (attention dropout: ``F.dropout`` of ones); the extra slot and
             the sink keep theirs; no gradient. The lse is unchanged by it. Default: none.
         return_lse: also return each row's log-sum-exp. Default: False.
-        key_grads: how the backward sums dk and dv: "atomic", "inverse", "short" or "auto" (see
+        key_grads: how the backward sums dk and dv: "atomic", "inverse" or "short" (see
             ``KEY_GRADS``). Default: None, the module setting ``KEY_GRADS``.
     Returns:
         out [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero. With ``return_lse``,

@@ -425,9 +425,7 @@ def gathered_attention(q: Tensor, k: Tensor, v: Tensor, index: Tensor, scale: fl
     if GATHER_IMPL == "triton" or (GATHER_IMPL == "auto" and q.is_cuda):
         from sparsefocus.kernels.indexed import indexed_attention
 
-        # "auto": short rows sum their key gradients by one-hot tiles, where the atomics would
-        # collide on the keys that many queries list (the paper's sinks)
-        return cast(Tensor, indexed_attention(q, k, v, index, scale=scale, slot_weight=keep, key_grads="auto"))
+        return cast(Tensor, indexed_attention(q, k, v, index, scale=scale, slot_weight=keep))
     batch, heads, n_queries, dim = q.shape
     rows = torch.arange(batch * heads, device=q.device)[:, None, None]  # [B*H, 1, 1]
     flat_index = index.reshape(batch * heads, n_queries, index.shape[-1])  # [B*H, N, K]

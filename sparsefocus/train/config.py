@@ -117,8 +117,9 @@ class TrainConfig:
             "triton" (the fused selection kernel, CUDA). Default: "torch".
         fast_attention: how the batched fast path trains the paper's BAND, BLOC and TOPK: "masks"
             (SDPA with the pattern's [N, M] mask, or a mask of the chosen keys) or "lists" (each
-            query over its key list: ``batched.gathered_attention``, key gradients without
-            atomics for rows of up to 1,024 keys; global rows over every key). Default: "masks".
+            query over its key list: ``batched.gathered_attention``; global rows over every
+            key). Default: "masks" (docs/performance.md: lists with one-hot key gradients
+            trained 1.9-2.4x slower; with the default atomic ones it is not timed yet).
         task_cache: the batched path keeps each seed's built task data under
             ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
             and builds missing seeds in parallel processes. Default: False.

@@ -193,9 +193,6 @@ def test_short_key_grads_fp16_within_twice_torch_error_and_long_rows_use_atomics
     assert_fp16_within_twice_torch_error(q, k, v, index, gamma, "dot", grad_out, ["out", "dq", "dk", "dv"])
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS) == "short"
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
-    monkeypatch.setattr(indexed, "KEY_GRADS", "auto")
-    assert indexed.key_grads_mode(10) == "short"
-    assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
 
 
 def test_a_call_chooses_its_key_gradients(monkeypatch):
