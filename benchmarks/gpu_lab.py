@@ -24,8 +24,9 @@ MODULE.NAME=VALUE`` sets a module constant of the package before anything runs, 
 step with another implementation choice (e.g. ``--constant
 sparsefocus.kernels.indexed.SHORT_KEY_GRADS_MAX_KEYS=2048``; ``train.fast_attention=lists`` sets
 its two switches of ``sparsefocus.train.batched`` itself, over such constants); the overrides and
-constants are recorded beside the timings. ``--only-throughput`` times and stops (no check,
-fidelity or study; exit status 1 when the budget left no time to time).
+constants are recorded beside the timings. ``--throughput-form masks --throughput-form lists``
+times each mechanism with both ``train.fast_attention`` forms in one process. ``--only-throughput``
+times and stops (no check, fidelity or study; exit status 1 when the budget left no time to time).
 """
 
 from __future__ import annotations
@@ -210,21 +211,27 @@ def throughput(
     steps: int,
     compile_mode: str,
     mechanisms: tuple[str, ...],
+    forms: tuple[str, ...] = (),
 ) -> dict:
-    """ms per training step and seconds per whole evaluation, 10 seeds folded, per mechanism."""
+    """ms per training step and seconds per whole evaluation, 10 seeds folded, per mechanism and,
+    with ``forms``, per ``train.fast_attention`` (cases "MECHANISM/PRECISION/FORM", timed one
+    after the other in this process)."""
     results = {}
     for precision in precisions:
         for mechanism in mechanisms:
-            config = listops(out, "listops_fig1a", [mechanism], PAPER_SEEDS, precision, extra, f"train.compile={compile_mode}")
-            with matmul_precision(precision[0]), fast_attention(config.train.fast_attention):
+            for form in forms or ("",):
+                more = [f"train.compile={compile_mode}", *([f"train.fast_attention={form}"] if form else [])]
+                config = listops(out, "listops_fig1a", [mechanism], PAPER_SEEDS, precision, extra, *more)
+                case = "/".join(filter(None, (mechanism, label(precision), form)))
+                with matmul_precision(precision[0]), fast_attention(config.train.fast_attention):
+                    if DEVICE == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    trainer = trainer_for(config, mechanism, PAPER_SEEDS)
+                    results[case] = _time_trainer(trainer, steps)
+                del trainer
                 if DEVICE == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                trainer = trainer_for(config, mechanism, PAPER_SEEDS)
-                results[f"{mechanism}/{label(precision)}"] = _time_trainer(trainer, steps)
-            del trainer
-            if DEVICE == "cuda":
-                torch.cuda.empty_cache()
-            print(f"throughput {mechanism} {label(precision)}: {results[f'{mechanism}/{label(precision)}']}", flush=True)
+                    torch.cuda.empty_cache()
+                print(f"throughput {case}: {results[case]}", flush=True)
     return results
 
 
@@ -399,6 +406,13 @@ def parse_args() -> argparse.Namespace:
         choices=FIG1A,
         help="a Figure-1a mechanism to time (repeatable; default: FULL and TOPK:5)",
     )
+    parser.add_argument(
+        "--throughput-form",
+        action="append",
+        default=[],
+        choices=("masks", "lists"),
+        help="time each mechanism with this train.fast_attention too (repeatable; default: as configured)",
+    )
     parser.add_argument("--fidelity-epochs", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke test of this script")
     parser.add_argument("--min-stage", type=float, default=240.0, help="seconds left needed to start the throughput stage")
@@ -459,7 +473,13 @@ def main() -> int:
         save()
     if "throughput" not in state and left() > args.min_stage:
         state["throughput"] = throughput(
-            out, timed, extra, args.steps, args.compile, tuple(args.throughput_mechanism or FIG1A[:2])
+            out,
+            timed,
+            extra,
+            args.steps,
+            args.compile,
+            tuple(args.throughput_mechanism or FIG1A[:2]),
+            tuple(args.throughput_form),
         )
         state["throughput_settings"] = {"set": args.extra, "constants": constants}  # what the timings ran with
         save()
@@ -503,10 +523,10 @@ def print_table(state: dict) -> None:
             f"check {mechanism:7s} fast vs exact: loss {row['loss_fast']:.6f} vs {row['loss_exact']:.6f}, worst grad rel err {row['worst_grad_rel_err']:.2e}"
         )
     if "throughput" in state:
-        print(f"{'case':18s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'200 ep min':>10s} {'compile s':>9s} {'GiB':>6s}")
+        print(f"{'case':24s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'200 ep min':>10s} {'compile s':>9s} {'GiB':>6s}")
         for case, row in state["throughput"].items():
             print(
-                f"{case:18s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}"
+                f"{case:24s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}"
             )
     fid = state.get("fidelity", {})
     if fid.get("finished"):
