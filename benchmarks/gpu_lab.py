@@ -26,7 +26,8 @@ sparsefocus.kernels.indexed.SHORT_KEY_GRADS_MAX_KEYS=2048``; ``train.fast_attent
 its two switches of ``sparsefocus.train.batched`` itself, over such constants); the overrides and
 constants are recorded beside the timings. ``--throughput-form masks --throughput-form lists``
 times each mechanism with both ``train.fast_attention`` forms in one process. ``--only-throughput``
-times and stops (no check, fidelity or study; exit status 1 when the budget left no time to time).
+times and stops (no check, fidelity or study; exit status 1 when the budget left no time to time
+or a case failed). A case that fails is recorded with its error, and the others are still timed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -223,16 +225,24 @@ def throughput(
                 more = [f"train.compile={compile_mode}", *([f"train.fast_attention={form}"] if form else [])]
                 config = listops(out, "listops_fig1a", [mechanism], PAPER_SEEDS, precision, extra, *more)
                 case = "/".join(filter(None, (mechanism, label(precision), form)))
-                with matmul_precision(precision[0]), fast_attention(config.train.fast_attention):
-                    if DEVICE == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
-                    trainer = trainer_for(config, mechanism, PAPER_SEEDS)
-                    results[case] = _time_trainer(trainer, steps)
-                del trainer
+                results[case] = _time_case(config, mechanism, precision, steps)
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
                 print(f"throughput {case}: {results[case]}", flush=True)
     return results
+
+
+def _time_case(config, mechanism: str, precision: tuple[str, str], steps: int) -> dict:
+    """One throughput case, or ``{"error": ...}`` when it fails (its traceback printed), so that
+    the cases timed before and after it are kept."""
+    try:
+        with matmul_precision(precision[0]), fast_attention(config.train.fast_attention):
+            if DEVICE == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            return _time_trainer(trainer_for(config, mechanism, PAPER_SEEDS), steps)
+    except Exception as error:  # noqa: BLE001 (any failure of one case is recorded, not fatal)
+        traceback.print_exc()
+        return {"error": f"{type(error).__name__}: {error}"[:2000]}
 
 
 def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
@@ -487,7 +497,8 @@ def main() -> int:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
     if args.only_throughput:
         print_table(state)
-        return 0 if "throughput" in state else 1
+        timed_all = "throughput" in state and not any("error" in row for row in state["throughput"].values())
+        return 0 if timed_all else 1
     fidelity_due = chosen != FP32 and not state.get("fidelity", {}).get("finished")
     if fidelity_due and left() > args.margin + 120:
         state["fidelity"] = fidelity(out, compared, extra, args.fidelity_epochs, Budget(left() - args.margin))
@@ -525,6 +536,9 @@ def print_table(state: dict) -> None:
     if "throughput" in state:
         print(f"{'case':24s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'200 ep min':>10s} {'compile s':>9s} {'GiB':>6s}")
         for case, row in state["throughput"].items():
+            if "error" in row:
+                print(f"{case:24s} failed: {row['error'].splitlines()[0][:160]}")
+                continue
             print(
                 f"{case:24s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}"
             )
