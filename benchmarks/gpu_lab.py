@@ -240,7 +240,7 @@ def _time_case(config, mechanism: str, precision: tuple[str, str], steps: int) -
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
             return _time_trainer(trainer_for(config, mechanism, PAPER_SEEDS), steps)
-    except Exception as error:  # noqa: BLE001 (any failure of one case is recorded, not fatal)
+    except Exception as error:  # any failure of one case is recorded, not fatal
         traceback.print_exc()
         return {"error": f"{type(error).__name__}: {error}"[:2000]}
 
