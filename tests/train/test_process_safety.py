@@ -21,8 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals and flock as on Linux")
 
 # 4 runs of EPOCHS epochs, 2 at once: when the first epoch is logged, two runs are queued and the
-# running ones have EPOCHS - 1 epochs to go (over a second), while the Ctrl-C lands within one epoch.
-EPOCHS = 12
+# running ones have EPOCHS - 1 epochs to go (several seconds on a loaded 2-core machine, where 12
+# epochs were once all trained before the test process saw the first one), while the Ctrl-C
+# lands within one epoch.
+EPOCHS = 60
 SLOW = [
     "name=exp",
     "task={name: parity, length: 12, num_train: 200, num_valid: 50}",
