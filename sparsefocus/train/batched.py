@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY, IndexedPattern
+from sparsefocus.attention.patterns import AUX_KEY, IndexedPattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models.blocks import (
@@ -370,8 +370,34 @@ def fixed_key_lists(pattern, q: Tensor, k: Tensor, causal: bool) -> Tensor | Non
     query rows' lists are not used), if it has at most ``FIXED_LIST_MAX_SLOTS`` slots; else None."""
     if FIXED_LIST_MAX_SLOTS <= 0 or not isinstance(pattern, IndexedPattern) or pattern.input_dependent:
         return None
-    index = pattern.indices(q[:1, :1], k[:1, :1], causal, None, None)  # [1, 1, N, K] int32
-    return index.long() if index.shape[-1] <= FIXED_LIST_MAX_SLOTS else None
+    slots = _key_lists(pattern, q.shape[-2], k.shape[-2], causal, torch.device("meta")).shape[-1]
+    if slots > FIXED_LIST_MAX_SLOTS:
+        return None
+    return pattern_key_lists(str(pattern), q.shape[-2], k.shape[-2], causal, q)
+
+
+def _key_lists(pattern, n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
+    """[1, 1, N, K] long key lists of ``pattern`` for N queries and M keys on ``device``."""
+    like = torch.empty(1, 1, n_queries, 1, device=device), torch.empty(1, 1, n_keys, 1, device=device)
+    return pattern.indices(*like, causal, None, None).long().contiguous()  # [1, 1, N, K]
+
+
+@torch.library.custom_op("sparsefocus::pattern_key_lists", mutates_args=())
+def pattern_key_lists(spec: str, n_queries: int, n_keys: int, causal: bool, like: Tensor) -> Tensor:
+    """[1, 1, N, K] long key lists of the input-agnostic pattern ``spec`` on ``like``'s device.
+
+    An op, so that torch.compile takes the lists as one opaque call. Built in the graph, the lists
+    of BAND:5(1) with its global token last made torch 2.11's Inductor fail on CUDA while merging
+    loops ("argument '-2 + ((0))' is not comparable", most likely on BAND's clamped window starts);
+    with this op the same ListOps training step compiles and trains there. A few small kernels and
+    no host sync, so it stays inside a captured step."""
+    return _key_lists(parse_pattern(spec), n_queries, n_keys, causal, like.device)
+
+
+@pattern_key_lists.register_fake
+def _pattern_key_lists_fake(spec: str, n_queries: int, n_keys: int, causal: bool, like: Tensor) -> Tensor:
+    slots = _key_lists(parse_pattern(spec), n_queries, n_keys, causal, torch.device("meta")).shape[-1]
+    return like.new_empty((1, 1, n_queries, slots), dtype=torch.long)
 
 
 def global_rows(pattern, n_queries: int) -> slice:
@@ -389,7 +415,8 @@ def listed_attention(q: Tensor, k: Tensor, v: Tensor, pattern, index: Tensor, sc
     if rows.start == rows.stop:
         return out
     head = F.scaled_dot_product_attention(q[:, :, rows], k, v, dropout_p=dropout_p, scale=scale)
-    return torch.cat([out[:, :, : rows.start], head.to(out.dtype), out[:, :, rows.stop :]], dim=2)
+    pieces = [out[:, :, : rows.start], head.to(out.dtype), out[:, :, rows.stop :]]
+    return torch.cat([piece for piece in pieces if piece.shape[2]], dim=2)  # no empty pieces: static shapes
 
 
 MASKED_SELECTION_MAX_KEYS = 4096

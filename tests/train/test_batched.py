@@ -515,6 +515,34 @@ def test_fixed_patterns_over_their_key_lists_equal_the_masked_form(pattern, monk
     assert batched.fixed_key_lists(spec, q, k, causal=False) is None
 
 
+@pytest.mark.parametrize("pattern", ["BAND:5", "band:k=5,g=1,globals_at=end", "bloc:k=4,g=2,globals_at=end"])
+def test_key_lists_op_passes_opcheck_and_compiles_like_eager(pattern, monkeypatch):
+    """The key lists are the op ``sparsefocus::pattern_key_lists``: its lists are the pattern's
+    own, it passes opcheck, and the compiled listed attention (global rows last included) gives
+    eager's outputs and gradients."""
+    from sparsefocus.attention import parse_pattern
+    from sparsefocus.train import batched
+
+    spec = parse_pattern(pattern)
+    q, k, v = (torch.randn(2, 1, 23, 8, requires_grad=True) for _ in range(3))
+    lists = torch.ops.sparsefocus.pattern_key_lists(str(spec), 23, 23, False, q)
+    torch.testing.assert_close(lists, spec.indices(q[:1], k[:1], False, None, None).long(), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.sparsefocus.pattern_key_lists.default, (str(spec), 23, 23, False, q.detach()))
+    monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", 16)
+
+    def attend(q, k, v):
+        index = batched.fixed_key_lists(spec, q, k, causal=False)
+        return batched.listed_attention(q, k, v, spec, index, 0.35, 0.0)
+
+    grad = torch.randn(2, 1, 23, 8)
+    results = []
+    for function in (attend, torch.compile(attend, fullgraph=True, dynamic=False)):
+        out = function(q, k, v)
+        results.append([out, *torch.autograd.grad(out, (q, k, v), grad)])
+    for name, eager, compiled in zip(("out", "dq", "dk", "dv"), *results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_fast_selection_without_gradients_attends_through_the_gathered_keys(monkeypatch):
     """Evaluation (no gradients) attends over the chosen keys only; at dropout 0 that is the
     masked form's output."""
