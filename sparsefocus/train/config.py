@@ -118,8 +118,9 @@ class TrainConfig:
         fast_attention: how the batched fast path trains the paper's BAND, BLOC and TOPK: "masks"
             (SDPA with the pattern's [N, M] mask, or a mask of the chosen keys) or "lists" (each
             query over its key list: ``batched.gathered_attention``; global rows over every
-            key). Default: "masks" (docs/performance.md: lists with one-hot key gradients
-            trained 1.9-2.4x slower; with the default atomic ones it is not timed yet).
+            key). Default: "masks" (docs/performance.md: on the H200, lists take BLOC:5's ListOps
+            step from 14.2 to 11.1 ms, while TOPK's attention over its chosen keys alone was
+            slower than the masked form at that shape).
         task_cache: the batched path keeps each seed's built task data under
             ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
             and builds missing seeds in parallel processes. Default: False.
