@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparsefocus.bench.profiling import count_kernels, device_ms, profile_events, top_kernels
 from sparsefocus.train.batched import fast_attention
 from sparsefocus.train.checkpoint import write_text_atomic
-from sparsefocus.train.config import PAPER_SEEDS, load_config
+from sparsefocus.train.config import FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import Budget, GroupTrainer, build_datas
 from sparsefocus.train.experiment import plan, progress_line, run_experiment
 from sparsefocus.train.loop import matmul_precision
@@ -420,7 +420,7 @@ def parse_args() -> argparse.Namespace:
         "--throughput-form",
         action="append",
         default=[],
-        choices=("masks", "lists"),
+        choices=FAST_ATTENTIONS,
         help="time each mechanism with this train.fast_attention too (repeatable; default: as configured)",
     )
     parser.add_argument("--fidelity-epochs", type=int, default=5)

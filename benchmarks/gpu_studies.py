@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import write_text_atomic
-from sparsefocus.train.config import PAPER_SEEDS, load_config
+from sparsefocus.train.config import FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import Budget
 from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
 
@@ -251,7 +251,7 @@ def main() -> int:
     parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph"))
     parser.add_argument("--concurrent", type=int, default=len(FIGURE_1), help="mechanism groups trained at once")
     parser.add_argument(
-        "--fast-attention", default="masks", choices=("masks", "lists"), help="train.fast_attention (default: masks)"
+        "--fast-attention", default="masks", choices=FAST_ATTENTIONS, help="train.fast_attention (default: masks)"
     )
     parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
     parser.add_argument(

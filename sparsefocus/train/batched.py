@@ -44,6 +44,7 @@ from sparsefocus.models.blocks import (
     PaperAttention,
     sinusoidal_positions,
 )
+from sparsefocus.train.config import FAST_ATTENTIONS
 
 MODES = ("exact", "fast")
 
@@ -349,16 +350,18 @@ LIST_SLOTS = 64
 def fast_attention(choice: str) -> Iterator[None]:
     """``train.fast_attention`` while training: "masks" leaves the settings as they are; "lists"
     sets ``MASKED_SELECTION_MAX_KEYS`` to 0 (TOPK trains over its chosen keys) and
-    ``FIXED_LIST_MAX_SLOTS`` to ``LIST_SLOTS``, and restores them afterwards. ValueError for
-    another choice."""
-    if choice not in ("masks", "lists"):
-        raise ValueError(f"train.fast_attention must be 'masks' or 'lists', got {choice!r}")
+    ``FIXED_LIST_MAX_SLOTS`` to ``LIST_SLOTS``; "fixed-lists" sets only the latter (BAND and BLOC
+    over their key lists, TOPK through the mask of its chosen keys); both are restored afterwards.
+    ValueError for another choice."""
+    if choice not in FAST_ATTENTIONS:
+        raise ValueError(f"train.fast_attention must be one of {', '.join(map(repr, FAST_ATTENTIONS))}, got {choice!r}")
     if choice == "masks":
         yield
         return
     global MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
     saved = MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
-    MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS = 0, LIST_SLOTS
+    MASKED_SELECTION_MAX_KEYS = 0 if choice == "lists" else MASKED_SELECTION_MAX_KEYS
+    FIXED_LIST_MAX_SLOTS = LIST_SLOTS
     try:
         yield
     finally:

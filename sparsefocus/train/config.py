@@ -30,7 +30,7 @@ COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead", "step-graph")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 AUTOCASTS = ("none", "bf16")
 TOPK_SELECTS = ("torch", "triton")
-FAST_ATTENTIONS = ("masks", "lists")
+FAST_ATTENTIONS = ("masks", "lists", "fixed-lists")
 
 
 @dataclass
@@ -118,9 +118,10 @@ class TrainConfig:
         fast_attention: how the batched fast path trains the paper's BAND, BLOC and TOPK: "masks"
             (SDPA with the pattern's [N, M] mask, or a mask of the chosen keys) or "lists" (each
             query over its key list: ``batched.gathered_attention``; global rows over every
-            key). Default: "masks" (docs/performance.md: on the H200, lists take BLOC:5's ListOps
-            step from 14.2 to 11.1 ms, while TOPK's attention over its chosen keys alone was
-            slower than the masked form at that shape).
+            key) or "fixed-lists" (BAND and BLOC over key lists, TOPK through the mask of its
+            chosen keys: the faster form of each at the ListOps shape on the H200, where lists
+            take BLOC:5's step from 14.2 to 11.1 ms and TOPK's attention over its chosen keys
+            alone was slower than the masked form; docs/performance.md). Default: "masks".
         task_cache: the batched path keeps each seed's built task data under
             ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
             and builds missing seeds in parallel processes. Default: False.

@@ -93,7 +93,7 @@ def test_exact_batched_seeds_equal_single_runs_with_dropout(single, tmp_path):
     assert_same_params(params_of(single / "dropout" / "exp"), params_of(root), atol=0.0)
 
 
-@pytest.mark.parametrize("attention", ["masks", "lists"])
+@pytest.mark.parametrize("attention", ["masks", "lists", "fixed-lists"])
 def test_fast_batched_seeds_equal_single_runs_without_dropout(single, tmp_path, attention):
     overrides = ["model.dropout=0.0", "mechanisms=[FULL,BAND:3(1),TOPK:3]", "train.batched=true", "train.batched_mode=fast"]
     root = run_experiment(config(tmp_path, *overrides, f"train.fast_attention={attention}"), quiet=True)
@@ -108,10 +108,12 @@ def test_fast_attention_lists_sets_the_switches_while_training_only(tmp_path):
     before = batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS
     with batched.fast_attention("lists"):
         assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == (0, 64, before[2])
+    with batched.fast_attention("fixed-lists"):
+        assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == (before[0], 64, before[2])
     with batched.fast_attention("masks"):
         assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
     assert (batched.MASKED_SELECTION_MAX_KEYS, batched.FIXED_LIST_MAX_SLOTS, indexed.KEY_GRADS) == before
-    with pytest.raises(ValueError, match="'masks' or 'lists'"):
+    with pytest.raises(ValueError, match="'masks', 'lists', 'fixed-lists'"):
         batched.fast_attention("list").__enter__()
     with pytest.raises(ValueError, match="train.fast_attention is read by the batched fast path only"):
         config(tmp_path, "train.fast_attention=lists")
