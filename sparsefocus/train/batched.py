@@ -360,7 +360,8 @@ def fast_attention(choice: str) -> Iterator[None]:
         return
     global MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
     saved = MASKED_SELECTION_MAX_KEYS, FIXED_LIST_MAX_SLOTS
-    MASKED_SELECTION_MAX_KEYS = 0 if choice == "lists" else MASKED_SELECTION_MAX_KEYS
+    if choice == "lists":
+        MASKED_SELECTION_MAX_KEYS = 0
     FIXED_LIST_MAX_SLOTS = LIST_SLOTS
     try:
         yield
@@ -373,10 +374,8 @@ def fixed_key_lists(pattern, q: Tensor, k: Tensor, causal: bool) -> Tensor | Non
     query rows' lists are not used), if it has at most ``FIXED_LIST_MAX_SLOTS`` slots; else None."""
     if FIXED_LIST_MAX_SLOTS <= 0 or not isinstance(pattern, IndexedPattern) or pattern.input_dependent:
         return None
-    slots = _key_lists(pattern, q.shape[-2], k.shape[-2], causal, torch.device("meta")).shape[-1]
-    if slots > FIXED_LIST_MAX_SLOTS:
-        return None
-    return pattern_key_lists(str(pattern), q.shape[-2], k.shape[-2], causal, q)
+    index = pattern_key_lists(str(pattern), q.shape[-2], k.shape[-2], causal, q)  # [1, 1, N, K]
+    return index if index.shape[-1] <= FIXED_LIST_MAX_SLOTS else None
 
 
 def _key_lists(pattern, n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
