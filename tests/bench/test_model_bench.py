@@ -40,6 +40,7 @@ TINY = [
 ]
 OK_FIELDS = {
     "ms",
+    "synced_ms",
     "tokens_per_s",
     "peak_mb",
     "attention_share",
@@ -73,7 +74,7 @@ def test_model_bench_json_has_every_field_and_both_modes(tmp_path):
             assert row["status"] == "off" and row["error"]  # --compile both runs eager only on CPU
         if row["status"] == "ok":
             assert OK_FIELDS <= set(row)
-            assert row["ms"] > 0 and row["tokens_per_s"] > 0
+            assert row["ms"] > 0 and row["synced_ms"] > 0 and row["tokens_per_s"] > 0
             assert row["peak_mb"] is None and row["launches"] is None  # CPU: nothing to report, not 0
             assert row["device_ms"] is None and row["device_busy"] is None
             assert 0.0 < row["attention_share"] < 1.0
@@ -132,3 +133,13 @@ def test_top_kernels_group_the_calls_of_one_name():
     (mm,) = [op for op in heaviest if op["name"] == "aten::mm"]
     assert mm["calls"] == 3 and mm["ms"] > 0
     assert top_kernels(events, torch.device("cpu"), 0) == []
+
+
+def test_pipelined_timing_runs_warmup_then_repeats_back_to_back():
+    import torch
+
+    from sparsefocus.bench.runner import pipelined_ms
+
+    calls = []
+    ms = pipelined_ms(lambda: calls.append(len(calls)), torch.device("cpu"), warmup=2, repeats=5)
+    assert len(calls) == 7 and ms >= 0
