@@ -51,14 +51,12 @@ import tarfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import FAST_ATTENTIONS, PAPER_SEEDS, load_config
-from sparsefocus.train.driver import Budget
+from sparsefocus.train.driver import Budget, compile_phases
 from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,17 +234,6 @@ def use_compile_cache(work: Path) -> Path:
     return cache
 
 
-def compile_phases() -> dict[str, float]:
-    """Seconds this process spent in each phase of ``torch.compile`` (Dynamo's own accounting,
-    summed over frames; nested phases overlap), so a call's first-epoch cost can be read apart:
-    tracing, AOTAutograd, Inductor's caches and code, guards."""
-    try:
-        names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
-    except Exception:  # noqa: BLE001 - a private API: the record goes without it
-        return {}
-    return {name: round(float(value), 3) for name, value in zip(names, values)}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", required=True, choices=sorted(STUDIES))
@@ -318,7 +305,7 @@ def main() -> int:
         "progress": line,
         "complete": complete,
         "seconds": round(time.time() - began, 1),
-        "compile_phases_s": compile_phases(),
+        "compile_phases_s": {name: round(seconds, 3) for name, seconds in compile_phases().items()},
         "parts": [p.name for p in parts],
         "settings": {
             "mechanisms": config.mechanisms,

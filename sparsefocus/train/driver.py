@@ -62,35 +62,68 @@ from sparsefocus.train.loop import (
 )
 
 
+COMPILE_PHASES = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+"""Dynamo's top-level compile phases: tracing and compiling a frame (the forward graph among
+them), and the backward graph, which AOTAutograd compiles lazily at the first backward."""
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds this process has spent in each phase of ``torch.compile`` so far (Dynamo's own
+    accounting, summed over frames; nested phases overlap); empty when it keeps none or its
+    private accounting API changed."""
+    try:
+        names, values = cast(tuple[list[str], list[str]], torch._dynamo.utils.compile_times(repr="csv", aggregate=True))
+        return {name: float(value) for name, value in zip(names, values)}
+    except Exception:  # noqa: BLE001 - a private API: callers go without it
+        return {}
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling so far: the sum of ``COMPILE_PHASES``."""
+    phases = compile_phases()
+    return sum(phases.get(name, 0.0) for name in COMPILE_PHASES)
+
+
 @dataclasses.dataclass
 class Budget:
     """A wall-clock allowance checked at epoch boundaries (picklable: an absolute deadline).
 
     ``seconds``: the allowance; ``deadline``: ``time.time()`` when it ends; ``last_epoch``: the
-    latest epoch's length in this process, the estimate for the next one; ``epochs``: epochs
-    trained under it. The first epoch is always allowed, so that every call makes progress.
+    latest epoch's length in this process less the time it spent compiling (which the next epoch
+    does not repeat), the estimate for the next one; ``epochs``: epochs trained under it;
+    ``compiled``: ``compile_seconds()`` at the last record in process ``pid``. The first epoch is
+    always allowed, so that every call makes progress.
     """
 
     seconds: float
     deadline: float = 0.0
     last_epoch: float = 0.0
     epochs: int = 0
+    compiled: float = 0.0
+    pid: int = 0
 
     def __post_init__(self) -> None:
         if self.seconds <= 0:
             raise ValueError(f"--budget must be > 0 seconds, got {self.seconds}")
         if not self.deadline:
             self.deadline = time.time() + self.seconds
+        if not self.pid:
+            self.pid, self.compiled = os.getpid(), compile_seconds()
 
     def allows(self, estimate: float | None = None) -> bool:
-        """Whether an epoch expected to take ``estimate`` (default: the longest so far) still fits."""
+        """Whether an epoch expected to take ``estimate`` (default: the latest one's estimate) still fits."""
         if self.epochs == 0:
             return True
         return time.time() + (self.last_epoch if estimate is None else estimate) <= self.deadline
 
     def record(self, seconds: float) -> None:
-        """The latest epoch is the estimate: a first epoch that compiled would overstate the rest."""
-        self.last_epoch, self.epochs = seconds, self.epochs + 1
+        """An epoch of ``seconds`` ended: the next is estimated as this one less its compiling (a
+        first epoch that compiled would overstate the rest)."""
+        if self.pid != os.getpid():  # unpickled in a worker: its compile accounting starts at zero
+            self.pid, self.compiled = os.getpid(), 0.0
+        compiled = compile_seconds()
+        self.last_epoch = max(seconds - max(compiled - self.compiled, 0.0), 0.0)
+        self.compiled, self.epochs = compiled, self.epochs + 1
 
 
 TASK_TENSORS = ("train_inputs", "train_targets", "valid_inputs", "valid_targets", "test_inputs", "test_targets")

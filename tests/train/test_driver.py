@@ -89,6 +89,43 @@ def test_budget_must_be_positive():
         Budget(0)
 
 
+def test_compile_phases_come_from_dynamos_accounting():
+    import torch
+
+    from sparsefocus.train.driver import compile_phases, compile_seconds
+
+    before = compile_seconds()
+    torch.compile(lambda x: x.cos() * 2, backend="eager")(torch.randn(3))  # traced, nothing built
+    phases = compile_phases()
+    assert "_compile.compile_inner" in phases, phases
+    assert all(seconds >= 0 for seconds in phases.values())
+    assert compile_seconds() > before
+
+
+def test_budget_estimates_the_next_epoch_without_the_compiling(monkeypatch):
+    import sparsefocus.train.driver as driver
+
+    spent = {"compile": 5.0}
+    monkeypatch.setattr(driver, "compile_seconds", lambda: spent["compile"])
+    budget = Budget(100.0)
+    spent["compile"] = 35.0  # the first epoch compiled for 30 s of its 40
+    budget.record(40.0)
+    assert budget.last_epoch == pytest.approx(10.0)
+    assert budget.allows(), "60 s left and a 10 s epoch expected"
+    budget.record(12.0)  # no compiling in the second
+    assert budget.last_epoch == pytest.approx(12.0)
+    assert not budget.allows(estimate=1000.0)
+
+
+def test_budget_unpickled_in_another_process_counts_its_compiling_from_zero(monkeypatch):
+    import sparsefocus.train.driver as driver
+
+    monkeypatch.setattr(driver, "compile_seconds", lambda: 4.0)
+    budget = Budget(100.0, compiled=50.0, pid=-1)  # as made in a parent that had compiled 50 s
+    budget.record(10.0)
+    assert budget.last_epoch == pytest.approx(6.0) and budget.compiled == 4.0
+
+
 def test_task_cache_serves_the_built_data(tmp_path):
     import torch
 

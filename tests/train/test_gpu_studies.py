@@ -117,13 +117,3 @@ def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
     assert not (runs / "seed-1" / ".lock").exists() and not (work / "even_pairs" / ".task-cache").exists()
     with pytest.raises(ValueError, match="holds no run folder"):
         studies.start_from(tmp_path / "newer" / "nothing", "even_pairs", work)
-
-
-def test_compile_phases_come_from_dynamos_accounting(studies):
-    import torch
-
-    torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.randn(3))  # traced, nothing built
-    phases = studies.compile_phases()
-    assert phases, "a compiled call leaves no phase on record"
-    assert all(isinstance(seconds, float) and seconds >= 0 for seconds in phases.values())
-    assert any("compile" in name for name in phases)
