@@ -56,7 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import FAST_ATTENTIONS, PAPER_SEEDS, load_config
-from sparsefocus.train.driver import Budget, compile_phases
+from sparsefocus.train.driver import SETUP_LOG, Budget, compile_phases
 from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -306,6 +306,7 @@ def main() -> int:
         "complete": complete,
         "seconds": round(time.time() - began, 1),
         "compile_phases_s": {name: round(seconds, 3) for name, seconds in compile_phases().items()},
+        "setup_s": SETUP_LOG,
         "parts": [p.name for p in parts],
         "settings": {
             "mechanisms": config.mechanisms,

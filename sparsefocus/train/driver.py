@@ -226,6 +226,18 @@ def _check_step_graph(config: ExperimentConfig, device: torch.device) -> bool:
     return True
 
 
+SETUP_LOG: list[dict[str, Any]] = []
+"""The one-off work of this process's fast groups, timed with a synchronisation (once per group
+and process, so it costs nothing later): each step graph's warm-up steps (which compile) and its
+capture, and each group's first evaluation. A budget call's record carries it, to tell where a
+call's first epoch goes."""
+
+
+def _log_setup(group: str, what: str, began: float, device: torch.device) -> None:
+    _wait(device)
+    SETUP_LOG.append({"group": group, "what": what, "seconds": round(time.perf_counter() - began, 3)})
+
+
 class StepGraph:
     """The fast step (rows, forward, backward, per-run clipping, SGD update, running sums) of
     full batches recorded once as a CUDA graph and replayed: one launch instead of hundreds.
@@ -278,6 +290,7 @@ class StepGraph:
         if self.graph is not None:
             self.graph.replay()
             return
+        began, group = time.perf_counter(), self.trainer.label
         if self.steps < self.warmup:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -285,11 +298,13 @@ class StepGraph:
                 self._body()
             torch.cuda.current_stream().wait_stream(side)
             self.steps += 1
+            _log_setup(group, f"warm-up step {self.steps}", began, self.trainer.device)
             return
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._body()
         self.graph.replay()  # capturing records the step without running it
+        _log_setup(group, "capture and first replay", began, self.trainer.device)
 
     def run_uncaptured(self, index: Tensor, lr: float) -> None:
         """One step outside the graph, with the same compiled kernels: for profilers, which do not
@@ -316,6 +331,8 @@ class GroupTrainer:
 
     def __init__(self, specs: list[RunSpec], datas: list[TaskData], device: torch.device, fresh_compiler: bool = True) -> None:
         self.specs, self.device, self.config = specs, device, specs[0].config
+        self.label = str(specs[0].mechanism)  # names the group in SETUP_LOG
+        self.evaluated = False
         self.train_cfg = self.config.train
         self.exact = self.train_cfg.batched_mode == "exact"
         self.runs = len(specs)
@@ -434,11 +451,15 @@ class GroupTrainer:
 
     def metrics_table(self, running: tuple[Tensor, Tensor]) -> Tensor:
         """[4, R] (train loss, train accuracy, held-out loss, held-out accuracy) on the device."""
+        began = time.perf_counter()
         if self.train_cfg.train_loss == "full_eval":
             train = self.evaluate(self.train_inputs, self.train_targets)
         else:
             train = running
         valid = self.evaluate(self.valid_inputs, self.valid_targets)
+        if not self.evaluated:
+            _log_setup(self.label, "first evaluation", began, self.device)
+        self.evaluated = True
         return torch.stack([*train, *valid])
 
     def metric_lines(self, epoch: int, table: Tensor, lr: float, seconds: float) -> list[dict]:

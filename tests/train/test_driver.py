@@ -142,3 +142,13 @@ def test_task_cache_serves_the_built_data(tmp_path):
         assert torch.equal(getattr(again, name), getattr(fresh, name))
         assert torch.equal(getattr(first[0], name), getattr(fresh, name))
     assert (again.vocab_size, again.num_classes, again.pad_id) == (fresh.vocab_size, fresh.num_classes, fresh.pad_id)
+
+
+def test_setup_log_names_each_groups_first_evaluation_once(tmp_path, monkeypatch):
+    from sparsefocus.train import driver
+
+    monkeypatch.setattr(driver, "SETUP_LOG", [])
+    assert train(tmp_path, "train.batched=true", "train.batched_mode=fast") == 0
+    firsts = [(entry["group"], entry["what"]) for entry in driver.SETUP_LOG]
+    assert sorted(firsts) == [("FULL", "first evaluation"), ("TOPK:3", "first evaluation")]
+    assert all(entry["seconds"] >= 0 for entry in driver.SETUP_LOG)
