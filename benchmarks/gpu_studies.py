@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import write_text_atomic
-from sparsefocus.train.config import FAST_ATTENTIONS, PAPER_SEEDS, load_config
+from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import SETUP_LOG, Budget, compile_phases
 from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
 
@@ -83,9 +83,10 @@ def study_config(
     concurrent: int = 1,
     extra: tuple[str, ...] = (),
     attention: str = "masks",
+    compile_scope: str = "step",
 ):
-    """The study's config as this script trains it (``attention``: ``train.fast_attention``);
-    ``extra`` overrides come last."""
+    """The study's config as this script trains it (``attention``: ``train.fast_attention``,
+    ``compile_scope``: ``train.compile_scope``); ``extra`` overrides come last."""
     overrides = [
         f"out_dir={work}",
         f"name={study}",
@@ -103,6 +104,7 @@ def study_config(
         f"train.autocast={autocast}",
         f"train.concurrent_groups={concurrent}",
         f"train.fast_attention={attention}",
+        f"train.compile_scope={compile_scope}",
         "train.checkpoint_every=10",  # a budget stop saves every run anyway; 60 saves an epoch cost ~10%
         *extra,
     ]
@@ -253,6 +255,12 @@ def main() -> int:
     parser.add_argument(
         "--fast-attention", default="masks", choices=FAST_ATTENTIONS, help="train.fast_attention (default: masks)"
     )
+    parser.add_argument(
+        "--compile-scope",
+        default="step",
+        choices=COMPILE_SCOPES,
+        help="train.compile_scope: the whole forward as one graph, or each block (compiles faster)",
+    )
     parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
     parser.add_argument(
         "--no-compile-cache", action="store_true", help="neither unpack nor return Inductor's and Triton's caches"
@@ -288,7 +296,15 @@ def main() -> int:
         print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile, args.fast_attention)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
     config = study_config(
-        args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only, args.fast_attention
+        args.study,
+        work,
+        args.precision,
+        args.autocast,
+        args.compile,
+        args.concurrent,
+        only,
+        args.fast_attention,
+        args.compile_scope,
     )
     began = time.time()
     run_experiment(config, quiet=True, budget=budget)
@@ -316,6 +332,7 @@ def main() -> int:
             "compile": args.compile,
             "concurrent": args.concurrent,
             "fast_attention": args.fast_attention,
+            "compile_scope": args.compile_scope,
         },
     }
     write_text_atomic(out / f"{args.study}_progress.json", json.dumps(record, indent=1))

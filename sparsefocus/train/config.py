@@ -31,6 +31,7 @@ MATMUL_PRECISIONS = ("highest", "high", "medium")
 AUTOCASTS = ("none", "bf16")
 TOPK_SELECTS = ("torch", "triton")
 FAST_ATTENTIONS = ("masks", "lists", "fixed-lists")
+COMPILE_SCOPES = ("step", "blocks")
 
 
 @dataclass
@@ -110,6 +111,12 @@ class TrainConfig:
             and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default
             mode and the whole step, forward, backward, clipping and update, replayed as one CUDA
             graph). Default: "auto".
+        compile_scope: what a compiling mode compiles: "step" (the folded model's whole forward
+            and loss as one graph) or "blocks" (each transformer block, one graph for the blocks
+            alike, the rest eager; in step-graph mode the eager rest is captured with the step).
+            "blocks" compiles a ListOps model in a fifth of the time on a CPU (the first epoch of
+            two folded seeds: 19 against 95 s of compiling) at the cost of the fusions across
+            block boundaries. Default: "step".
         matmul_precision: ``torch.set_float32_matmul_precision`` while training: "highest" (fp32),
             "high" (TF32 on CUDA) or "medium". Default: "highest".
         autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".
@@ -145,6 +152,7 @@ class TrainConfig:
     batched_max_runs: int = 0
     concurrent_groups: int = 1
     compile: str = "auto"
+    compile_scope: str = "step"
     matmul_precision: str = "highest"
     autocast: str = "none"
     topk_select: str = "torch"
@@ -168,6 +176,7 @@ class TrainConfig:
         """The batched path's keys; those that only the batched path reads need ``batched``."""
         _choice("train.batched_mode", self.batched_mode, BATCHED_MODES)
         _choice("train.compile", self.compile, COMPILE_MODES)
+        _choice("train.compile_scope", self.compile_scope, COMPILE_SCOPES)
         _choice("train.matmul_precision", self.matmul_precision, MATMUL_PRECISIONS)
         _choice("train.autocast", self.autocast, AUTOCASTS)
         _choice("train.topk_select", self.topk_select, TOPK_SELECTS)

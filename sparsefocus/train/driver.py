@@ -29,8 +29,9 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 import yaml
-from torch import Tensor
+from torch import Tensor, nn
 
+from sparsefocus.models.blocks import Block
 from sparsefocus.tasks.base import TaskData
 from sparsefocus.train.batched import (
     RunAttention,
@@ -201,6 +202,25 @@ def _epoch_seed(seeds: list[int], epoch: int) -> int:
     a resumed group draws what the uninterrupted one would have."""
     text = ",".join(map(str, seeds)) + f"/{epoch}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+BLOCK_RECOMPILE_LIMIT = 64
+"""Dynamo's recompile limit while blocks are compiled one by one: every block of every group
+shares ``Block.forward``'s cache, with an entry per kind of block (the first differs), train or
+eval mode and mechanism, and past the limit Dynamo would quietly run the block eagerly."""
+
+
+def compile_blocks(model: nn.Module, mode: str) -> int:
+    """Compile each transformer block of ``model`` in place (``train.compile_scope=blocks``);
+    returns how many. Blocks alike share one graph: Dynamo passes their parameters as inputs."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, BLOCK_RECOMPILE_LIMIT)
+    blocks = [module for module in model.modules() if isinstance(module, Block)]
+    if not blocks:
+        raise ValueError("train.compile_scope=blocks: the model has no transformer blocks to compile")
+    for block in blocks:
+        block.compile(mode=mode, dynamic=False)
+    return len(blocks)
 
 
 def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
@@ -387,6 +407,9 @@ class GroupTrainer:
             return forward_loss
         if fresh_compiler:
             torch._dynamo.reset()  # each group's closure would otherwise count towards dynamo's recompile limit
+        if self.train_cfg.compile_scope == "blocks":
+            compile_blocks(self.model, mode)
+            return forward_loss
         return torch.compile(forward_loss, mode=mode, dynamic=False)
 
     def rows(self, inputs: Tensor, targets: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:

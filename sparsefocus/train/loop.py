@@ -48,6 +48,7 @@ RESUME_FREE_KEYS = (
     "train.concurrent_groups",
     "train.checkpoint_every",
     "train.compile",
+    "train.compile_scope",
     "train.task_cache",
     "train.topk_select",  # both pick the k largest scores; they differ only between near ties (rounding)
     "train.fast_attention",  # the same attention computed another way (rounding, fast mode's dropout draws)

@@ -152,3 +152,33 @@ def test_setup_log_names_each_groups_first_evaluation_once(tmp_path, monkeypatch
     firsts = [(entry["group"], entry["what"]) for entry in driver.SETUP_LOG]
     assert sorted(firsts) == [("FULL", "first evaluation"), ("TOPK:3", "first evaluation")]
     assert all(entry["seconds"] >= 0 for entry in driver.SETUP_LOG)
+
+
+def test_blocks_compiled_one_by_one_train_as_the_eager_fast_step(tmp_path, monkeypatch):
+    from sparsefocus.train import driver
+
+    compiled = []
+    original = driver.compile_blocks
+    monkeypatch.setattr(driver, "compile_blocks", lambda model, mode: compiled.append(original(model, mode)) or compiled[-1])
+    fast = ["train.batched=true", "train.batched_mode=fast", "model.dropout=0.0", "model.blocks=2"]
+    assert train(tmp_path / "eager", *fast, "train.compile=eager") == 0
+    assert compiled == []
+    assert train(tmp_path / "blocks", *fast, "train.compile=default", "train.compile_scope=blocks") == 0
+    assert compiled == [2, 2], "each group's two blocks are compiled"
+    eager, blocks = curves(tmp_path / "eager" / "exp"), curves(tmp_path / "blocks" / "exp")
+    assert eager.keys() == blocks.keys() and eager
+    for run in eager:
+        for got, want in zip(blocks[run], eager[run]):
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-5), run
+
+
+def test_compile_scope_is_checked_and_needs_blocks():
+    import torch
+
+    from sparsefocus.train.config import load_config
+    from sparsefocus.train.driver import compile_blocks
+
+    with pytest.raises(ValueError, match="train.compile_scope must be one of step, blocks"):
+        load_config(None, [*TINY, "train.compile_scope=layers"])
+    with pytest.raises(ValueError, match="no transformer blocks"):
+        compile_blocks(torch.nn.Linear(2, 2), "default")
