@@ -14,9 +14,10 @@ unless noted):
 
 Compiling is a large part of a short call (about 50 s per ListOps model on the H200, six models
 per call). Inductor's and Triton's caches therefore live in ``<work>/compile-cache`` and travel
-beside the study as ``compile-cache.tgz.partNN`` when they fit what a call may return and the
-next call may carry in beside the repository (8 files, 48 MiB together; the study first): a later call then loads the compiled code
-instead of compiling again (on the H200, the first compile of a small folded model took 22.8 s
+beside the study as ``compile-cache.txz.partNN`` (xz: about half of gzip's size for compiled
+code) when they fit what a call may return and the next call may carry in beside the repository
+(8 files, 48 MiB together; the study first): a later call then loads the compiled code instead
+of compiling again (on the H200, the first compile of a small folded model took 22.8 s
 cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 
 ``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
@@ -161,14 +162,21 @@ def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = 
     return record
 
 
+def suffix(name: str) -> str:
+    """The archive kind of ``name``'s parts: the compile cache (compiled code and text, which xz
+    packs to about half of gzip's size) as ``txz``, the study (mostly incompressible weights, where
+    gzip is faster) as ``tgz``."""
+    return "txz" if name == CACHE else "tgz"
+
+
 def unpack(inbox: Path, study: str, work: Path) -> bool:
-    """Extract ``<inbox>/<study>.tgz.partNN`` (concatenated in order) into ``work``; False when
-    there are none. ``study`` may also be ``CACHE``."""
-    parts = sorted(inbox.glob(f"{study}.tgz.part*"))
+    """Extract ``<inbox>/<study>.<suffix>.partNN`` (concatenated in order) into ``work``; False
+    when there are none. ``study`` may also be ``CACHE``."""
+    parts = sorted(inbox.glob(f"{study}.{suffix(study)}.part*"))
     if not parts:
         return False
     data = b"".join(p.read_bytes() for p in parts)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
         archive.extractall(work, filter="data")
     return True
 
@@ -189,19 +197,21 @@ def start_from(folder: Path, study: str, work: Path) -> int:
 
 
 def archive(work: Path, name: str) -> bytes:
-    """``work/name`` as tar.gz bytes, without the task cache (rebuilt on the device)."""
+    """``work/name`` as tar bytes compressed as ``suffix(name)`` says (xz at preset 3: a few
+    seconds for the cache of a call), without the task cache (rebuilt on the device)."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+    xz = suffix(name) == "txz"
+    with tarfile.open(fileobj=buffer, mode="w:xz" if xz else "w:gz", **({"preset": 3} if xz else {})) as tar:
         tar.add(work / name, arcname=name, filter=lambda info: None if ".task-cache" in info.name else info)
     return buffer.getvalue()
 
 
 def write_parts(data: bytes, name: str, out: Path) -> list[Path]:
-    """``data`` as ``<out>/<name>.tgz.partNN`` files of at most ``PART_BYTES``."""
+    """``data`` as ``<out>/<name>.<suffix>.partNN`` files of at most ``PART_BYTES``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for index, start in enumerate(range(0, len(data), PART_BYTES)):
-        path = out / f"{name}.tgz.part{index:02d}"
+        path = out / f"{name}.{suffix(name)}.part{index:02d}"
         path.write_bytes(data[start : start + PART_BYTES])
         paths.append(path)
     return paths

@@ -67,6 +67,7 @@ def test_the_compile_cache_travels_only_when_it_fits_beside_the_study(studies, t
     monkeypatch.setattr(studies, "PART_BYTES", 8_000)
     parts = studies.pack(work, "even_pairs", out)
     assert studies.pack_cache(work, out, parts).startswith("packed")
+    assert list(out.glob(f"{studies.CACHE}.txz.part*")) and all(p.name.startswith("even_pairs.tgz.part") for p in parts)
     assert studies.unpack(out, studies.CACHE, tmp_path / "again")
     assert (tmp_path / "again" / studies.CACHE / "triton" / "kernel.cubin").read_bytes() == (
         cache / "triton" / "kernel.cubin"
@@ -76,7 +77,7 @@ def test_the_compile_cache_travels_only_when_it_fits_beside_the_study(studies, t
         monkeypatch.setattr(studies, "MAX_FILES_BACK", files)
         fresh = tmp_path / f"out-{limit}"
         assert studies.pack_cache(work, fresh, studies.pack(work, "even_pairs", fresh)).startswith("left out")
-        assert not list(fresh.glob(f"{studies.CACHE}.tgz.part*"))
+        assert not list(fresh.glob(f"{studies.CACHE}.*.part*"))
 
 
 def test_a_call_may_train_some_mechanisms_and_seeds_of_the_study(studies, tmp_path, monkeypatch, capsys):
