@@ -205,9 +205,10 @@ def _epoch_seed(seeds: list[int], epoch: int) -> int:
 
 
 BLOCK_RECOMPILE_LIMIT = 64
-"""Dynamo's recompile limit while blocks are compiled one by one: every block of every group
-shares ``Block.forward``'s cache, with an entry per kind of block (the first differs), train or
-eval mode and mechanism, and past the limit Dynamo would quietly run the block eagerly."""
+"""Dynamo's recompile limit, for the rest of the process, once blocks are compiled one by one:
+every block of every group shares ``Block.forward``'s cache, with an entry per kind of block
+(the first differs), train or eval mode and mechanism, and past the limit Dynamo would quietly
+run the block eagerly."""
 
 
 def compile_blocks(model: nn.Module, mode: str) -> int:
