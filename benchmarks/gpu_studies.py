@@ -200,8 +200,8 @@ def archive(work: Path, name: str) -> bytes:
     """``work/name`` as tar bytes compressed as ``suffix(name)`` says (xz at preset 3: a few
     seconds for the cache of a call), without the task cache (rebuilt on the device)."""
     buffer = io.BytesIO()
-    xz = suffix(name) == "txz"
-    with tarfile.open(fileobj=buffer, mode="w:xz" if xz else "w:gz", **({"preset": 3} if xz else {})) as tar:
+    options = {"mode": "w:xz", "preset": 3} if suffix(name) == "txz" else {"mode": "w:gz"}
+    with tarfile.open(fileobj=buffer, **options) as tar:
         tar.add(work / name, arcname=name, filter=lambda info: None if ".task-cache" in info.name else info)
     return buffer.getvalue()
 

@@ -60,24 +60,26 @@ def step_fn(workload: Workload, inputs: tuple[Tensor, ...], mode: str) -> Callab
     return forward_backward
 
 
+def _elapsed_ms(run: Callable[[], None], device: torch.device) -> float:
+    """Milliseconds of one call of ``run``: CUDA events around it, then a synchronisation, on
+    CUDA; the wall clock elsewhere."""
+    if device.type == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(stop)
+    begin = time.perf_counter()
+    run()
+    return 1e3 * (time.perf_counter() - begin)
+
+
 def median_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
     """Median milliseconds of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop))
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - begin))
-    return statistics.median(times)
+    return statistics.median(_elapsed_ms(fn, device) for _ in range(repeats))
 
 
 def pipelined_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
@@ -88,18 +90,13 @@ def pipelined_ms(fn: Callable[[], None], device: torch.device, warmup: int, repe
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        torch.cuda.synchronize()  # the timed runs start on an idle GPU
+
+    def runs() -> None:
         for _ in range(repeats):
             fn()
-        stop.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(stop) / repeats
-    begin = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return 1e3 * (time.perf_counter() - begin) / repeats
+
+    return _elapsed_ms(runs, device) / repeats
 
 
 def peak_memory_mb(fn: Callable[[], None], device: torch.device) -> float | None:
