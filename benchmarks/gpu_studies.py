@@ -11,6 +11,7 @@ unless noted):
     missing_duplicate  experiments/nnch_missing_duplicate.yaml   250 epochs, fp32
     listops_fig1a      experiments/listops.yaml                  200 epochs, ``--precision``
     listops_open       experiments/listops_open_question.yaml    200 epochs, its own nine mechanisms
+    even_pairs_open    experiments/nnch_even_pairs_open_question.yaml  100 epochs, fp32, its own ten
 
 Compiling is a large part of a short call (about 50 s per ListOps model on the H200, six models
 per call). Inductor's and Triton's caches therefore live in ``<work>/compile-cache`` and travel
@@ -67,8 +68,9 @@ STUDIES = {
     "missing_duplicate": "nnch_missing_duplicate.yaml",
     "listops_fig1a": "listops.yaml",
     "listops_open": "listops_open_question.yaml",
+    "even_pairs_open": "nnch_even_pairs_open_question.yaml",
 }
-OWN_MECHANISMS = ("listops_open",)  # studies that keep their config's mechanisms
+OWN_MECHANISMS = ("listops_open", "even_pairs_open")  # studies that keep their config's mechanisms
 PART_BYTES = 15 * 2**20
 MAX_FILES_BACK = 8  # what one device call returns from its output folder
 MAX_BYTES_BACK = 48 * 2**20  # returned (64 MiB) and carried in again beside the repository (64 MiB in all)

@@ -53,6 +53,14 @@ def test_the_open_question_study_keeps_its_nine_mechanisms(studies, tmp_path):
     assert config.train.concurrent_groups == 6 and config.train.autocast == "bf16"
 
 
+def test_the_even_pairs_open_question_adds_fixed_blocks_to_the_nine(studies, tmp_path):
+    config = studies.study_config("even_pairs_open", tmp_path, "highest", "none", "step-graph")
+    labels = [m.split(":")[0] for m in config.mechanisms]
+    assert labels == ["FULL", "TOPK", "BLOC", "zeta", "moba", "quest", "nsa", "dsa", "lsh", "entmax"]
+    assert not config.model.paper_mode and config.train.epochs == 100 and len(config.seeds) == 10
+    assert config.task["name"] == "even_pairs" and config.train.autocast == "none"
+
+
 def test_the_compile_cache_travels_only_when_it_fits_beside_the_study(studies, tmp_path, monkeypatch):
     work, out = tmp_path / "work", tmp_path / "out"
     (work / "even_pairs").mkdir(parents=True)
