@@ -26,7 +26,9 @@ long for one session can be trained a few groups or seeds at a time into the sam
 (a run is its own mechanism and seed, so folders from parts resume under the whole grid), and
 reported whole by a last call without them, which finds every run finished. Finished groups
 kept between sittings (say committed under ``docs/studies/<study>/experiment``) are continued
-with ``--start-from FOLDER``; the inbox's parts are unpacked over them. ``--slim`` keeps
+with ``--start-from FOLDER``; the inbox's parts are unpacked over them. ``--adopt FOLDER`` trains
+nothing: it unpacks the inbox's parts and copies the groups whose runs have all finished into the
+kept FOLDER (with the precision and autocast flags of the calls that trained them). ``--slim`` keeps
 only the metrics of finished runs (not the paper's analysis seed, which ``sparsefocus analyze
 --seed paper`` reads), so that what a call returns, and what is kept between sittings, is the
 unfinished runs' checkpoints and about 16 KB per finished run.
@@ -59,7 +61,8 @@ from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import SETUP_LOG, Budget, compile_phases
-from sparsefocus.train.experiment import progress_line, run_experiment, slim_finished_runs
+from sparsefocus.train.experiment import finished_groups, progress_line, run_experiment, slim_finished_runs
+from sparsefocus.train.workers import TIMING_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE_1 = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
@@ -198,6 +201,38 @@ def start_from(folder: Path, study: str, work: Path) -> int:
     return len(runs)
 
 
+def replace_tree(source: Path, target: Path) -> None:
+    """Make ``target`` a copy of ``source`` without run locks or the task cache: copied beside it
+    under a temporary name and renamed into place, so an interrupted copy leaves the old folder."""
+    temporary = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(temporary, ignore_errors=True)
+    shutil.copytree(source, temporary, ignore=shutil.ignore_patterns(".lock", ".task-cache"))
+    old = target.with_name(f".{target.name}.old")
+    if target.exists():
+        target.rename(old)
+    temporary.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def adopt(config, inbox: Path, into: Path) -> list[str]:
+    """Unpack ``inbox``'s study parts into the folder ``config`` trains in and copy every mechanism
+    group whose runs have all finished into the kept folder ``into``, with the study's timing
+    record; no training. Returns the groups copied (``<setting>/<mechanism>``).
+
+    Raises:
+        ValueError: ``inbox`` holds no parts of the study."""
+    root = Path(config.out_dir) / config.name
+    if not unpack(inbox, config.name, root.parent):
+        raise ValueError(f"{inbox} holds no {config.name}.{suffix(config.name)}.part* files")
+    groups = finished_groups(config)
+    for group in groups:
+        (into / group.parent.name).mkdir(parents=True, exist_ok=True)
+        replace_tree(group, into / group.relative_to(root))
+    if groups:
+        write_text_atomic(into / TIMING_NAME, (root / TIMING_NAME).read_text())
+    return [str(group.relative_to(root)) for group in groups]
+
+
 def archive(work: Path, name: str) -> bytes:
     """``work/name`` as tar bytes compressed as ``suffix(name)`` says (xz at preset 3: a few
     seconds for the cache of a call), without the task cache (rebuilt on the device)."""
@@ -251,7 +286,7 @@ def use_compile_cache(work: Path) -> Path:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", required=True, choices=sorted(STUDIES))
-    parser.add_argument("--out", required=True, help="where the packed study and its progress line go")
+    parser.add_argument("--out", help="where the packed study and its progress line go (needed unless --adopt)")
     parser.add_argument("--inbox", default="studies_in", help="folder with the parts a previous call returned")
     parser.add_argument(
         "--start-from",
@@ -284,9 +319,26 @@ def main() -> int:
         action="store_true",
         help="keep only the metrics of finished runs, except the paper's analysis seed (smaller parts to carry)",
     )
+    parser.add_argument(
+        "--adopt",
+        type=Path,
+        metavar="KEPT",
+        help="train nothing: unpack the inbox's study parts and copy its finished mechanism groups into the kept folder KEPT"
+        " (give the precision and autocast of the calls that trained them)",
+    )
     args = parser.parse_args()
-    out, work = Path(args.out), Path(args.work)
+    if args.out is None and args.adopt is None:
+        parser.error("--out is required unless --adopt is given")
+    work = Path(args.work)
     full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent, (), args.fast_attention)
+    if args.adopt is not None:
+        try:
+            print(json.dumps({"adopted": adopt(full, Path(args.inbox), args.adopt), "into": str(args.adopt)}))
+        except ValueError as error:
+            print(f"gpu_studies: error: {error}", file=sys.stderr)
+            return 2
+        return 0
+    out = Path(args.out)
     try:
         only = subset_overrides(full, args.mechanism, args.seeds)
     except ValueError as error:

@@ -295,6 +295,17 @@ def progress_line(config: ExperimentConfig) -> tuple[str, bool]:
     return f"{config.name}: {finished}/{len(specs)} runs finished, {epochs}/{total} epochs; {tail}", complete
 
 
+def finished_groups(config: ExperimentConfig) -> list[Path]:
+    """The mechanism folders (``<experiment>/<setting>/<mechanism>``) of ``config`` whose every run,
+    one per seed, has finished; in the order ``plan`` gives."""
+    specs = plan(config, expand_settings(config))
+    done: dict[Path, bool] = {}
+    for spec, (state, _) in zip(specs, _states(specs), strict=True):
+        group = spec.run_dir.parent
+        done[group] = done.get(group, True) and state == "done"
+    return [group for group, finished in done.items() if finished]
+
+
 def slim_finished_runs(root: str | Path, keep_seeds: tuple[int, ...] = ()) -> list[Path]:
     """Slim the checkpoints of the finished runs under the experiment folder ``root`` (metrics
     only, ``slim_checkpoint``), except the runs of ``keep_seeds`` (for example the seed that

@@ -126,3 +126,43 @@ def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
     assert not (runs / "seed-1" / ".lock").exists() and not (work / "even_pairs" / ".task-cache").exists()
     with pytest.raises(ValueError, match="holds no run folder"):
         studies.start_from(tmp_path / "newer" / "nothing", "even_pairs", work)
+
+
+def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_path):
+    cpu = (
+        "task.num_train=40",
+        "task.num_valid=20",
+        "model.blocks=1",
+        "train.epochs=1",
+        "train.device=cpu",
+        "train.compile=eager",
+        "train.topk_select=torch",
+        "train.task_cache=false",
+        "seeds=[1,2]",
+        'mechanisms=["FULL", "TOPK:5"]',
+    )
+    config = studies.study_config("even_pairs", tmp_path / "work", "highest", "none", "step-graph", 1, cpu)
+    studies.run_experiment(
+        studies.study_config("even_pairs", tmp_path / "work", "highest", "none", "step-graph", 1, (*cpu, 'mechanisms=["FULL"]')),
+        quiet=True,
+    )
+    studies.run_experiment(
+        studies.study_config(
+            "even_pairs", tmp_path / "work", "highest", "none", "step-graph", 1, (*cpu, 'mechanisms=["TOPK:5"]', "seeds=[1]")
+        ),
+        quiet=True,
+    )
+    (tmp_path / "work" / "even_pairs" / "default" / "FULL" / "seed-1" / ".lock").write_text("")  # as a device call leaves it
+    studies.pack(tmp_path / "work", "even_pairs", tmp_path / "parts")
+    kept = tmp_path / "kept"
+    stale = kept / "default" / "FULL" / "seed-1" / "stale.txt"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("from an earlier copy")
+    assert studies.adopt(config, tmp_path / "parts", kept) == ["default/FULL"]
+    assert not stale.exists() and not (kept / "default" / "TOPK-5").exists()
+    for seed in (1, 2):
+        run = kept / "default" / "FULL" / f"seed-{seed}"
+        assert (run / "metrics.jsonl").read_text().count("\n") == 1 and not (run / ".lock").exists()
+    assert (kept / "timing.json").is_file() and not list(kept.rglob("*.partial"))
+    with pytest.raises(ValueError, match="holds no even_pairs"):
+        studies.adopt(config, tmp_path / "empty", kept)
