@@ -59,6 +59,7 @@ from sparsefocus.train.loop import (
     lr_factor,
     make_optimizer,
     matmul_precision,
+    record_epochs,
     resolve_device,
 )
 
@@ -553,6 +554,7 @@ def _start_or_resume(trainer: GroupTrainer) -> tuple[int, list[list[dict]]]:
         metrics = [list(s["metrics"]) for s in states]
         for spec, lines in zip(specs, metrics):
             _write_metrics(spec.run_dir, lines)  # drop epochs logged after the last checkpoint
+            record_epochs(spec)
         return epochs.pop(), metrics
     for r, spec in enumerate(specs):
         spec.run_dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from sparsefocus.layers.attention import total_aux_loss
 from sparsefocus.models import Decoder, Encoder, ModelConfig, mechanism_label
 from sparsefocus.tasks.base import TaskData
 from sparsefocus.tasks.lm import perplexity
-from sparsefocus.train.checkpoint import load_checkpoint, save_checkpoint, write_text_atomic
+from sparsefocus.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, write_text_atomic
 from sparsefocus.train.config import ExperimentConfig, OptimConfig, make_task_config
 from sparsefocus.train.tensorboard import ScalarLog
 
@@ -262,11 +262,26 @@ def _default_keys() -> dict[str, Any]:
     return _flatten(yaml.safe_load(yaml.safe_dump({"config": sections})))
 
 
+EPOCHS_KEY = "config.train.epochs"
+
+
+def _may_extend(spec: RunSpec, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a run recorded with ``old`` may continue to ``new``'s larger ``train.epochs``: only
+    where its lr schedule does not depend on the total (step, constant), so that the longer run
+    is the one a config with the larger total from the start would train."""
+    grows = isinstance(old.get(EPOCHS_KEY), int) and new[EPOCHS_KEY] > old[EPOCHS_KEY]
+    return grows and spec.config.optim.schedule != "cosine"
+
+
 def check_run_folder(spec: RunSpec) -> tuple[str, int]:
     """State of a run folder: ("new", 0), ("partial", epochs done) or ("done", epochs).
 
+    A finished run continues ("partial") when the config asks for more epochs than it was
+    trained for and its schedule does not depend on the total (``_may_extend``).
+
     Raises:
-        CheckpointError: the folder was started but its checkpoint is missing or corrupt.
+        CheckpointError: the folder was started but its checkpoint is missing or corrupt, or a
+            slimmed run (metrics only) would have to continue.
         ValueError: the folder was made by a different config (names the first differing key).
     """
     record_path = spec.run_dir / "config.yaml"
@@ -275,8 +290,9 @@ def check_run_folder(spec: RunSpec) -> tuple[str, int]:
     old = _flatten(yaml.safe_load(record_path.read_text()) or {})
     new = _flatten(yaml.safe_load(yaml.safe_dump(spec.record())))
     defaults = _default_keys()
+    extend = _may_extend(spec, old, new)
     for key in sorted(set(old) | set(new)):
-        if key.removeprefix("config.") in RESUME_FREE_KEYS:
+        if key.removeprefix("config.") in RESUME_FREE_KEYS or (key == EPOCHS_KEY and extend):
             continue
         if key not in old and key in defaults and new.get(key) == defaults[key]:
             continue  # a key added after the folder was written, at its default: the old behaviour
@@ -286,7 +302,26 @@ def check_run_folder(spec: RunSpec) -> tuple[str, int]:
                 f"choose another experiment name or delete that folder"
             )
     state = load_checkpoint(spec.run_dir / "checkpoint.pt")
-    return ("done" if state.get("finished") else "partial"), int(state["epoch"])
+    epoch = int(state["epoch"])
+    if state.get("finished") and epoch >= spec.config.train.epochs:
+        return "done", epoch
+    if state.get("slim"):
+        raise CheckpointError(
+            f"{spec.run_dir} finished {epoch} epochs and was slimmed (metrics only): it cannot continue to "
+            f"{spec.config.train.epochs}"
+        )
+    return "partial", epoch
+
+
+def record_epochs(spec: RunSpec) -> None:
+    """Write the config's ``train.epochs`` into a resumed run's config.yaml when it continues past
+    the total it was recorded with; the rest of the record stays as first written."""
+    path = spec.run_dir / "config.yaml"
+    record = yaml.safe_load(path.read_text())
+    train = record["config"]["train"]
+    if train.get("epochs") != spec.config.train.epochs:
+        train["epochs"] = spec.config.train.epochs
+        write_text_atomic(path, yaml.safe_dump(record, sort_keys=False))
 
 
 def _state(epoch: int, finished: bool, model, optimizer, scheduler, generator, metrics) -> dict[str, Any]:
@@ -373,6 +408,7 @@ def _start_or_resume(spec: RunSpec, model, optimizer, scheduler, generator) -> t
         generator.set_state(state["generator"])
         metrics = list(state["metrics"])
         _write_metrics(spec.run_dir, metrics)  # drop epochs logged after the last checkpoint
+        record_epochs(spec)
         return int(state["epoch"]), metrics
     spec.run_dir.mkdir(parents=True, exist_ok=True)
     save_checkpoint(spec.run_dir / "checkpoint.pt", _state(0, False, model, optimizer, scheduler, generator, []))

@@ -319,3 +319,53 @@ def test_unfinished_runs_are_not_slimmed(tmp_path):
     save_checkpoint(path, {**state, "finished": False})
     assert slim_finished_runs(root) == []
     assert "model" in torch.load(path, weights_only=True)
+
+
+def _losses(run_dir) -> list[tuple[float, float]]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(m["train_loss"], m["valid_loss"]) for m in lines]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_finished_run_continues_to_more_epochs_as_if_trained_to_them_at_once(batched, tmp_path):
+    """A config asking finished runs for more epochs (step schedule) continues them from their
+    checkpoints: their metrics equal those of runs trained to the larger total at once, and
+    config.yaml records the new total."""
+    import yaml
+
+    from sparsefocus.train.loop import check_run_folder
+
+    base = ["mechanisms=[FULL]", "seeds=[1, 2]", f"train.batched={str(batched).lower()}", "train.compile=eager"]
+    run_experiment(tiny(tmp_path / "parts", *base, "train.epochs=2"), quiet=True)
+    longer = tiny(tmp_path / "parts", *base, "train.epochs=4")
+    run = tmp_path / "parts/exp/default/FULL/seed-2"
+    assert check_run_folder(RunSpec(run, longer, "default", "FULL", 2)) == ("partial", 2)
+    run_experiment(longer, quiet=True)
+    run_experiment(tiny(tmp_path / "whole", *base, "train.epochs=4"), quiet=True)
+    for seed in (1, 2):
+        extended = tmp_path / f"parts/exp/default/FULL/seed-{seed}"
+        straight = _losses(tmp_path / f"whole/exp/default/FULL/seed-{seed}")
+        assert len(_losses(extended)) == 4
+        for got, want in zip(_losses(extended), straight, strict=True):
+            assert got == pytest.approx(want, rel=1e-5)
+    assert yaml.safe_load((run / "config.yaml").read_text())["config"]["train"]["epochs"] == 4
+    assert check_run_folder(RunSpec(run, longer, "default", "FULL", 2)) == ("done", 4)
+
+
+def test_more_epochs_are_refused_where_they_would_change_the_run(tmp_path):
+    """A cosine schedule depends on the total, fewer epochs cannot undo training, and a slimmed
+    run has no weights to continue from: each is refused, naming the reason."""
+    from sparsefocus.train.experiment import slim_finished_runs
+    from sparsefocus.train.loop import check_run_folder
+
+    run_experiment(tiny(tmp_path / "cos", "mechanisms=[FULL]", "optim.schedule=cosine", "train.epochs=1"), quiet=True)
+    cosine = tiny(tmp_path / "cos", "mechanisms=[FULL]", "optim.schedule=cosine", "train.epochs=2")
+    with pytest.raises(ValueError, match="train.epochs=1, the config now says 2"):
+        check_run_folder(RunSpec(tmp_path / "cos/exp/default/FULL/seed-1", cosine, "default", "FULL", 1))
+    run_experiment(tiny(tmp_path / "step", "mechanisms=[FULL]", "train.epochs=2"), quiet=True)
+    fewer = tiny(tmp_path / "step", "mechanisms=[FULL]", "train.epochs=1")
+    with pytest.raises(ValueError, match="train.epochs=2, the config now says 1"):
+        check_run_folder(RunSpec(tmp_path / "step/exp/default/FULL/seed-1", fewer, "default", "FULL", 1))
+    slim_finished_runs(tmp_path / "step/exp")
+    with pytest.raises(CheckpointError, match="slimmed .* cannot continue to 3"):
+        run_experiment(tiny(tmp_path / "step", "mechanisms=[FULL]", "train.epochs=3"), quiet=True)
