@@ -21,7 +21,9 @@ code) when they fit what a call may return and the next call may carry in beside
 of compiling again (on the H200, the first compile of a small folded model took 22.8 s
 cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 
-``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
+``--epochs N`` trains the runs to N epochs instead of the study's number, a screen: a later call
+with more (or without it) continues them from their checkpoints, the step schedule being
+independent of the total. ``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
 long for one session can be trained a few groups or seeds at a time into the same folder
 (a run is its own mechanism and seed, so folders from parts resume under the whole grid), and
 reported whole by a last call without them, which finds every run finished. Finished groups
@@ -134,6 +136,18 @@ def subset_overrides(config, mechanisms: list[str] | None, seeds: list[int] | No
             raise ValueError(f"not seeds of {config.name}: {', '.join(unknown_seeds)}")
         overrides.append(f"seeds={json.dumps(seeds)}")
     return tuple(overrides)
+
+
+def epochs_override(epochs: int | None) -> tuple[str, ...]:
+    """The override that trains to ``epochs`` (None: the study's own number).
+
+    Raises:
+        ValueError: ``epochs`` is below 1."""
+    if epochs is None:
+        return ()
+    if epochs < 1:
+        raise ValueError(f"--epochs must be at least 1, got {epochs}")
+    return (f"train.epochs={epochs}",)
 
 
 def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = "masks") -> dict:
@@ -315,6 +329,11 @@ def main() -> int:
     parser.add_argument("--mechanism", action="append", help="train only this mechanism of the study (repeatable; default: all)")
     parser.add_argument("--seeds", type=int, nargs="+", help="train only these of the study's seeds (default: all)")
     parser.add_argument(
+        "--epochs",
+        type=int,
+        help="train the runs to this many epochs instead of the study's (a screen; a later call with more continues them)",
+    )
+    parser.add_argument(
         "--slim",
         action="store_true",
         help="keep only the metrics of finished runs, except the paper's analysis seed (smaller parts to carry)",
@@ -329,6 +348,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.out is None and args.adopt is None:
         parser.error("--out is required unless --adopt is given")
+    if args.slim and args.epochs is not None:
+        parser.error("--slim drops the weights of finished runs, so runs screened with --epochs could not continue")
     work = Path(args.work)
     full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent, (), args.fast_attention)
     if args.adopt is not None:
@@ -340,7 +361,7 @@ def main() -> int:
         return 0
     out = Path(args.out)
     try:
-        only = subset_overrides(full, args.mechanism, args.seeds)
+        only = subset_overrides(full, args.mechanism, args.seeds) + epochs_override(args.epochs)
     except ValueError as error:
         print(f"gpu_studies: error: {error}", file=sys.stderr)
         return 2

@@ -166,3 +166,11 @@ def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_p
     assert (kept / "timing.json").is_file() and not list(kept.rglob("*.partial"))
     with pytest.raises(ValueError, match="holds no even_pairs"):
         studies.adopt(config, tmp_path / "empty", kept)
+
+
+def test_a_screen_trains_to_fewer_epochs_and_refuses_none(studies, tmp_path):
+    assert studies.epochs_override(None) == ()
+    config = studies.study_config("listops_open", tmp_path, "high", "bf16", "step-graph", 1, studies.epochs_override(40))
+    assert config.train.epochs == 40 and config.optim.schedule == "step"
+    with pytest.raises(ValueError, match="--epochs must be at least 1"):
+        studies.epochs_override(0)
