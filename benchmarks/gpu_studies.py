@@ -60,7 +60,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
-from sparsefocus.train.checkpoint import write_text_atomic
+from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import SETUP_LOG, Budget, compile_phases
 from sparsefocus.train.experiment import finished_groups, progress_line, run_experiment, slim_finished_runs
@@ -222,6 +222,7 @@ def replace_tree(source: Path, target: Path) -> None:
     shutil.rmtree(temporary, ignore_errors=True)
     shutil.copytree(source, temporary, ignore=shutil.ignore_patterns(".lock", ".task-cache"))
     old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
     if target.exists():
         target.rename(old)
     temporary.rename(target)
@@ -355,7 +356,7 @@ def main() -> int:
     if args.adopt is not None:
         try:
             print(json.dumps({"adopted": adopt(full, Path(args.inbox), args.adopt), "into": str(args.adopt)}))
-        except ValueError as error:
+        except (ValueError, CheckpointError) as error:
             print(f"gpu_studies: error: {error}", file=sys.stderr)
             return 2
         return 0
