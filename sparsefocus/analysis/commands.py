@@ -84,6 +84,7 @@ def collect(run: LoadedRun, options: AnalyzeOptions, stats: ScoreStatistics, rec
 
     inputs = run.data.train_inputs[: options.batches * options.batch_size]
     run.model.eval()
+    torch.manual_seed(0)  # paper-mode attention dropout stays on in eval: the same draws every time
     with torch.no_grad(), capture_attention(run.model, on_call):
         for start in range(0, inputs.shape[0], options.batch_size):
             run.model(inputs[start : start + options.batch_size])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +33,7 @@ class AttentionCall:
     k: Tensor
     key_padding_mask: Tensor | None
     x: Tensor | None = None
+    _kept: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def params(self) -> dict | None:
@@ -46,15 +47,18 @@ class AttentionCall:
         return torch.matmul(self.q.float(), self.k.float().transpose(-1, -2)) * self.q.shape[-1] ** -0.5
 
     def kept(self) -> Tensor:
-        """[B, H, N, M] bool: the pairs the layer's pattern keeps."""
-        return selection_mask(
-            self.module.pattern,
-            self.q,
-            self.k,
-            causal=self.module.causal,
-            key_padding_mask=self.key_padding_mask,
-            params=self.params,
-        )
+        """[B, H, N, M] bool: the pairs the layer's pattern keeps (computed once per call: the
+        statistics and the recall both read it, and for TOPK it is an exact selection)."""
+        if self._kept is None:
+            self._kept = selection_mask(
+                self.module.pattern,
+                self.q,
+                self.k,
+                causal=self.module.causal,
+                key_padding_mask=self.key_padding_mask,
+                params=self.params,
+            )
+        return self._kept
 
     def allowed(self) -> Tensor:
         """[B or 1, 1, N, M] bool: the keys any mechanism could pick (causal cut and padding)."""

@@ -1,6 +1,8 @@
 import json
+import math
 
 import pytest
+import torch
 
 pytest.importorskip("sparsefocus.train.experiment")
 
@@ -63,3 +65,38 @@ def test_analyze_errors_and_paper_bounds(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--paper-bounds"]) == 0
     assert "ListOps" in capsys.readouterr().out
+
+
+def test_analysis_of_a_paper_mode_run_is_the_same_every_time(tmp_path):
+    """The paper's attention dropout stays on in evaluation, so the analysis fixes its draws: two
+    analyses of the same run give the same statistics, whatever the random state before them."""
+    config = from_dict(
+        {
+            "name": "paper",
+            "out_dir": str(tmp_path / "runs"),
+            # ListOps: its data does not reseed torch on loading, as the generated tasks do
+            "task": {
+                "name": "listops",
+                "preset": "lra",
+                "max_depth": 3,
+                "max_args": 3,
+                "min_length": 10,
+                "max_length": 40,
+                "num_train": 40,
+                "num_valid": 16,
+            },
+            "model": {"blocks": 2, "heads": 1, "dim": 8, "mlp_dim": 8, "paper_mode": True, "dropout": 0.3},
+            "train": {"epochs": 1},
+            "mechanisms": ["TOPK:3"],
+            "seeds": [1],
+        }
+    )
+    root = run_experiment(config, quiet=True)
+    reports = []
+    for name, state in (("a", 1), ("b", 2)):
+        torch.manual_seed(state)  # whatever the process drew before
+        assert main([str(root), "--batches", "1", "--batch-size", "40", "--out", str(tmp_path / name)]) == 0
+        reports.append(json.loads((tmp_path / name / "analysis.json").read_text())["settings"])
+    pooled = reports[0]["default"]["mechanisms"]["TOPK:3"]["statistics"]["pooled"]
+    assert all(math.isfinite(value) for value in pooled["dispersion"].values())
+    assert reports[0] == reports[1]
