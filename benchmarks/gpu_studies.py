@@ -80,6 +80,7 @@ PART_BYTES = 15 * 2**20
 MAX_FILES_BACK = 8  # what one device call returns from its output folder
 MAX_BYTES_BACK = 48 * 2**20  # returned (64 MiB) and carried in again beside the repository (64 MiB in all)
 CACHE = "compile-cache"
+NOT_KEPT = shutil.ignore_patterns(".lock", ".task-cache")  # run locks and the task cache never travel
 
 
 def study_config(
@@ -210,8 +211,7 @@ def start_from(folder: Path, study: str, work: Path) -> int:
     runs = sorted(folder.glob("*/*/seed-*/metrics.jsonl"))
     if not runs:
         raise ValueError(f"{folder} holds no run folder (<setting>/<mechanism>/seed-<seed>/metrics.jsonl)")
-    skip = shutil.ignore_patterns(".lock", ".task-cache")
-    shutil.copytree(folder, work / study, ignore=skip, dirs_exist_ok=True)
+    shutil.copytree(folder, work / study, ignore=NOT_KEPT, dirs_exist_ok=True)
     return len(runs)
 
 
@@ -220,7 +220,7 @@ def replace_tree(source: Path, target: Path) -> None:
     under a temporary name and renamed into place, so an interrupted copy leaves the old folder."""
     temporary = target.with_name(f".{target.name}.partial")
     shutil.rmtree(temporary, ignore_errors=True)
-    shutil.copytree(source, temporary, ignore=shutil.ignore_patterns(".lock", ".task-cache"))
+    shutil.copytree(source, temporary, ignore=NOT_KEPT)
     old = target.with_name(f".{target.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if target.exists():
