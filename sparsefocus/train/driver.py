@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -342,6 +343,17 @@ class StepGraph:
         return sums
 
 
+def scheduler_step_after_graph(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Advance ``scheduler`` after a step whose optimizer update ran inside a CUDA graph.
+
+    The graph updates the parameters without calling ``optimizer.step()``, so the scheduler's
+    first step would warn that it ran before the optimizer; the order is right, so that one
+    warning is silenced here and nothing else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
+        scheduler.step()
+
+
 class GroupTrainer:
     """R runs of one config as one folded model on one device; see the module docstring.
 
@@ -436,7 +448,7 @@ class GroupTrainer:
             index = orders[:, start : start + batch]  # [R, B]
             if self.step_graph is not None and index.shape[1] == batch:
                 self.step_graph.step(index, self.optimizer.param_groups[0]["lr"])
-                self.scheduler.step()
+                scheduler_step_after_graph(self.scheduler)
                 yield
                 continue
             inputs, targets = self.rows(self.train_inputs, self.train_targets, index)

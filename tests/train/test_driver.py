@@ -182,3 +182,24 @@ def test_compile_scope_is_checked_and_needs_blocks():
         load_config(None, [*TINY, "train.compile_scope=layers"])
     with pytest.raises(ValueError, match="no transformer blocks"):
         compile_blocks(torch.nn.Linear(2, 2), "default")
+
+
+def test_scheduler_after_a_graph_step_advances_without_the_order_warning():
+    """The step graph updates the parameters itself; the scheduler then steps without warning
+    that the optimizer never stepped, and its rate still follows the schedule."""
+    import warnings
+
+    import torch
+
+    from sparsefocus.train.driver import scheduler_step_after_graph
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scheduler_step_after_graph(scheduler)
+        scheduler_step_after_graph(scheduler)
+    assert [str(w.message) for w in caught] == []
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
+    with pytest.warns(UserWarning, match="before `optimizer.step"):
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).step()
