@@ -101,6 +101,27 @@ def test_fast_batched_seeds_equal_single_runs_without_dropout(single, tmp_path, 
     assert_same_params(params_of(single / "plain" / "exp"), params_of(root), atol=1e-5)
 
 
+PAPER_LAYOUT = ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]
+
+
+@pytest.mark.parametrize("attention", ["masks", "fixed-lists"])
+def test_fast_batched_training_in_the_paper_layout_equals_single_runs(tmp_path, attention, monkeypatch):
+    """Global tokens appended after the padding, windows and blocks over the regular tokens: the
+    folded fast path (the form the ListOps study trains with) gives each seed's single run."""
+    from sparsefocus.train import batched
+
+    calls = []
+    original = batched.gathered_attention
+    monkeypatch.setattr(batched, "gathered_attention", lambda *a: calls.append(1) or original(*a))
+    overrides = ["model.dropout=0.0", "mechanisms=[BAND:3(1),BLOC:4(1)]", *PAPER_LAYOUT]
+    single_root = run_experiment(config(tmp_path / "single", *overrides), quiet=True)
+    fast = [*overrides, "train.batched=true", "train.batched_mode=fast", f"train.fast_attention={attention}"]
+    root = run_experiment(config(tmp_path / "fast", *fast), quiet=True)
+    assert_same_metrics(metrics_of(single_root), metrics_of(root), rtol=1e-5)
+    assert_same_params(params_of(single_root), params_of(root), atol=1e-5)
+    assert bool(calls) == (attention == "fixed-lists"), "the key lists were used by the wrong form"
+
+
 def test_fast_attention_lists_sets_the_switches_while_training_only(tmp_path):
     from sparsefocus.kernels import indexed
     from sparsefocus.train import batched
