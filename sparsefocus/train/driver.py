@@ -348,7 +348,11 @@ def scheduler_step_after_graph(scheduler: torch.optim.lr_scheduler.LRScheduler) 
 
     The graph updates the parameters without calling ``optimizer.step()``, so the scheduler's
     first step would warn that it ran before the optimizer; the order is right, so that one
-    warning is silenced here and nothing else."""
+    warning is silenced here and nothing else. Only the first step can warn, so the later ones
+    (every training step) skip the filter."""
+    if getattr(scheduler, "_step_count", 0) > 1:
+        scheduler.step()
+        return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
         scheduler.step()

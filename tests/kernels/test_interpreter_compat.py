@@ -10,7 +10,9 @@ import triton.language as tl
 
 import sparsefocus.kernels.interpreter_compat  # noqa: F401  (applies the fixes)
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter's behaviour")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="checks Triton's CPU interpreter, which runs the kernels only without CUDA"
+)
 
 
 @triton.jit

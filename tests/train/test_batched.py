@@ -78,6 +78,17 @@ def assert_same_params(expected: dict, actual: dict, atol: float) -> None:
             torch.testing.assert_close(actual[run][name], tensor, rtol=0, atol=atol, msg=f"{run} {name}")
 
 
+@pytest.fixture
+def list_calls(monkeypatch) -> list:
+    """One entry per call of the fast path's attention over key lists."""
+    from sparsefocus.train import batched
+
+    calls: list = []
+    original = batched.gathered_attention
+    monkeypatch.setattr(batched, "gathered_attention", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     """The single-run loop's results for TOPK:3 with dropout 0.1 and FULL, BAND:3(1), TOPK:3 without."""
@@ -105,21 +116,16 @@ PAPER_LAYOUT = ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=
 
 
 @pytest.mark.parametrize("attention", ["masks", "fixed-lists"])
-def test_fast_batched_training_in_the_paper_layout_equals_single_runs(tmp_path, attention, monkeypatch):
+def test_fast_batched_training_in_the_paper_layout_equals_single_runs(tmp_path, attention, list_calls):
     """Global tokens appended after the padding, windows and blocks over the regular tokens: the
     folded fast path (the form the ListOps study trains with) gives each seed's single run."""
-    from sparsefocus.train import batched
-
-    calls = []
-    original = batched.gathered_attention
-    monkeypatch.setattr(batched, "gathered_attention", lambda *a: calls.append(1) or original(*a))
     overrides = ["model.dropout=0.0", "mechanisms=[BAND:3(1),BLOC:4(1)]", *PAPER_LAYOUT]
     single_root = run_experiment(config(tmp_path / "single", *overrides), quiet=True)
     fast = [*overrides, "train.batched=true", "train.batched_mode=fast", f"train.fast_attention={attention}"]
     root = run_experiment(config(tmp_path / "fast", *fast), quiet=True)
     assert_same_metrics(metrics_of(single_root), metrics_of(root), rtol=1e-5)
     assert_same_params(params_of(single_root), params_of(root), atol=1e-5)
-    assert bool(calls) == (attention == "fixed-lists"), "the key lists were used by the wrong form"
+    assert bool(list_calls) == (attention == "fixed-lists"), "the key lists were used by the wrong form"
 
 
 def test_fast_attention_lists_sets_the_switches_while_training_only(tmp_path):
@@ -330,15 +336,12 @@ def test_fast_fold_computes_each_models_logits(mechanism, layout):
     "layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"]
 )
 @pytest.mark.parametrize("mechanism", ["BAND:3", "BLOC:4", "BAND:3(1)", "BLOC:4(1)"])
-def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, layout, monkeypatch):
+def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, layout, monkeypatch, list_calls):
     from sparsefocus.train import batched
 
     monkeypatch.setattr(batched, "FIXED_LIST_MAX_SLOTS", 8)
-    calls = []
-    original = batched.gathered_attention
-    monkeypatch.setattr(batched, "gathered_attention", lambda *a: calls.append(1) or original(*a))
     test_fast_fold_computes_each_models_logits(mechanism, layout)
-    assert calls, "the key lists were not used"
+    assert list_calls, "the key lists were not used"
 
 
 @pytest.mark.parametrize(
