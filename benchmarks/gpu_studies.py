@@ -4,7 +4,9 @@ Each call unpacks the study folder a previous call returned (``--inbox``, parts 
 trains with the budget driver until ``--budget`` seconds are spent, and packs the study folder
 again into parts of at most 15 MiB under ``--out`` (without the task cache), with a progress line
 in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
-call. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
+call. A call whose training fails (a mechanism that does not compile, say)
+still packs what was trained (finished runs, the last checkpoints), names the error in its
+progress line and exits with 1. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
 unless noted):
 
     even_pairs         experiments/nnch_even_pairs.yaml          100 epochs, fp32
@@ -55,6 +57,7 @@ import shutil
 import sys
 import tarfile
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -180,6 +183,18 @@ def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = 
     record = {"runs": len(metrics[1]), "epochs": 3, "max_abs_diff": worst, "compile": compile_mode, "fast_attention": attention}
     write_text_atomic(out / "concurrent_check.json", json.dumps(record, indent=1))
     return record
+
+
+def train_keeping_progress(config, budget: Budget) -> str | None:
+    """``run_experiment`` under ``budget``; None, or the error that stopped it (its traceback on
+    stderr). A mechanism that fails (say while compiling or capturing its step) must not cost the
+    call what the others trained: finished runs and the last checkpoints are still packed."""
+    try:
+        run_experiment(config, quiet=True, budget=budget)
+    except Exception as error:
+        traceback.print_exc()
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def suffix(name: str) -> str:
@@ -393,7 +408,7 @@ def main() -> int:
         args.compile_scope,
     )
     began = time.time()
-    run_experiment(config, quiet=True, budget=budget)
+    failure = train_keeping_progress(config, budget)
     line, complete = progress_line(config)
     slimmed = slim_finished_runs(work / args.study, keep_seeds=(PAPER_ANALYSIS_SEED,)) if args.slim else []
     parts = pack(work, args.study, out)
@@ -406,6 +421,7 @@ def main() -> int:
         "slimmed_checkpoints": len(slimmed),
         "progress": line,
         "complete": complete,
+        "error": failure,
         "seconds": round(time.time() - began, 1),
         "compile_phases_s": {name: round(seconds, 3) for name, seconds in compile_phases().items()},
         "setup_s": SETUP_LOG,
@@ -423,7 +439,7 @@ def main() -> int:
     }
     write_text_atomic(out / f"{args.study}_progress.json", json.dumps(record, indent=1))
     print(json.dumps(record))
-    return 0
+    return 1 if failure else 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 folder (the task cache left out), and the study configs are the paper's Figure-1 grid."""
 
 import importlib.util
+import json
 import random
 from pathlib import Path
 
@@ -103,6 +104,24 @@ def test_a_call_may_train_some_mechanisms_and_seeds_of_the_study(studies, tmp_pa
     assert studies.main() == 2
     assert "not mechanisms of listops_fig1a: TOPK:9" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()  # refused before anything was written
+
+
+def test_a_failing_call_still_returns_what_was_trained(studies, tmp_path, monkeypatch, capsys):
+    def fail_midway(config, quiet, budget):
+        run = Path(config.out_dir) / config.name / "default" / "FULL" / "seed-1"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text('{"epoch": 3}\n')
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(studies, "run_experiment", fail_midway)
+    out, work = tmp_path / "o", tmp_path / "w"
+    argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(work), "--no-compile-cache"]
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--inbox", str(tmp_path / "none")])
+    assert studies.main() == 1
+    record = json.loads((out / "even_pairs_progress.json").read_text())
+    assert record["error"] == "RuntimeError: capture failed" and "capture failed" in capsys.readouterr().err
+    assert studies.unpack(out, "even_pairs", tmp_path / "again")
+    assert (tmp_path / "again" / "even_pairs" / "default" / "FULL" / "seed-1" / "metrics.jsonl").read_text() == '{"epoch": 3}\n'
 
 
 def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
