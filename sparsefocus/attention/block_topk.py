@@ -240,9 +240,12 @@ class TileBlockTopK(Pattern):
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
         blocks = self.tile_blocks(q, k, causal, key_padding_mask)  # [B, Hq, T, S]
         n_blocks = -(-k.shape[-2] // self.block)
-        tile_of_row = torch.arange(rows.start, rows.stop, device=q.device) // self.tile
-        kept = mask_from_indices(blocks[:, :, tile_of_row], n_blocks)  # [B, Hq, R, nb]
-        mask = kept[..., torch.arange(k.shape[-2], device=q.device) // self.block]  # [B, Hq, R, M]
+        # Each row's tile list by repetition, not by indexing with arange // tile: Inductor's CPU code
+        # for that index, saved for the backward at a length that is not a multiple of the tile,
+        # filled only the whole tiles of it (an out-of-bounds read in the compiled backward).
+        per_row = blocks.repeat_interleave(self.tile, dim=2)[:, :, rows.start : rows.stop]  # [B, Hq, R, S]
+        kept = mask_from_indices(per_row, n_blocks)  # [B, Hq, R, nb]
+        mask = kept.repeat_interleave(self.block, dim=-1)[..., : k.shape[-2]]  # [B, Hq, R, M]
         return mask & causal_row_mask(rows, k.shape[-2], q.device) if causal else mask
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):

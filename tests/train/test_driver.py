@@ -203,3 +203,29 @@ def test_scheduler_after_a_graph_step_advances_without_the_order_warning():
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.25)
     with pytest.warns(UserWarning, match="before `optimizer.step"):
         torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0).step()
+
+
+def test_compiled_fast_step_of_a_tiled_block_pattern_at_a_length_off_the_tile(tmp_path):
+    """moba's per-row block lists at 40 positions (tiles of 16): the compiled fast step trains as
+    the eager one (Inductor's CPU code for an ``arange // tile`` index saved for the backward once
+    filled only the whole tiles of it)."""
+    tiled = [
+        "task={name: even_pairs, length: 40, num_train: 50, num_valid: 25}",
+        "model.dim=64",
+        "model.mlp_dim=64",
+        "model.blocks=2",
+        "model.paper_mode=false",
+        "train.batch_size=25",
+        "model.dropout=0.0",
+        "train.epochs=1",
+        "mechanisms=['moba:block=5,top=1,tile=16']",
+        "train.batched=true",
+        "train.batched_mode=fast",
+    ]
+    assert train(tmp_path / "eager", *tiled, "train.compile=eager") == 0
+    assert train(tmp_path / "compiled", *tiled, "train.compile=default") == 0
+    eager, compiled = curves(tmp_path / "eager" / "exp"), curves(tmp_path / "compiled" / "exp")
+    assert eager.keys() == compiled.keys() and eager
+    for run in eager:
+        for got, want in zip(compiled[run], eager[run]):
+            assert got == pytest.approx(want, rel=1e-4, abs=1e-5), run
