@@ -61,15 +61,18 @@ def compress(
     if n_cmp == 0:
         return x[:, :, :0], None if real is None else real[:, :0]
     span = (n_cmp - 1) * stride + cmp
-    windows = x[:, :, :span].unfold(2, cmp, stride).transpose(-1, -2)  # [B, Hk, Nc, cmp, X]
     cmp_real = None
+    if real is not None:
+        # Padded positions are zeroed before the windows are cut, not in them: Inductor's CPU code
+        # (torch 2.13) for the backward of a product of two unfolded tensors wrote out of bounds.
+        x = x * real[:, None, :, None].to(x.dtype)
+    windows = x[:, :, :span].unfold(2, cmp, stride).transpose(-1, -2)  # [B, Hk, Nc, cmp, X]
     if real is None:
         mean = windows.mean(-2)
     else:
-        weight = real[:, None, :span].unfold(2, cmp, stride)[..., None].to(x.dtype)  # [B, 1, Nc, cmp, 1]
-        mean = (windows * weight).sum(-2) / weight.sum(-2).clamp_min(1)
-        cmp_real = weight[:, 0, :, :, 0].sum(-1) > 0  # [B, Nc]
-        windows = windows * weight
+        count = real[:, None, :span].unfold(2, cmp, stride).sum(-1, keepdim=True).to(x.dtype)  # [B, 1, Nc, 1]
+        mean = windows.sum(-2) / count.clamp_min(1)
+        cmp_real = count[:, 0, :, 0] > 0  # [B, Nc]
     if mlp is None:
         return mean, cmp_real
     pos, w1, b1, w2 = mlp

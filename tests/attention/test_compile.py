@@ -132,6 +132,30 @@ def test_representative_patterns_compile_with_inductor(example, impl, causal):
     assert_compiled_equals_eager(example, impl, causal, "inductor")
 
 
+def test_nsa_compression_compiles_with_inductor_and_key_padding():
+    """NSA's padded compression under Inductor's own code, at a batch and width where the CPU
+    backward of a product of two unfolded tensors once wrote out of bounds (torch 2.13; the
+    process aborted): outputs and gradients equal eager."""
+    from sparsefocus.attention import sparse_attention
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(25, 1, 40, 64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(25, 40, dtype=torch.bool)
+    mask[3, 30:] = False
+
+    def attend(q, k, v):
+        return sparse_attention(q, k, v, "nsa:block=8,top=3,cmp=8,stride=8,window=5", key_padding_mask=mask, impl="lean")
+
+    compiled = torch.compile(attend, fullgraph=True, backend="inductor")
+    grad_out = torch.randn(25, 1, 40, 64)
+    for _ in range(2):  # the abort came from a later allocation
+        got = torch.autograd.grad(compiled(q, k, v), (q, k, v), grad_out)
+    want = torch.autograd.grad(attend(q, k, v), (q, k, v), grad_out)
+    for name, g, w in zip("qkv", got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"d{name}: {m}")
+
+
 @pytest.mark.parametrize("example", ["TOPK:5", "zeta:k=4,window=6,chunks=3,local=3"])
 def test_triton_selections_have_no_graph_break(example):
     """``torch._dynamo.explain`` sees one graph: the selection kernels are opaque ops."""
