@@ -10,6 +10,7 @@ is copied beside them as ``dispersion.md`` / ``dispersion.json``.
 Usage:
     sparsefocus analyze runs/even_pairs --seed paper      # optional: the dispersion table
     python benchmarks/study_docs.py runs/even_pairs docs/studies/nnch_even_pairs
+    python benchmarks/study_docs.py EXPERIMENT docs/studies/listops_fig1a --reach 0.35  # with the paired table
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ def copy_atomic(source: Path, target: Path) -> None:
     temporary.replace(target)
 
 
-def write_study(experiment: Path, out: Path) -> list[Path]:
-    """Report ``experiment`` with ``out/notes.md`` as its preface and copy the record into ``out``."""
+def write_study(experiment: Path, out: Path, reach: float | None = None) -> list[Path]:
+    """Report ``experiment`` with ``out/notes.md`` as its preface and copy the record into ``out``
+    (``reach``: the held-out accuracy of the report's seed-paired table, none without it)."""
     notes = out / "notes.md"
     if not notes.exists():
         raise ValueError(f"{notes} is missing: write how the study was run and what it found first")
     preface = [*notes.read_text().rstrip("\n").splitlines(), ""]
-    write_report(experiment, preface=preface)
+    write_report(experiment, preface=preface, reach=reach)
     written = []
     for source, target in COPIED.items():
         copy_atomic(experiment / source, out / target)
@@ -56,9 +58,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", type=Path, help="the finished experiment folder (holding experiment.yaml)")
     parser.add_argument("out", type=Path, help="the study's docs folder, holding its notes.md")
+    parser.add_argument("--reach", type=float, metavar="ACC", help="sparsefocus report's --reach (the seed-paired table)")
     args = parser.parse_args()
     try:
-        written = write_study(args.experiment, args.out)
+        written = write_study(args.experiment, args.out, args.reach)
     except ValueError as error:
         print(f"study_docs: error: {error}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ import numpy as np
 import yaml
 
 from sparsefocus.train.checkpoint import write_text_atomic
+from sparsefocus.train.paired import ReachRow
 
 REFERENCE = "FULL"
 CONVERGED = 0.95
@@ -323,15 +324,52 @@ def _compared_row(full: np.ndarray, median: np.ndarray, full_epochs: int | None,
 
 @dataclass(frozen=True)
 class SettingStats:
-    """Everything report.md's tables and summary.json show for one setting, computed once."""
+    """Everything report.md's tables and summary.json show for one setting, computed once;
+    ``reach``: the seed-paired first epochs at a held-out accuracy (None unless asked for)."""
 
     mechanisms: dict[str, MechanismStats]
     speed: SpeedStats
+    reach: dict[str, ReachRow] | None = None
 
     @classmethod
-    def of(cls, curves: dict[str, Curves], epoch_base: int = 1, chance: tuple[float, float] | None = None) -> SettingStats:
+    def of(
+        cls,
+        curves: dict[str, Curves],
+        epoch_base: int = 1,
+        chance: tuple[float, float] | None = None,
+        reach: float | None = None,
+    ) -> SettingStats:
         mechanisms = {label: MechanismStats.of(curve, epoch_base) for label, curve in curves.items()}
-        return cls(mechanisms, SpeedStats.of(curves, chance))
+        return cls(mechanisms, SpeedStats.of(curves, chance), None if reach is None else reach_stats(curves, reach))
+
+
+def reach_stats(curves: dict[str, Curves], threshold: float) -> dict[str, ReachRow]:
+    """Per mechanism the first epochs at held-out accuracy >= ``threshold``, each compared seed by
+    seed with the reference's (FULL, else the first mechanism)."""
+    rows = {label: ReachRow.of(curve.seeds, curve.values["valid_acc"], threshold) for label, curve in curves.items()}
+    reference = REFERENCE if REFERENCE in curves else next(iter(curves))
+    horizon = max(curve.values["valid_acc"].shape[1] for curve in curves.values())
+    return {label: row if label == reference else row.against(rows[reference], horizon) for label, row in rows.items()}
+
+
+def reach_rows(rows: dict[str, ReachRow]) -> list[str]:
+    """Markdown rows of ``reach_stats``: per mechanism the first epochs at the threshold and the
+    seed-by-seed comparison with the reference."""
+    reference = next((label for label, row in rows.items() if row.earlier is None), REFERENCE)
+    threshold = next(iter(rows.values())).threshold
+    lines = [
+        f"First epoch at held-out accuracy >= {threshold:g}, seed by seed against {reference} on the same seed:",
+        "",
+        f"| mechanism | median [first, last] (seeds reaching) | seeds earlier / later / same as {reference} | signed-rank p |",
+        "|---|---|---|---|",
+    ]
+    for label, row in rows.items():
+        if row.earlier is None:
+            lines.append(f"| {label} | {row.text()} | (reference) | |")
+            continue
+        p_value = "–" if row.p_value is None else f"{row.p_value:.3g}"
+        lines.append(f"| {label} | {row.text()} | {row.earlier} / {row.later} / {row.same} | {p_value} |")
+    return lines + [""]
 
 
 def final_rows(stats: dict[str, MechanismStats], epoch_base: int = 1) -> list[str]:
@@ -476,6 +514,13 @@ MEANINGS = [
     "the most common target); speed-up statistics of such curves carry no signal and are not shown.",
     "",
 ]
+REACH_MEANING = [
+    "- *first epoch at held-out accuracy*: per seed, the first epoch at or above the threshold; *seeds "
+    "earlier / later / same*: seeds on which the mechanism gets there before, after or at the reference's "
+    "epoch on the same seed (a seed that never gets there counts as one epoch after the last); *signed-rank "
+    "p*: the exact two-sided Wilcoxon signed-rank test of those per-seed differences (zeros dropped).",
+    "",
+]
 
 
 def timing_lines(root: Path) -> list[str]:
@@ -605,6 +650,7 @@ def setting_summary(curves: dict[str, Curves], stats: SettingStats) -> dict[str,
     rows = speed.pop("rows")
     mechanisms = {
         label: {**curve_summary(curve), **asdict(stats.mechanisms[label]), "speed": rows[label]}
+        | ({"reach": asdict(stats.reach[label])} if stats.reach else {})
         for label, curve in curves.items()
     }
     return _plain({**speed, "mechanisms": mechanisms})
@@ -636,15 +682,20 @@ def _json_text(value: Any, depth: int = 0) -> str:
     return json.dumps(value, allow_nan=False)
 
 
-def write_report(root: "str | Path", *, preface: list[str] | None = None, epoch_base: int = 1) -> tuple[Path, list[Path]]:
+def write_report(
+    root: "str | Path", *, preface: list[str] | None = None, epoch_base: int = 1, reach: float | None = None
+) -> tuple[Path, list[Path]]:
     """Write ``report.md``, the curve PNGs and ``summary.json`` of the experiment in ``root``;
     returns the paths of report.md and the PNGs (summary.json lies beside report.md).
 
     ``preface`` lines (e.g. the demo's measured wall-clock time) go under the title. ``epoch_base``:
-    convergence epochs counted from 1 (default) or from 0 (the paper's ``trfigs.py``).
+    convergence epochs counted from 1 (default) or from 0 (the paper's ``trfigs.py``). ``reach``: a
+    held-out accuracy in (0, 1]; adds the seed-paired table of the first epochs at it (``paired``).
     """
     if epoch_base not in EPOCH_BASES:
         raise ValueError(f"epoch_base must be 1 or 0 (the paper's convention), got {epoch_base!r}")
+    if reach is not None and not 0 < reach <= 1:
+        raise ValueError(f"reach must be a held-out accuracy in (0, 1], got {reach!r}")
     root = Path(root)
     experiment_path = root / "experiment.yaml"
     if not experiment_path.exists():
@@ -668,10 +719,10 @@ def write_report(root: "str | Path", *, preface: list[str] | None = None, epoch_
         picture = root / _setting_picture(setting, len(grouped) == 1)
         plot_curves(curves, _title(experiment, setting), picture)
         pictures.append(picture)
-        stats = SettingStats.of(curves, epoch_base, chances[key])
+        stats = SettingStats.of(curves, epoch_base, chances[key], reach)
         lines += _setting_lines(setting, picture, stats, epoch_base)
         settings[setting] = setting_summary(curves, stats)
-    lines += MEANINGS if grouped else ["No finished run yet.", ""]
+    lines += (MEANINGS[:-1] + REACH_MEANING if reach is not None else MEANINGS) if grouped else ["No finished run yet.", ""]
     report = root / "report.md"
     write_text_atomic(report, "\n".join(lines))
     relative = [Path(folder).relative_to(root).as_posix() for folder in incomplete]
@@ -691,6 +742,7 @@ def _setting_lines(setting: str, picture: Path, stats: SettingStats, epoch_base:
         + perplexity_rows(stats.mechanisms)
         + speed_rows(stats.speed)
         + [""]
+        + (reach_rows(stats.reach) if stats.reach else [])
     )
 
 
@@ -706,9 +758,15 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="number of the first epoch in the convergence column: 1 (default) or 0 (the paper's trfigs.py)",
     )
+    parser.add_argument(
+        "--reach",
+        type=float,
+        metavar="ACC",
+        help="also tabulate each seed's first epoch at held-out accuracy >= ACC, against FULL's on the same seed",
+    )
     args = parser.parse_args(argv)
     try:
-        report, pictures = write_report(args.run_dir, epoch_base=args.epoch_base)
+        report, pictures = write_report(args.run_dir, epoch_base=args.epoch_base, reach=args.reach)
     except ValueError as error:
         print(f"sparsefocus report: error: {error}", file=sys.stderr)
         return 2
