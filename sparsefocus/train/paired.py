@@ -2,8 +2,8 @@
 first reaches a held-out accuracy, and an exact signed-rank test of the per-seed differences
 against the reference mechanism on the same seed.
 
-A study trains every mechanism on the same seeds (the same data and training order), so the
-fair comparison of, say, how soon a mechanism leaves a plateau is seed by seed: a mechanism that
+A study trains every mechanism on the same seeds, so the fair comparison of, say, how soon a
+mechanism leaves a plateau is seed by seed (each seed's own data and draws): a mechanism that
 is earlier on most seeds, by more than it is later on the others, learns faster. The test is the
 Wilcoxon signed-rank test with its exact null distribution (every sign pattern of the nonzero
 differences equally likely), which stays exact with tied magnitudes; it needs no large sample.
