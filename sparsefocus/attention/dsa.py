@@ -23,7 +23,6 @@ from typing import ClassVar, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from sparsefocus.attention.common import (
     dense_masked_attention,
@@ -253,38 +252,85 @@ def dense_indexer_kl(
 def chunked_indexer_kl(
     q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1
 ) -> Tensor:
-    """The same loss from the key lists ([B, 1, N, K]) in row chunks, each recomputed in backward."""
+    """The same loss from the key lists ([B, 1, N, K]) in row chunks (``IndexerKL``: the loss and
+    its gradients in one pass, so nothing is recomputed in backward)."""
     iq, ik, w = tensors
     q, index, iq, w = q[:, :, ::every], index[:, :, ::every], iq[:, :, ::every], w[:, ::every]
-    batch, _, n, _ = q.shape
-    chunk = max(1, KL_ELEMENTS // max(1, batch * k.shape[1] * index.shape[-1] * q.shape[-1]))
-    total, rows = iq.new_zeros(()), iq.new_zeros(())
-    for start in range(0, n, chunk):
-        part = row_slice(n, start, start + chunk)
-        args = (q[:, :, part].detach(), k.detach(), index[:, :, part], iq[:, :, part], ik, w[:, part])
-        chunk_total, chunk_rows = (
-            checkpoint(_kl_chunk, *args, scale, use_reentrant=False) if torch.is_grad_enabled() else _kl_chunk(*args, scale)
-        )
-        total, rows = total + chunk_total, rows + chunk_rows
-    return total / rows.clamp_min(1)
+    chunk = max(1, KL_ELEMENTS // max(1, q.shape[0] * k.shape[1] * index.shape[-1] * q.shape[-1]))
+    needed = torch.is_grad_enabled() and any(t.requires_grad for t in (iq, ik, w))  # evaluation skips the gradients
+    return cast(Tensor, IndexerKL.apply(iq, ik, w, q.detach(), k.detach(), index, scale, chunk, needed))
 
 
-def _kl_chunk(q: Tensor, k: Tensor, index: Tensor, iq: Tensor, ik: Tensor, w: Tensor, scale: float) -> tuple[Tensor, Tensor]:
-    """KL sum and row count of one chunk: q [B, Hq, R, D], index [B, 1, R, K], iq [B, h, R, d], w [B, R, h]."""
+class IndexerKL(torch.autograd.Function):
+    """The indexer's KL loss (mean over rows with a key of KL(target || softmax(logits)) over the
+    listed keys) with its gradients in iq [B, h, N, d], ik [B, M, d] and w [B, N, h], computed
+    together chunk by chunk in the forward: the target (the main attention's distribution, no
+    gradient) is the costly part, and autograd through checkpointed chunks computed it twice.
+
+    With t the target and p = softmax(logits) over a row's listed keys, d KL / d logits =
+    p * sum(t) - t; logits = sum_h w_h ReLU(iq_h . ik_j) is differentiated by hand from there."""
+
+    @staticmethod
+    def forward(ctx, iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool):  # type: ignore[override]
+        with torch.no_grad():
+            grads = (torch.zeros_like(iq), torch.zeros_like(ik), torch.zeros_like(w)) if needed else None
+            total, rows = iq.new_zeros(()), iq.new_zeros(())
+            for start in range(0, q.shape[2], chunk):
+                part = row_slice(q.shape[2], start, start + chunk)
+                chunk_total, chunk_rows = _kl_chunk(q[:, :, part], k, index[:, :, part], iq, ik, w, part, scale, grads)
+                total, rows = total + chunk_total, rows + chunk_rows
+            count = rows.clamp_min(1)
+            ctx.save_for_backward(*(() if grads is None else (g / count for g in grads)))
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        d_iq, d_ik, d_w = ctx.saved_tensors
+        return grad * d_iq, grad * d_ik, grad * d_w, None, None, None, None, None, None
+
+
+def _kl_chunk(
+    q: Tensor,
+    k: Tensor,
+    index: Tensor,
+    iq: Tensor,
+    ik: Tensor,
+    w: Tensor,
+    part: slice,
+    scale: float,
+    grads: tuple[Tensor, Tensor, Tensor] | None,
+) -> tuple[Tensor, Tensor]:
+    """KL sum and row count of the rows ``part``: q [B, Hq, R, D], index [B, 1, R, K], iq [B, h, N, d],
+    w [B, N, h]; their gradients (unnormalised) are added into ``grads`` = (d iq, d ik, d w) unless None."""
     valid = index[:, 0] >= 0  # [B, R, K]
     safe = index.clamp_min(0).long()
-    with torch.no_grad():
-        batch, kv_heads = k.shape[:2]
-        # gathered, then upcast: an fp32 copy of every key per chunk of rows would cost more than the rows' keys
-        keys = upcast(gather_keys(k, safe.expand(-1, kv_heads, -1, -1)))  # [B, Hk, R, K, D], once per kv head
-        grouped = upcast(q).view(batch, kv_heads, -1, *q.shape[2:])  # [B, Hk, G, R, D]
-        scores = torch.einsum("bkgrd,bkrjd->bkgrj", grouped, keys).flatten(1, 2) * scale  # [B, Hq, R, K]
-        has_key = valid.any(-1, keepdim=True)[:, None]
-        probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
-        target = (probs * has_key).mean(1)  # [B, R, K]
-    batch, _, n_rows, width = safe.shape
-    flat = safe[:, 0].reshape(batch, n_rows * width, 1).expand(-1, -1, ik.shape[-1])
-    picked = torch.gather(ik, 1, flat).view(batch, n_rows, width, -1)  # [B, R, K, d]
-    relu = torch.relu(torch.einsum("bhrd,brkd->bhrk", iq, picked))  # [B, h, R, K]
-    logits = torch.einsum("bhrk,brh->brk", relu, w)
-    return kl_to_target(target, logits, valid)
+    batch, kv_heads = k.shape[:2]
+    # gathered, then upcast: an fp32 copy of every key per chunk of rows would cost more than the rows' keys
+    keys = upcast(gather_keys(k, safe.expand(-1, kv_heads, -1, -1)))  # [B, Hk, R, K, D], once per kv head
+    grouped = upcast(q).view(batch, kv_heads, -1, *q.shape[2:])  # [B, Hk, G, R, D]
+    scores = torch.einsum("bkgrd,bkrjd->bkgrj", grouped, keys).flatten(1, 2) * scale  # [B, Hq, R, K]
+    has_key = valid.any(-1, keepdim=True)  # [B, R, 1]
+    probs = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")).masked_fill(~has_key[:, None], 0.0), dim=-1)
+    target = (probs * has_key[:, None]).mean(1)  # [B, R, K]
+    n_rows, width = safe.shape[2:]
+    flat = safe[:, 0].reshape(batch, n_rows * width)  # [B, R*K]
+    picked = torch.gather(ik, 1, flat[..., None].expand(-1, -1, ik.shape[-1])).view(batch, n_rows, width, -1)  # [B, R, K, d]
+    pre = torch.einsum("bhrd,brkd->bhrk", iq[:, :, part], picked)  # [B, h, R, K]
+    relu = pre.clamp_min(0)
+    logits = torch.einsum("bhrk,brh->brk", relu, w[:, part]).masked_fill(~valid, float("-inf"))
+    log_p = torch.log_softmax(logits, dim=-1)
+    terms = torch.where(valid & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_p), torch.zeros_like(target))
+    if grads is None:
+        return terms.sum(), has_key.sum()
+    d_logits = torch.where(valid, log_p.exp() * target.sum(-1, keepdim=True) - target, torch.zeros_like(target))  # [B, R, K]
+    d_iq, d_ik, d_w = grads
+    d_w[:, part] += torch.einsum("brk,bhrk->brh", d_logits, relu)
+    d_pre = torch.where(pre > 0, d_logits[:, None] * w[:, part].transpose(1, 2)[..., None], torch.zeros_like(pre))
+    d_iq[:, :, part] += torch.einsum("bhrk,brkd->bhrd", d_pre, picked)
+    _add_rows(d_ik, flat, torch.einsum("bhrk,bhrd->brkd", d_pre, iq[:, :, part]))  # every listed key's share
+    return terms.sum(), has_key.sum()
+
+
+def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:
+    """target[b, index[b, i]] += rows[b, i] for every batch b: target [B, M, d], index [B, R*K], rows [B, R, K, d]."""
+    target.scatter_add_(1, index[..., None].expand(-1, -1, target.shape[-1]), rows.reshape(*index.shape, -1))
