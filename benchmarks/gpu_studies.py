@@ -25,16 +25,16 @@ cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 
 ``--epochs N`` trains the runs to N epochs instead of the study's number, a screen: a later call
 with more (or without it) continues them from their checkpoints, the step schedule being
-independent of the total. ``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the study's grid: a study too
-long for one session can be trained a few groups or seeds at a time into the same folder
-(a run is its own mechanism and seed, so folders from parts resume under the whole grid), and
-reported whole by a last call without them, which finds every run finished. Finished groups
-kept between sittings (say committed under ``docs/studies/<study>/experiment``) are continued
+independent of the total. ``--mechanism M`` (repeatable) and ``--seeds S ...`` train part of the
+study's grid: a study too long for a few calls can be trained a few groups or seeds at a time into
+the same folder (a run is its own mechanism and seed, so folders from parts resume under the whole
+grid), and reported whole by a last call without them, which finds every run finished. Finished
+groups kept in the repository (say under ``docs/studies/<study>/experiment``) are continued
 with ``--start-from FOLDER``; the inbox's parts are unpacked over them. ``--adopt FOLDER`` trains
 nothing: it unpacks the inbox's parts and copies the groups whose runs have all finished into the
 kept FOLDER (with the precision and autocast flags of the calls that trained them). ``--slim`` keeps
 only the metrics of finished runs (not the paper's analysis seed, which ``sparsefocus analyze
---seed paper`` reads), so that what a call returns, and what is kept between sittings, is the
+--seed paper`` reads), so that what a call returns, and what is kept in the repository, is the
 unfinished runs' checkpoints and about 16 KB per finished run.
 
 The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
