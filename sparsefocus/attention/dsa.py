@@ -228,8 +228,12 @@ def allowed_keys(rows: slice, n_keys: int, causal: bool, key_padding_mask: Tenso
 def kl_to_target(target: Tensor, logits: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
     """(sum over rows of KL(target || softmax(logits)) over the valid entries, number of rows with one)."""
     log_q = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
-    terms = torch.where(valid & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(target))
-    return terms.sum(), valid.any(-1).sum()
+    return kl_terms(target, log_q, valid).sum(), valid.any(-1).sum()
+
+
+def kl_terms(target: Tensor, log_q: Tensor, valid: Tensor) -> Tensor:
+    """Per entry target * (log target - log_q) where the entry is valid and the target positive, else 0."""
+    return torch.where(valid & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_q), torch.zeros_like(target))
 
 
 def dense_indexer_kl(
@@ -319,16 +323,16 @@ def _kl_chunk(
     relu = pre.clamp_min(0)
     logits = torch.einsum("bhrk,brh->brk", relu, w[:, part]).masked_fill(~valid, float("-inf"))
     log_p = torch.log_softmax(logits, dim=-1)
-    terms = torch.where(valid & (target > 0), target * (torch.log(target.clamp_min(1e-30)) - log_p), torch.zeros_like(target))
+    total = kl_terms(target, log_p, valid).sum()
     if grads is None:
-        return terms.sum(), has_key.sum()
+        return total, has_key.sum()
     d_logits = torch.where(valid, log_p.exp() * target.sum(-1, keepdim=True) - target, torch.zeros_like(target))  # [B, R, K]
     d_iq, d_ik, d_w = grads
     d_w[:, part] += torch.einsum("brk,bhrk->brh", d_logits, relu)
     d_pre = torch.where(pre > 0, d_logits[:, None] * w[:, part].transpose(1, 2)[..., None], torch.zeros_like(pre))
     d_iq[:, :, part] += torch.einsum("bhrk,brkd->bhrd", d_pre, picked)
     _add_rows(d_ik, flat, torch.einsum("bhrk,bhrd->brkd", d_pre, iq[:, :, part]))  # every listed key's share
-    return terms.sum(), has_key.sum()
+    return total, has_key.sum()
 
 
 def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:

@@ -99,6 +99,11 @@ def epochs_to_reach(curve: np.ndarray, target: float) -> int | None:
     return int(hits[0]) + 1 if hits.size else None
 
 
+def reference_label(curves: dict[str, Curves]) -> str:
+    """The mechanism the others are compared with: FULL, else the first one."""
+    return REFERENCE if REFERENCE in curves else next(iter(curves))
+
+
 def paper_speedup(full: np.ndarray, other: np.ndarray) -> dict[str, float]:
     """The Semantic Focus statistics on median training-loss curves v1 = FULL, v2 = other:
     max_i (v1[i] - v2[i]), max_i 100 (v1[i] - v2[i]) / v1[i], and the max speed-up
@@ -284,7 +289,7 @@ class SpeedStats:
     @classmethod
     def of(cls, curves: dict[str, Curves], chance: tuple[float, float] | None = None) -> SpeedStats:
         """``chance``: as for ``learned``. The reference is FULL, else the first mechanism."""
-        reference = REFERENCE if REFERENCE in curves else next(iter(curves))
+        reference = reference_label(curves)
         full = curves[reference].median("train_loss")
         target = float(full[-1])
         full_epochs = epochs_to_reach(full, target)
@@ -347,15 +352,14 @@ def reach_stats(curves: dict[str, Curves], threshold: float) -> dict[str, ReachR
     """Per mechanism the first epochs at held-out accuracy >= ``threshold``, each compared seed by
     seed with the reference's (FULL, else the first mechanism)."""
     rows = {label: ReachRow.of(curve.seeds, curve.values["valid_acc"], threshold) for label, curve in curves.items()}
-    reference = REFERENCE if REFERENCE in curves else next(iter(curves))
+    reference = reference_label(curves)
     horizon = max(curve.values["valid_acc"].shape[1] for curve in curves.values())
     return {label: row if label == reference else row.against(rows[reference], horizon) for label, row in rows.items()}
 
 
-def reach_rows(rows: dict[str, ReachRow]) -> list[str]:
+def reach_rows(rows: dict[str, ReachRow], reference: str) -> list[str]:
     """Markdown rows of ``reach_stats``: per mechanism the first epochs at the threshold and the
-    seed-by-seed comparison with the reference."""
-    reference = next((label for label, row in rows.items() if row.earlier is None), REFERENCE)
+    seed-by-seed comparison with ``reference``."""
     threshold = next(iter(rows.values())).threshold
     lines = [
         f"First epoch at held-out accuracy >= {threshold:g}, seed by seed against {reference} on the same seed:",
@@ -364,8 +368,11 @@ def reach_rows(rows: dict[str, ReachRow]) -> list[str]:
         "|---|---|---|---|",
     ]
     for label, row in rows.items():
-        if row.earlier is None:
+        if label == reference:
             lines.append(f"| {label} | {row.text()} | (reference) | |")
+            continue
+        if row.earlier is None:
+            lines.append(f"| {label} | {row.text()} | no seed shared with {reference} | |")
             continue
         p_value = "–" if row.p_value is None else f"{row.p_value:.3g}"
         lines.append(f"| {label} | {row.text()} | {row.earlier} / {row.later} / {row.same} | {p_value} |")
@@ -722,7 +729,8 @@ def write_report(
         stats = SettingStats.of(curves, epoch_base, chances[key], reach)
         lines += _setting_lines(setting, picture, stats, epoch_base)
         settings[setting] = setting_summary(curves, stats)
-    lines += (MEANINGS[:-1] + REACH_MEANING if reach is not None else MEANINGS) if grouped else ["No finished run yet.", ""]
+    meanings = MEANINGS if reach is None else MEANINGS[:-1] + REACH_MEANING  # the reach item joins the list
+    lines += meanings if grouped else ["No finished run yet.", ""]
     report = root / "report.md"
     write_text_atomic(report, "\n".join(lines))
     relative = [Path(folder).relative_to(root).as_posix() for folder in incomplete]
@@ -742,7 +750,7 @@ def _setting_lines(setting: str, picture: Path, stats: SettingStats, epoch_base:
         + perplexity_rows(stats.mechanisms)
         + speed_rows(stats.speed)
         + [""]
-        + (reach_rows(stats.reach) if stats.reach else [])
+        + (reach_rows(stats.reach, stats.speed.reference) if stats.reach else [])
     )
 
 

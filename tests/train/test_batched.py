@@ -313,9 +313,7 @@ def test_batched_refuses_next_token_tasks(tmp_path):
         run_experiment(config(tmp_path, task, "model.paper_mode=false", "train.batched=true"), quiet=True)
 
 
-@pytest.mark.parametrize(
-    "layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"]
-)
+@pytest.mark.parametrize("layout", [[], PAPER_LAYOUT], ids=["prepend", "paper"])
 @pytest.mark.parametrize("mechanism", ["BAND:3(1)", "BLOC:4(1)", "TOPK:3"])
 def test_fast_fold_computes_each_models_logits(mechanism, layout):
     if layout and not hasattr(ModelConfig(), "global_tokens"):
@@ -332,9 +330,7 @@ def test_fast_fold_computes_each_models_logits(mechanism, layout):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "layout", [[], ["model.global_tokens=append_paper", "model.pad_to_multiple_of_k=true"]], ids=["prepend", "paper"]
-)
+@pytest.mark.parametrize("layout", [[], PAPER_LAYOUT], ids=["prepend", "paper"])
 @pytest.mark.parametrize("mechanism", ["BAND:3", "BLOC:4", "BAND:3(1)", "BLOC:4(1)"])
 def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, layout, monkeypatch, list_calls):
     from sparsefocus.train import batched
