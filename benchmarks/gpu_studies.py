@@ -6,7 +6,7 @@ again into parts of at most 15 MiB under ``--out`` (without the task cache), wit
 in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
 call. A call whose training fails (a mechanism that does not compile, say) still packs what was
 trained (finished runs, the last checkpoints), names the error in its progress line and exits
-with 1. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
+with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
 unless noted):
 
     even_pairs         experiments/nnch_even_pairs.yaml          100 epochs, fp32

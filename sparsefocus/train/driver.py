@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -712,32 +713,47 @@ class _Lane:
             self.stream.synchronize()
 
 
-def _epoch_in_turns(lanes: list[_Lane]) -> None:
+def _epoch_in_turns(lanes: list[_Lane]) -> dict[int, Exception]:
     """One epoch of every lane, a training step of each in turn, then every lane's evaluation
-    queued before any is read."""
+    queued before any is read. A lane whose step raises (its model fails to compile or capture,
+    say) drops out of the epoch and the others go on. Returns {lane index: error}."""
     began = time.perf_counter()
-    epochs = [lane.part.steps() for lane in lanes]  # generators: each runs inside its lane's turn
+    failed: dict[int, Exception] = {}
+    epochs: list[Any] = [None] * len(lanes)  # generators: each runs inside its lane's turn
     running: list[Any] = [None] * len(lanes)
     pending = list(range(len(lanes)))
     while pending:
         for index in list(pending):
             with lanes[index].turn():
                 try:
+                    if epochs[index] is None:
+                        epochs[index] = lanes[index].part.steps()
                     next(epochs[index])
                 except StopIteration as stop:
                     running[index] = stop.value
                     pending.remove(index)
+                except Exception as error:
+                    failed[index] = error
+                    pending.remove(index)
     _wait(lanes[0].device)
     seconds = time.perf_counter() - began
-    tables = []
-    for lane, sums in zip(lanes, running):
+    done = [index for index in range(len(lanes)) if index not in failed]
+    tables = {}
+    for index in done:
+        with lanes[index].turn():
+            tables[index] = lanes[index].part.trainer.metrics_table(running[index])
+    for index in done:
+        lane = lanes[index]
         with lane.turn():
-            tables.append(lane.part.trainer.metrics_table(sums))
-    for lane, table in zip(lanes, tables):
-        with lane.turn():
-            lane.part.end_epoch(table, seconds)
+            lane.part.end_epoch(tables[index], seconds)
         if lane.on_epoch is not None:
             lane.on_epoch(len(lane.part.specs))
+    return failed
+
+
+class PartsFailed(RuntimeError):
+    """Some folded parts of ``train_parts_together`` raised; the others trained on to the end or
+    to the budget. The message names each failed part's runs and error."""
 
 
 def train_parts_together(
@@ -751,7 +767,8 @@ def train_parts_together(
     models overlap on the GPU. ``parts``: (make the part, its epoch callback), in order; a part
     starts when a lane frees. Each part's results are those it gets trained alone (its own
     generator state, see ``_Lane``). Returns True when all finished; a budget stop saves every
-    active part at the epoch reached."""
+    active part at the epoch reached. A part that raises drops out and the others go on; then
+    ``PartsFailed`` names every failed part once the rest are done."""
     torch._dynamo.reset()  # the parts keep their compiled code, so they may not reset it themselves
     with _recompile_limit(8 * len(parts)):  # every part's closures count towards it (none is reset)
         return _run_lanes(list(parts), width, device, budget)
@@ -763,34 +780,71 @@ def _run_lanes(
     device: torch.device,
     budget: Budget | None,
 ) -> bool:
+    """Raises:
+    PartsFailed: a part raised while it was made or trained (the others went on; a failed
+    part keeps its last checkpoint)."""
     lanes: list[_Lane] = []
+    errors: list[str] = []
+    finished = True
     try:
         while queue or lanes:
             if budget is not None and not budget.allows():
                 for lane in lanes:
                     with lane.turn():
                         lane.part.stop()
-                return False
+                finished = False
+                break
             while queue and len(lanes) < width:
-                make, on_epoch = queue.pop(0)
-                lane = _Lane(make, device, on_epoch)
-                if lane.part.finished:
-                    lane.close()
-                else:
-                    lanes.append(lane)
+                opened = _open_lane(*queue.pop(0), device, errors)
+                if opened is not None and opened.part.finished:
+                    opened.close()
+                elif opened is not None:
+                    lanes.append(opened)
             if not lanes:
                 continue
             began = time.perf_counter()
-            _epoch_in_turns(lanes)
+            failed = _epoch_in_turns(lanes)
             if budget is not None:
                 budget.record(time.perf_counter() - began)
+            for index, error in failed.items():
+                errors.append(_failure(lanes[index].part.specs, error))
+                _close_failed(lanes[index])
+            lanes = [lane for index, lane in enumerate(lanes) if index not in failed]
             for lane in [lane for lane in lanes if lane.part.finished]:
                 lane.close()
                 lanes.remove(lane)
-        return True
     finally:
         for lane in lanes:
             lane.close()
+    if errors:
+        raise PartsFailed("; ".join(errors))
+    return finished
+
+
+def _open_lane(
+    make: Callable[[], PartRun], on_epoch: Callable[[int], None] | None, device: torch.device, errors: list[str]
+) -> _Lane | None:
+    """A lane for the part ``make`` builds, or None with its error appended to ``errors``."""
+    try:
+        return _Lane(make, device, on_epoch)
+    except Exception as error:
+        specs = make.args[0] if isinstance(make, functools.partial) else []
+        errors.append(_failure(specs, error))
+        return None
+
+
+def _failure(specs: list[RunSpec], error: Exception) -> str:
+    """'<mechanism> (<n> runs): <error type>: <first line>' for a failed part."""
+    name = specs[0].label if specs else "a part"
+    traceback.print_exception(error)
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{name} ({len(specs)} runs): {type(error).__name__}: {first}"
+
+
+def _close_failed(lane: _Lane) -> None:
+    """Close a failed lane; an error waiting for its stream is the failure already recorded."""
+    with contextlib.suppress(Exception):
+        lane.close()
 
 
 def _recompile_limit(limit: int) -> Any:

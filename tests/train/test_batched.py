@@ -20,6 +20,7 @@ from sparsefocus.train.batched import (
     load_run_states,
     run_state,
 )
+from sparsefocus.train import driver
 from sparsefocus.train.checkpoint import load_checkpoint
 from sparsefocus.train.config import load_config
 from sparsefocus.train.driver import Budget
@@ -429,6 +430,36 @@ def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at
     metrics, params = one_at_a_time
     assert_same_metrics(metrics, metrics_of(root), rtol=0.0)
     assert_same_params(params, params_of(root), atol=0.0)
+
+
+@pytest.mark.parametrize("where", ["make", "step"])
+def test_a_failing_concurrent_group_stops_alone(one_at_a_time, where, monkeypatch, tmp_path):
+    """A group that raises (while its model is built, or in its second epoch) drops out; the other
+    groups train to the end with their usual results, and the error names the failed parts."""
+    made, steps = driver.PartRun.__init__, driver.PartRun.steps
+
+    def failing_init(self, specs, *args, **kwargs):
+        if where == "make" and specs[0].label == "TOPK:3":
+            raise RuntimeError("cannot build\nsecond line")
+        made(self, specs, *args, **kwargs)
+
+    def failing_steps(self):
+        if where == "step" and self.specs[0].label == "TOPK:3" and self.epoch == 1:
+            raise RuntimeError("cannot step")
+        return (yield from steps(self))
+
+    monkeypatch.setattr(driver.PartRun, "__init__", failing_init)
+    monkeypatch.setattr(driver.PartRun, "steps", failing_steps)
+    cfg = config(tmp_path, *CONCURRENT, "train.batched_max_runs=2", "train.concurrent_groups=2")
+    message = "cannot build" if where == "make" else "cannot step"
+    with pytest.raises(driver.PartsFailed, match=f"TOPK:3 \\(2 runs\\): RuntimeError: {message}; TOPK:3 \\(1 runs\\)"):
+        run_experiment(cfg, quiet=True)
+    metrics, _ = one_at_a_time
+    got = metrics_of(Path(cfg.out_dir) / "exp")
+    others = {run: lines for run, lines in metrics.items() if "TOPK" not in run}
+    assert_same_metrics(others, {run: got[run] for run in others}, rtol=0.0)
+    topk = {run: len(lines) for run, lines in got.items() if "TOPK" in run}
+    assert topk == ({} if where == "make" else {f"default/TOPK-3/seed-{s}": 1 for s in SEEDS})
 
 
 def test_concurrent_groups_need_the_batched_path(tmp_path):
