@@ -6,7 +6,10 @@ again into parts of at most 15 MiB under ``--out`` (without the task cache), wit
 in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
 call. A call whose training fails (a mechanism that does not compile, say) still packs what was
 trained (finished runs, the last checkpoints), names the error in its progress line and exits
-with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
+with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The budget stops
+training between epochs; ``--hard-stop`` (default: the budget + 40 s) interrupts it wherever it is
+(compiling many models before the first epoch, say), so a call cut short still returns its
+checkpoints and compile cache. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
 unless noted):
 
     even_pairs         experiments/nnch_even_pairs.yaml          100 epochs, fp32
@@ -54,6 +57,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import sys
 import tarfile
 import time
@@ -185,15 +189,38 @@ def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = 
     return record
 
 
-def train_keeping_progress(config, budget: Budget) -> str | None:
+class HardStop(BaseException):
+    """Raised in the main thread by ``--hard-stop``'s alarm (a BaseException, so that no
+    ``except Exception`` on the way swallows it)."""
+
+
+def _raise_hard_stop(signum, frame) -> None:
+    raise HardStop
+
+
+def train_keeping_progress(config, budget: Budget, hard_stop: float | None = None) -> str | None:
     """``run_experiment`` under ``budget``; None, or the error that stopped it (its traceback on
     stderr). A mechanism that fails (say while compiling or capturing its step) must not cost the
-    call what the others trained: finished runs and the last checkpoints are still packed."""
+    call what the others trained: finished runs and the last checkpoints are still packed.
+
+    ``budget`` stops between epochs, and cannot stop what comes before the first (compiling and
+    capturing ten models at once outlasted a whole 600-second call). ``hard_stop`` seconds from
+    now, a SIGALRM interrupts training wherever it is, so that the call still packs its study
+    folder (the last checkpoints) and the compile cache built so far."""
+    previous = signal.signal(signal.SIGALRM, _raise_hard_stop) if hard_stop else None
+    if hard_stop:
+        signal.setitimer(signal.ITIMER_REAL, hard_stop)
     try:
         run_experiment(config, quiet=True, budget=budget)
+    except HardStop:
+        return f"HardStop: training interrupted by --hard-stop after {hard_stop:.0f} s; runs keep their last checkpoints"
     except Exception as error:
         traceback.print_exc()
         return f"{type(error).__name__}: {error}"
+    finally:
+        if hard_stop:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
     return None
 
 
@@ -325,6 +352,13 @@ def main() -> int:
     )
     parser.add_argument("--work", default="/tmp/sparsefocus-studies", help="where the study trains")
     parser.add_argument("--budget", type=float, default=480.0, help="seconds of this call, the check included")
+    parser.add_argument(
+        "--hard-stop",
+        type=float,
+        default=None,
+        help="interrupt training this many seconds into the call (the check included), wherever it is, and pack what exists"
+        " (default: --budget + 40; 0: never)",
+    )
     parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"))
     parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph"))
@@ -392,7 +426,8 @@ def main() -> int:
     if not args.no_compile_cache:
         cached = unpack(Path(args.inbox), CACHE, work)
         use_compile_cache(work)
-    budget = Budget(args.budget)  # the check's time counts towards it
+    budget = Budget(args.budget)  # the check's time counts towards it, and towards the hard stop
+    called = time.time()
     if args.check:
         print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile, args.fast_attention)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
@@ -408,7 +443,8 @@ def main() -> int:
         args.compile_scope,
     )
     began = time.time()
-    failure = train_keeping_progress(config, budget)
+    hard_stop = args.budget + 40 if args.hard_stop is None else args.hard_stop
+    failure = train_keeping_progress(config, budget, max(hard_stop - (time.time() - called), 1.0) if hard_stop else None)
     line, complete = progress_line(config)
     slimmed = slim_finished_runs(work / args.study, keep_seeds=(PAPER_ANALYSIS_SEED,)) if args.slim else []
     parts = pack(work, args.study, out)

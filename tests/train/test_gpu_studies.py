@@ -4,6 +4,8 @@ folder (the task cache left out), and the study configs are the paper's Figure-1
 import importlib.util
 import json
 import random
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +195,27 @@ def test_a_screen_trains_to_fewer_epochs_and_refuses_none(studies, tmp_path):
     assert config.train.epochs == 40 and config.optim.schedule == "step"
     with pytest.raises(ValueError, match="--epochs must be at least 1"):
         studies.epochs_override(0)
+
+
+def test_the_hard_stop_interrupts_training_that_outruns_the_call_and_still_packs(studies, tmp_path, monkeypatch):
+    """Training that no epoch-boundary budget can stop (a compile, say) is interrupted by the
+    alarm, and the call still returns its study folder and names the stop."""
+
+    def compile_forever(config, quiet, budget):
+        run = Path(config.out_dir) / config.name / "default" / "FULL" / "seed-1"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text('{"epoch": 1}\n')
+        for _ in range(1200):  # a minute at most, then the test fails below on the error's name
+            time.sleep(0.05)
+        raise AssertionError("not interrupted")
+
+    monkeypatch.setattr(studies, "run_experiment", compile_forever)
+    out, work = tmp_path / "o", tmp_path / "w"
+    argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(work), "--no-compile-cache"]
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--inbox", str(tmp_path / "none"), "--budget", "1", "--hard-stop", "1.5"])
+    assert studies.main() == 1
+    record = json.loads((out / "even_pairs_progress.json").read_text())
+    assert record["error"].startswith("HardStop: training interrupted by --hard-stop")
+    assert studies.unpack(out, "even_pairs", tmp_path / "again")
+    assert (tmp_path / "again" / "even_pairs" / "default" / "FULL" / "seed-1" / "metrics.jsonl").exists()
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the alarm is off again
