@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import cast
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY, IndexedPattern, parse_pattern
+from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, IndexedPattern, Pattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models.blocks import (
@@ -247,6 +248,8 @@ class RunAttention(nn.Module):
         # the mechanism's own parameters (ZETA's widths, NSA's gates, DSA's indexer): [R, ...] each
         self.mechanism = nn.ParameterDict({name: _stack([m.mechanism[name] for m in modules]) for name in first.mechanism})
         self.aux_loss: Tensor = torch.zeros(())
+        # made here, not in the traced forward: torch.compile cannot trace the making of a region
+        self.run_region = _run_region(self.pattern, self.causal, self.impl, tuple(self.mechanism.keys()))
 
     # Borrowed: they read only the pattern, mechanism and head sizes, which RunAttention has too.
     mechanism_params = SparseAttention.mechanism_params
@@ -290,14 +293,12 @@ class RunAttention(nn.Module):
         parts = zip(_runs_of(x, self.runs), _runs_of(q, self.runs), _runs_of(k, self.runs), _runs_of(v, self.runs), masks)
         outs, aux = [], []
         for run, (x_r, q_r, k_r, v_r, mask_r) in enumerate(parts):
-            params = cast(dict, self.mechanism_params(x_r))  # type: ignore[misc]  # the params, x_r, an aux dict ...
-            params |= {name: value[run] for name, value in self.mechanism.items()}  # ... with this run's slices
-            outs.append(
-                sparse_attention(
-                    q_r, k_r, v_r, self.pattern, causal=self.causal, key_padding_mask=mask_r, impl=self.impl, params=params
-                )
-            )
-            aux += list(params.get(AUX_KEY, {}).values())
+            values = [self.mechanism[name][run] for name in self.mechanism]
+            # a region takes no inputs that share memory, and q, k, v may be views of one projection
+            k_r, v_r = k_r.clone(), v_r.clone()
+            out, loss = self.run_region(q_r, k_r, v_r, mask_r, x_r, *values)
+            outs.append(out)
+            aux.append(loss)
         self.aux_loss = sum(aux, x.new_zeros((), dtype=torch.float32))
         return torch.cat(outs)
 
@@ -333,6 +334,42 @@ class RunAttention(nn.Module):
             topk_select=self.topk_select,
             fixed_index=fixed_index,
         )
+
+
+def _one_run(
+    pattern: Pattern,
+    causal: bool,
+    impl: str,
+    names: tuple[str, ...],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    key_padding_mask: Tensor | None,
+    hidden: Tensor,
+    *values: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """One run's attention with its own mechanism parameters ``values`` (named ``names``):
+    (out [B, H, N, Dv], the sum of its auxiliary losses)."""
+    params: dict = dict(zip(names, values))
+    if pattern.needs_hidden:
+        params[HIDDEN_KEY] = hidden
+    if pattern.has_aux_loss:
+        params[AUX_KEY] = {}
+    out = sparse_attention(q, k, v, pattern, causal=causal, key_padding_mask=key_padding_mask, impl=impl, params=params)
+    return out, sum(params.get(AUX_KEY, {}).values(), out.new_zeros((), dtype=torch.float32))
+
+
+@functools.cache
+def _run_region(pattern: Pattern, causal: bool, impl: str, names: tuple[str, ...]) -> Callable[..., tuple[Tensor, Tensor]]:
+    """``_one_run`` for this mechanism as a region that torch.compile traces once and reuses for
+    every run and block (one function per mechanism: a region's inputs may only be tensors and
+    constants). Inlined, the runs' and blocks' calls of nsa, dsa or ZETA made a step graph ten
+    times FULL's, and ten such models compiling at once outlasted a 10-minute GPU call."""
+
+    def one_run(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, hidden: Tensor, *values: Tensor):
+        return _one_run(pattern, causal, impl, names, q, k, v, key_padding_mask, hidden, *values)
+
+    return torch.compiler.nested_compile_region(one_run)
 
 
 FIXED_LIST_MAX_SLOTS = 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.backends.registry import lookup_backend
 from torch import nn
 
 from sparsefocus.attention import selection_mask
@@ -678,3 +679,43 @@ def test_gathered_attention_on_the_kernel_compiles_with_fullgraph(monkeypatch):
         results.append([out, *torch.autograd.grad(out.sum(), (q, k, v))])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mechanism", ["nsa:block=4,top=3,cmp=4,stride=2,window=4", "dsa:k=5,heads=2,dim=4"])
+def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
+    """The per-run attention of a mechanism with parameters is one region that torch.compile
+    traces once for every run and block; the compiled folded model gives the eager outputs,
+    auxiliary loss and gradients."""
+    cfg = config(Path("unused"), "model.dropout=0.0", "model.paper_mode=false", f"mechanisms=['{mechanism}']")
+    data = build_data(cfg, 1, torch.device("cpu"))
+    models = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        models.append(build_model(cfg.model, mechanism, data))
+    folded = fold_models(models, mode="fast")
+    inputs = data.train_inputs[:4].repeat(len(models), 1)
+    regions: list[set[str]] = []
+
+    def backend(gm, example_inputs):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
+        regions.append({str(n.args[0].target) for n in calls})
+        assert len(calls) == len(SEEDS) * cfg.model.blocks, "one region call per run and block"
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def step(model):
+        logits = model(inputs)
+        aux = sum(m.aux_loss for m in model.modules() if hasattr(m, "run_region"))
+        grads = torch.autograd.grad(logits.square().sum() + aux, list(model.parameters()), allow_unused=True)
+        return logits, aux, grads
+
+    torch._dynamo.reset()
+    want = step(folded)
+    got = step(torch.compile(folded, backend=backend, fullgraph=True))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    for g, w in zip(got[2], want[2], strict=True):
+        assert (g is None) == (w is None)
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    if hasattr(torch._dynamo.variables, "invoke_subgraph"):  # torch releases that reuse a traced region
+        assert regions and all(len(names) == 1 for names in regions)
