@@ -297,7 +297,7 @@ class RunAttention(nn.Module):
             # a region takes no inputs that share memory, and q, k, v may be views of one projection
             k_r, v_r = k_r.clone(), v_r.clone()
             out, loss = self.run_region(q_r, k_r, v_r, mask_r, x_r, *values)
-            outs.append(out)
+            outs.append(_FreshGrad.apply(out))
             aux.append(loss)
         self.aux_loss = sum(aux, x.new_zeros((), dtype=torch.float32))
         return torch.cat(outs)
@@ -357,6 +357,20 @@ def _one_run(
         params[AUX_KEY] = {}
     out = sparse_attention(q, k, v, pattern, causal=causal, key_padding_mask=key_padding_mask, impl=impl, params=params)
     return out, sum(params.get(AUX_KEY, {}).values(), out.new_zeros((), dtype=torch.float32))
+
+
+class _FreshGrad(torch.autograd.Function):
+    """Identity whose backward hands on a copy of the gradient: the runs' outputs are concatenated,
+    so their gradients are views of one tensor at different offsets, and a region traces one
+    backward per distinct gradient layout; a fresh copy gives every call the same one."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.clone(memory_format=torch.contiguous_format)
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 dropout, to fp32 rounding), resume after an interruption, and keep the run-folder layout."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -710,7 +711,11 @@ def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
 
     torch._dynamo.reset()
     want = step(folded)
-    got = step(torch.compile(folded, backend=backend, fullgraph=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = step(torch.compile(folded, backend=backend, fullgraph=True))
+    # one backward per region too: the runs' gradients reach it as copies of one layout
+    assert not [w for w in caught if "multiple backward graphs" in str(w.message)]
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
     for g, w in zip(got[2], want[2], strict=True):
