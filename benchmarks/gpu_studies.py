@@ -448,7 +448,7 @@ def main() -> int:
     line, complete = progress_line(config)
     slimmed = slim_finished_runs(work / args.study, keep_seeds=(PAPER_ANALYSIS_SEED,)) if args.slim else []
     parts = pack(work, args.study, out)
-    cache = "off" if args.no_compile_cache else pack_cache(work, out, parts)
+    cache = "off" if args.no_compile_cache else "not packed yet"
     record = {
         "study": args.study,
         "resumed": resumed,
@@ -473,7 +473,11 @@ def main() -> int:
             "compile_scope": args.compile_scope,
         },
     }
-    write_text_atomic(out / f"{args.study}_progress.json", json.dumps(record, indent=1))
+    progress = out / f"{args.study}_progress.json"
+    write_text_atomic(progress, json.dumps(record, indent=1))  # first, in case packing the cache is cut short
+    if not args.no_compile_cache:
+        record["compile_cache"]["returned"] = pack_cache(work, out, parts)
+        write_text_atomic(progress, json.dumps(record, indent=1))
     print(json.dumps(record))
     return 1 if failure else 0
 
