@@ -160,17 +160,24 @@ class SparseAttention(nn.Module):
         return (k, v)
 
     def mechanism_params(self, x: Tensor) -> dict | None:
-        """The ``params`` of ``sparse_attention``: the mechanism's parameters, plus the input x for
-        patterns that read it and an empty dict that mechanisms fill with auxiliary losses."""
-        params = {name: value for name, value in self.mechanism.items()}  # dict(ParameterDict) does not trace
-        if self.pattern.needs_hidden:
-            params[HIDDEN_KEY] = x
-        if self.pattern.has_aux_loss:
-            params[AUX_KEY] = {}
-        return params or None
+        """The ``params`` of ``sparse_attention`` for input x (see ``attention_params``)."""
+        values = {name: value for name, value in self.mechanism.items()}  # dict(ParameterDict) does not trace
+        return attention_params(self.pattern, values, x)
 
     def extra_repr(self) -> str:
         return f"pattern={self.pattern.label()}, heads={self.heads}, kv_heads={self.kv_heads}, causal={self.causal}, impl={self.impl}"
+
+
+def attention_params(pattern: Pattern, values: dict[str, Tensor], x: Tensor) -> dict | None:
+    """The ``params`` of ``sparse_attention``: the mechanism's parameters ``values``, plus the
+    input x [B, N, dim] for patterns that read it and an empty dict that mechanisms fill with
+    auxiliary losses; None when there is nothing to pass."""
+    params: dict = dict(values)
+    if pattern.needs_hidden:
+        params[HIDDEN_KEY] = x
+    if pattern.has_aux_loss:
+        params[AUX_KEY] = {}
+    return params or None
 
 
 def total_aux_loss(model: nn.Module) -> Tensor:

@@ -36,9 +36,10 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, IndexedPattern, Pattern, parse_pattern
+from sparsefocus.attention.patterns import AUX_KEY, IndexedPattern, Pattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
+from sparsefocus.layers.attention import attention_params
 from sparsefocus.models.blocks import (
     PAPER_FILL,
     Embedding,
@@ -350,11 +351,7 @@ def _one_run(
 ) -> tuple[Tensor, Tensor]:
     """One run's attention with its own mechanism parameters ``values`` (named ``names``):
     (out [B, H, N, Dv], the sum of its auxiliary losses)."""
-    params: dict = dict(zip(names, values))
-    if pattern.needs_hidden:
-        params[HIDDEN_KEY] = hidden
-    if pattern.has_aux_loss:
-        params[AUX_KEY] = {}
+    params = attention_params(pattern, dict(zip(names, values)), hidden) or {}
     out = sparse_attention(q, k, v, pattern, causal=causal, key_padding_mask=key_padding_mask, impl=impl, params=params)
     return out, sum(params.get(AUX_KEY, {}).values(), out.new_zeros((), dtype=torch.float32))
 
