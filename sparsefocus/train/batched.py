@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from typing import cast
@@ -295,10 +296,10 @@ class RunAttention(nn.Module):
         outs, aux = [], []
         for run, (x_r, q_r, k_r, v_r, mask_r) in enumerate(parts):
             values = [self.mechanism[name][run] for name in self.mechanism]
-            # a region takes no inputs that share memory, and q, k, v may be views of one projection
-            k_r, v_r = k_r.clone(), v_r.clone()
+            if REGION_REUSE:  # a region takes no inputs that share memory: q, k, v may view one projection
+                k_r, v_r = k_r.clone(), v_r.clone()
             out, loss = self.run_region(q_r, k_r, v_r, mask_r, x_r, *values)
-            outs.append(_FreshGrad.apply(out))
+            outs.append(_FreshGrad.apply(out) if REGION_REUSE else out)
             aux.append(loss)
         self.aux_loss = sum(aux, x.new_zeros((), dtype=torch.float32))
         return torch.cat(outs)
@@ -370,6 +371,13 @@ class _FreshGrad(torch.autograd.Function):
         return grad.clone(memory_format=torch.contiguous_format)
 
 
+REGION_REUSE = importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None
+"""Whether this torch's Dynamo traces a ``nested_compile_region`` once and stamps it out at later
+calls (torch 2.13). Torch 2.11 traced the region again at every call, which made a 10-seed nsa
+step slower to trace than inlining it (91 s against 63 on a 2-core CPU) and failed on dsa, so
+there the runs' calls are inlined as before."""
+
+
 @functools.cache
 def _run_region(pattern: Pattern, causal: bool, impl: str, names: tuple[str, ...]) -> Callable[..., tuple[Tensor, Tensor]]:
     """``_one_run`` for this mechanism as a region that torch.compile traces once and reuses for
@@ -380,7 +388,7 @@ def _run_region(pattern: Pattern, causal: bool, impl: str, names: tuple[str, ...
     def one_run(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, hidden: Tensor, *values: Tensor):
         return _one_run(pattern, causal, impl, names, q, k, v, key_padding_mask, hidden, *values)
 
-    return torch.compiler.nested_compile_region(one_run)
+    return torch.compiler.nested_compile_region(one_run) if REGION_REUSE else one_run
 
 
 FIXED_LIST_MAX_SLOTS = 0
