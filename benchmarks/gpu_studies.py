@@ -368,9 +368,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--compile-scope",
-        default="step",
+        default=None,
         choices=COMPILE_SCOPES,
-        help="train.compile_scope: the whole forward as one graph, or each block (compiles faster)",
+        help="train.compile_scope: the whole forward as one graph, or each block (compiles faster; default: blocks"
+        " for the open-question studies, whose mechanisms with parameters run per run, step otherwise)",
     )
     parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
     parser.add_argument(
@@ -396,6 +397,8 @@ def main() -> int:
         " (give the precision and autocast of the calls that trained them)",
     )
     args = parser.parse_args()
+    if args.compile_scope is None:
+        args.compile_scope = "blocks" if args.study in OWN_MECHANISMS else "step"
     if args.out is None and args.adopt is None:
         parser.error("--out is required unless --adopt is given")
     if args.slim and args.epochs is not None:
