@@ -9,7 +9,8 @@ trained (finished runs, the last checkpoints), names the error in its progress l
 with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The budget stops
 training between epochs; ``--hard-stop`` (default: the budget + 40 s) interrupts it wherever it is
 (compiling many models before the first epoch, say), so a call cut short still returns its
-checkpoints and compile cache. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
+checkpoints and compile cache. The open-question studies compile block by block unless
+``--compile-scope`` says otherwise. The studies (the paper's 10 seeds, ReLU, batched fast mode; the six Figure-1 mechanisms
 unless noted):
 
     even_pairs         experiments/nnch_even_pairs.yaml          100 epochs, fp32
