@@ -17,14 +17,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 
+def epochs_to_reach(curve: np.ndarray, target: float) -> int | None:
+    """First epoch (1-based) at which ``curve`` is at or below ``target``; None if never."""
+    hits = np.nonzero(curve <= target)[0]
+    return int(hits[0]) + 1 if hits.size else None
+
+
 def first_reach(accuracy: np.ndarray, threshold: float) -> list[int | None]:
     """Per seed (the rows of ``accuracy`` [seeds, epochs]) the first epoch, counted from 1, with
     accuracy >= ``threshold``; None where a seed never gets there."""
-    out: list[int | None] = []
-    for row in accuracy:
-        hits = np.nonzero(row >= threshold)[0]
-        out.append(int(hits[0]) + 1 if hits.size else None)
-    return out
+    return [epochs_to_reach(-row, -threshold) for row in accuracy]
 
 
 def midranks(values: np.ndarray) -> np.ndarray:

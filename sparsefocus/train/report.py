@@ -23,7 +23,7 @@ import numpy as np
 import yaml
 
 from sparsefocus.train.checkpoint import write_text_atomic
-from sparsefocus.train.paired import ReachRow
+from sparsefocus.train.paired import ReachRow, epochs_to_reach
 
 REFERENCE = "FULL"
 CONVERGED = 0.95
@@ -91,12 +91,6 @@ def group_curves(runs: list[dict[str, Any]], order: list[str]) -> dict[str, dict
             run_seconds = None if None in seconds else seconds
             out[setting][label] = Curves(label, [run["seed"] for run in members], values, run_seconds)
     return out
-
-
-def epochs_to_reach(curve: np.ndarray, target: float) -> int | None:
-    """First epoch (1-based) at which ``curve`` is at or below ``target``; None if never."""
-    hits = np.nonzero(curve <= target)[0]
-    return int(hits[0]) + 1 if hits.size else None
 
 
 def reference_label(curves: dict[str, Curves]) -> str:
