@@ -23,7 +23,7 @@ Compiling is a large part of a short call (about 50 s per ListOps model on the H
 per call). Inductor's and Triton's caches therefore live in ``<work>/compile-cache`` and travel
 beside the study as ``compile-cache.txz.partNN`` (xz: about half of gzip's size for compiled
 code) when they fit what a call may return and the next call may carry in beside the repository
-(8 files, 48 MiB together; the study first): a later call then loads the compiled code instead
+(8 files, and 64 MiB less the repository's own files together; the study first): a later call then loads the compiled code instead
 of compiling again (on the H200, the first compile of a small folded model took 22.8 s
 cold and 2.7 s from the cache). ``--no-compile-cache`` leaves it out.
 
@@ -59,6 +59,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tarfile
 import time
@@ -86,7 +87,9 @@ STUDIES = {
 OWN_MECHANISMS = ("listops_open", "even_pairs_open")  # studies that keep their config's mechanisms
 PART_BYTES = 15 * 2**20
 MAX_FILES_BACK = 8  # what one device call returns from its output folder
-MAX_BYTES_BACK = 48 * 2**20  # returned (64 MiB) and carried in again beside the repository (64 MiB in all)
+CARRY_BYTES = 64 * 2**20  # what a call returns, and what the next call carries in beside the repository's files
+MAX_BYTES_BACK: int | None = None  # what the parts may total; None: CARRY_BYTES less the repository's files
+REPOSITORY = Path(__file__).resolve().parents[1]
 CACHE = "compile-cache"
 NOT_KEPT = shutil.ignore_patterns(".lock", ".task-cache")  # run locks and the task cache never travel
 
@@ -317,16 +320,39 @@ def pack(work: Path, study: str, out: Path) -> list[Path]:
     return write_parts(archive(work, study), study, out)
 
 
-def pack_cache(work: Path, out: Path, study_parts: list[Path]) -> str:
+def repository_bytes(root: Path, skip: Path | None = None) -> int:
+    """The size of the files that travel with every call: the tracked files where git lists them,
+    else every file under ``root`` outside ``skip`` (the inbox), dot-folders and ``__pycache__``
+    (a device copy holds the working tree alone)."""
+    if (root / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+        return sum((root / name).stat().st_size for name in listed.decode().split("\0") if (root / name).is_file())
+    total = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__" and Path(folder, d) != skip]
+        total += sum(Path(folder, name).stat().st_size for name in files)
+    return total
+
+
+def bytes_back(inbox: Path | None) -> int:
+    """What the parts of a call may total: ``MAX_BYTES_BACK`` where set, else the carry limit less
+    the repository's own files and 1 MiB to spare (the tree grows with the kept studies)."""
+    if MAX_BYTES_BACK is not None:
+        return MAX_BYTES_BACK
+    skip = inbox.resolve() if inbox is not None else None
+    return CARRY_BYTES - repository_bytes(REPOSITORY, skip) - 2**20
+
+
+def pack_cache(work: Path, out: Path, study_parts: list[Path], inbox: Path | None = None) -> str:
     """Pack ``work/compile-cache`` beside the study's parts if the two fit what a call returns
-    (``MAX_FILES_BACK`` files with the progress line, ``MAX_BYTES_BACK`` bytes); the study always
+    (``MAX_FILES_BACK`` files with the progress line, ``bytes_back`` bytes); the study always
     goes first. Returns what happened, for the progress line."""
     if not (work / CACHE).is_dir():
         return "none"
     data = archive(work, CACHE)
     files = len(study_parts) + -(-len(data) // PART_BYTES) + 1
     size = sum(p.stat().st_size for p in study_parts) + len(data)
-    if files > MAX_FILES_BACK or size > MAX_BYTES_BACK:
+    if files > MAX_FILES_BACK or size > bytes_back(inbox):
         return f"left out: {len(data) / 2**20:.1f} MiB would not fit beside the study"
     return f"packed: {len(data) / 2**20:.1f} MiB in {len(write_parts(data, CACHE, out))} part(s)"
 
@@ -480,7 +506,7 @@ def main() -> int:
     progress = out / f"{args.study}_progress.json"
     write_text_atomic(progress, json.dumps(record, indent=1))  # first, in case packing the cache is cut short
     if not args.no_compile_cache:
-        record["compile_cache"]["returned"] = pack_cache(work, out, parts)
+        record["compile_cache"]["returned"] = pack_cache(work, out, parts, Path(args.inbox) if args.inbox else None)
         write_text_atomic(progress, json.dumps(record, indent=1))
     print(json.dumps(record))
     return 1 if failure else 0

@@ -20,6 +20,8 @@ import json
 import math
 import multiprocessing
 import os
+import signal
+import threading
 import time
 import traceback
 import warnings
@@ -580,9 +582,30 @@ def _start_or_resume(trainer: GroupTrainer) -> tuple[int, list[list[dict]]]:
     return 0, [[] for _ in specs]
 
 
+HELD_SIGNALS = frozenset({signal.SIGALRM, signal.SIGINT, signal.SIGTERM})
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold ``HELD_SIGNALS`` (a time limit's alarm, Ctrl-C, a kill) until the block ends, when a
+    pending one is delivered. A no-op off the main thread, whose signals Python never handles."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _save_all(trainer: GroupTrainer, epoch: int, finished: bool, metrics: list[list[dict]]) -> None:
-    for r, spec in enumerate(trainer.specs):
-        save_checkpoint(spec.run_dir / "checkpoint.pt", trainer.state(r, epoch, finished, metrics[r]))
+    """Checkpoint every run of the part at ``epoch``, all or none: an interruption between two
+    runs' files would leave the part's runs at different epochs, which resume as separate parts
+    (each compiled anew)."""
+    with signals_held():
+        for r, spec in enumerate(trainer.specs):
+            save_checkpoint(spec.run_dir / "checkpoint.pt", trainer.state(r, epoch, finished, metrics[r]))
 
 
 def _wait(device: torch.device) -> None:

@@ -3,11 +3,13 @@ called again it continues; the finished result equals an uninterrupted run, batc
 a folder started by one loop is continued by the other."""
 
 import json
+import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from sparsefocus.train import commands
+from sparsefocus.train import commands, driver
 from sparsefocus.train.driver import Budget
 
 TINY = [
@@ -229,3 +231,32 @@ def test_compiled_fast_step_of_a_tiled_block_pattern_at_a_length_off_the_tile(tm
     for run in eager:
         for got, want in zip(compiled[run], eager[run]):
             assert got == pytest.approx(want, rel=1e-4, abs=1e-5), run
+
+
+def test_an_alarm_while_a_part_checkpoints_lands_after_every_run_is_saved(monkeypatch, tmp_path):
+    """A time limit's alarm between two runs' checkpoint files would leave the part's runs at
+    different epochs; it is held until every run of the part is saved, then delivered."""
+
+    class Stopped(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stopped
+
+    saved = []
+
+    def save(path, state):
+        if not saved:
+            signal.raise_signal(signal.SIGALRM)
+        saved.append(path)
+
+    specs = [SimpleNamespace(run_dir=tmp_path / f"seed-{s}") for s in range(3)]
+    trainer = SimpleNamespace(specs=specs, state=lambda run, *rest: {"run": run})
+    monkeypatch.setattr(driver, "save_checkpoint", save)
+    previous = signal.signal(signal.SIGALRM, stop)
+    try:
+        with pytest.raises(Stopped):
+            driver._save_all(trainer, 2, False, [[], [], []])
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert saved == [spec.run_dir / "checkpoint.pt" for spec in specs]

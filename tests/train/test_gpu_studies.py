@@ -91,6 +91,21 @@ def test_the_compile_cache_travels_only_when_it_fits_beside_the_study(studies, t
         assert not list(fresh.glob(f"{studies.CACHE}.*.part*"))
 
 
+def test_the_parts_leave_room_for_the_repository_that_travels_with_them(studies, tmp_path, monkeypatch):
+    """A device copy (no .git) counts every file outside the inbox, dot-folders and caches; a
+    checkout counts its tracked files; what a call returns is the carry limit less that."""
+    tree = tmp_path / "tree"
+    for name, size in (("a.py", 100), ("docs/b.json", 50), (".hidden/c", 7), ("pkg/__pycache__/d.pyc", 9), ("inbox/e", 11)):
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / name).write_bytes(b"x" * size)
+    assert studies.repository_bytes(tree, skip=tree / "inbox") == 150
+    studies.subprocess.run(["git", "init", "-q"], cwd=tree, check=True)
+    studies.subprocess.run(["git", "add", "a.py"], cwd=tree, check=True)
+    assert studies.repository_bytes(tree) == 100
+    monkeypatch.setattr(studies, "REPOSITORY", tree)
+    assert studies.bytes_back(tree / "inbox") == studies.CARRY_BYTES - 100 - 2**20
+
+
 def test_a_call_may_train_some_mechanisms_and_seeds_of_the_study(studies, tmp_path, monkeypatch, capsys):
     whole = studies.study_config("listops_fig1a", tmp_path, "high", "bf16", "step-graph")
     only = studies.subset_overrides(whole, ["FULL", "BAND:5(1)"], whole.seeds[:5])
