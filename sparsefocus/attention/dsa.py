@@ -36,6 +36,7 @@ from sparsefocus.attention.common import (
 from sparsefocus.attention.patterns import (
     AUX_KEY,
     HIDDEN_KEY,
+    RUNS_KEY,
     Pattern,
     register,
     require,
@@ -95,6 +96,12 @@ class DSA(Pattern):
             "dsa_ww": nn.Parameter(torch.randn(dim, self.heads) * scale),
         }
 
+    @property
+    def folds_params(self) -> bool:
+        """The indexer's weights may come per batch row ([B, dim, h d] @ x [B, N, dim] is a batched
+        product); the KL loss is summed over params[RUNS_KEY] slices (``run_means``)."""
+        return True
+
     def indexer(self, q: Tensor, k: Tensor, params: dict | None) -> tuple[Tensor, Tensor, Tensor]:
         """(indexer queries [B, h, N, d], keys [B, M, d], head weights [B, N, h]), fp32."""
         if params is None or any(name not in params for name in WEIGHTS):
@@ -151,7 +158,8 @@ class DSA(Pattern):
         q_heads = q.shape[1]
         out = dense_masked_attention(q, expand_kv(k, q_heads), expand_kv(v, q_heads), mask, scale)
         if self._wants_loss(params):
-            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * dense_indexer_kl(q, k, mask[:, 0], tensors, scale, self.kl_every)
+            kl = dense_indexer_kl(q, k, mask[:, 0], tensors, scale, self.kl_every, runs_of(params, q.shape[0]))
+            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * kl
         return out
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
@@ -170,7 +178,8 @@ class DSA(Pattern):
 
     def _store_loss(self, q, k, index, tensors, scale, params) -> None:
         if self._wants_loss(params):
-            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * chunked_indexer_kl(q, k, index, tensors, scale, self.kl_every)
+            kl = chunked_indexer_kl(q, k, index, tensors, scale, self.kl_every, runs_of(params, q.shape[0]))
+            params[AUX_KEY]["dsa_indexer_kl"] = self.kl * kl
 
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
         index, _ = self._lists(q, k, causal, key_padding_mask, params)
@@ -226,9 +235,27 @@ def allowed_keys(rows: slice, n_keys: int, causal: bool, key_padding_mask: Tenso
 
 
 def kl_to_target(target: Tensor, logits: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """(sum over rows of KL(target || softmax(logits)) over the valid entries, number of rows with one)."""
+    """Per batch row [B]: (sum over rows of KL(target || softmax(logits)) over the valid entries,
+    number of rows with one); target, logits, valid [B, N, M]."""
     log_q = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
-    return kl_terms(target, log_q, valid).sum(), valid.any(-1).sum()
+    return kl_terms(target, log_q, valid).flatten(1).sum(1), valid.any(-1).flatten(1).sum(1)
+
+
+def runs_of(params: dict, batch: int) -> int:
+    """params[RUNS_KEY] (folded runs; 1 without), checked to split ``batch`` evenly."""
+    runs = int(params.get(RUNS_KEY, 1))
+    if runs < 1 or batch % runs:
+        raise ValueError(f"dsa: params[{RUNS_KEY!r}] = {runs} does not split a batch of {batch} into equal runs")
+    return runs
+
+
+def run_means(total: Tensor, rows: Tensor, runs: int) -> tuple[Tensor, Tensor]:
+    """(the sum over ``runs`` equal slices of the batch of each slice's total / rows, and each batch
+    row's factor 1 / rows of its slice [B]) from per-batch-row sums total, rows [B]. One run: the
+    mean over every row with a key, as one model computes it."""
+    count = rows.view(runs, -1).sum(1).clamp_min(1)  # [R]
+    loss = (total.view(runs, -1).sum(1) / count).sum()
+    return loss, (1.0 / count).repeat_interleave(total.shape[0] // runs)
 
 
 def kl_terms(target: Tensor, log_q: Tensor, valid: Tensor) -> Tensor:
@@ -237,11 +264,18 @@ def kl_terms(target: Tensor, log_q: Tensor, valid: Tensor) -> Tensor:
 
 
 def dense_indexer_kl(
-    q: Tensor, k: Tensor, selected: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1
+    q: Tensor,
+    k: Tensor,
+    selected: Tensor,
+    tensors: tuple[Tensor, Tensor, Tensor],
+    scale: float,
+    every: int = 1,
+    runs: int = 1,
 ) -> Tensor:
     """The indexer's KL loss, defined densely: selected [B, N, M] bool, the main distribution
     softmax(scale q k) over the selected keys averaged over the query heads (detached); the mean
-    over the query rows 0, every, 2 every... that keep a key."""
+    over the query rows 0, every, 2 every... that keep a key (summed over ``runs`` equal slices
+    of the batch, each its own mean: see ``run_means``)."""
     iq, ik, w = tensors
     q, selected, iq, w = q[:, :, ::every], selected[:, ::every], iq[:, :, ::every], w[:, ::every]
     with torch.no_grad():
@@ -250,11 +284,17 @@ def dense_indexer_kl(
         probs = torch.softmax(scores.masked_fill(~selected[:, None], float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
         target = (probs * has_key).mean(1)  # [B, N, M]
     total, rows = kl_to_target(target, index_scores(iq, ik, w), selected)
-    return total / rows.clamp_min(1)
+    return run_means(total, rows, runs)[0]
 
 
 def chunked_indexer_kl(
-    q: Tensor, k: Tensor, index: Tensor, tensors: tuple[Tensor, Tensor, Tensor], scale: float, every: int = 1
+    q: Tensor,
+    k: Tensor,
+    index: Tensor,
+    tensors: tuple[Tensor, Tensor, Tensor],
+    scale: float,
+    every: int = 1,
+    runs: int = 1,
 ) -> Tensor:
     """The same loss from the key lists ([B, 1, N, K]) in row chunks (``IndexerKL``: the loss and
     its gradients in one pass, so nothing is recomputed in backward)."""
@@ -262,7 +302,7 @@ def chunked_indexer_kl(
     q, index, iq, w = q[:, :, ::every], index[:, :, ::every], iq[:, :, ::every], w[:, ::every]
     chunk = max(1, KL_ELEMENTS // max(1, q.shape[0] * k.shape[1] * index.shape[-1] * q.shape[-1]))
     needed = torch.is_grad_enabled() and any(t.requires_grad for t in (iq, ik, w))  # evaluation skips the gradients
-    return cast(Tensor, IndexerKL.apply(iq, ik, w, q.detach(), k.detach(), index, scale, chunk, needed))
+    return cast(Tensor, IndexerKL.apply(iq, ik, w, q.detach(), k.detach(), index, scale, chunk, needed, runs))
 
 
 class IndexerKL(torch.autograd.Function):
@@ -275,22 +315,22 @@ class IndexerKL(torch.autograd.Function):
     p * sum(t) - t; logits = sum_h w_h ReLU(iq_h . ik_j) is differentiated by hand from there."""
 
     @staticmethod
-    def forward(ctx, iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool):  # type: ignore[override]
+    def forward(ctx, iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool, runs: int):  # type: ignore[override]
         with torch.no_grad():
             grads = (torch.zeros_like(iq), torch.zeros_like(ik), torch.zeros_like(w)) if needed else None
-            total, rows = iq.new_zeros(()), iq.new_zeros(())
+            total, rows = iq.new_zeros(iq.shape[0]), iq.new_zeros(iq.shape[0])  # [B] each
             for start in range(0, q.shape[2], chunk):
                 part = row_slice(q.shape[2], start, start + chunk)
                 chunk_total, chunk_rows = _kl_chunk(q[:, :, part], k, index[:, :, part], iq, ik, w, part, scale, grads)
                 total, rows = total + chunk_total, rows + chunk_rows
-            count = rows.clamp_min(1)
-            ctx.save_for_backward(*(() if grads is None else (g / count for g in grads)))
-        return total / count
+            loss, factor = run_means(total, rows, runs)
+            ctx.save_for_backward(*(() if grads is None else (g * factor.view(-1, *[1] * (g.dim() - 1)) for g in grads)))
+        return loss
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         d_iq, d_ik, d_w = ctx.saved_tensors
-        return grad * d_iq, grad * d_ik, grad * d_w, None, None, None, None, None, None
+        return grad * d_iq, grad * d_ik, grad * d_w, None, None, None, None, None, None, None
 
 
 def _kl_chunk(
@@ -304,7 +344,7 @@ def _kl_chunk(
     scale: float,
     grads: tuple[Tensor, Tensor, Tensor] | None,
 ) -> tuple[Tensor, Tensor]:
-    """KL sum and row count of the rows ``part``: q [B, Hq, R, D], index [B, 1, R, K], iq [B, h, N, d],
+    """KL sum and row count [B] of the rows ``part``: q [B, Hq, R, D], index [B, 1, R, K], iq [B, h, N, d],
     w [B, N, h]; their gradients (unnormalised) are added into ``grads`` = (d iq, d ik, d w) unless None."""
     valid = index[:, 0] >= 0  # [B, R, K]
     safe = index.clamp_min(0).long()
@@ -323,16 +363,16 @@ def _kl_chunk(
     relu = pre.clamp_min(0)
     logits = torch.einsum("bhrk,brh->brk", relu, w[:, part]).masked_fill(~valid, float("-inf"))
     log_p = torch.log_softmax(logits, dim=-1)
-    total = kl_terms(target, log_p, valid).sum()
+    total = kl_terms(target, log_p, valid).flatten(1).sum(1)  # [B]
     if grads is None:
-        return total, has_key.sum()
+        return total, has_key.flatten(1).sum(1)
     d_logits = torch.where(valid, log_p.exp() * target.sum(-1, keepdim=True) - target, torch.zeros_like(target))  # [B, R, K]
     d_iq, d_ik, d_w = grads
     d_w[:, part] += torch.einsum("brk,bhrk->brh", d_logits, relu)
     d_pre = torch.where(pre > 0, d_logits[:, None] * w[:, part].transpose(1, 2)[..., None], torch.zeros_like(pre))
     d_iq[:, :, part] += torch.einsum("bhrk,brkd->bhrd", d_pre, picked)
     _add_rows(d_ik, flat, torch.einsum("bhrk,bhrd->brkd", d_pre, iq[:, :, part]))  # every listed key's share
-    return total, has_key.sum()
+    return total, has_key.flatten(1).sum(1)
 
 
 def _add_rows(target: Tensor, index: Tensor, rows: Tensor) -> None:

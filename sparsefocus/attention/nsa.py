@@ -165,6 +165,11 @@ class NSA(Pattern):
                 params[f"nsa_{name}_w2"] = nn.Parameter(torch.zeros(width, width))
         return params
 
+    @property
+    def folds_params(self) -> bool:
+        """The gates take per-row weights; the compression MLP (pool=mlp) does not."""
+        return self.pool == "mean"
+
     def _mlp(self, params: dict | None, name: str) -> tuple[Tensor, ...] | None:
         if self.pool == "mean":
             return None
@@ -188,7 +193,11 @@ class NSA(Pattern):
         hidden = params.get(HIDDEN_KEY)
         if hidden is None:
             raise ValueError(f"nsa gates need the layer's input x as params[{HIDDEN_KEY!r}] [B, N, dim]")
-        logits = F.linear(hidden, params["nsa_gate_weight"].t().to(hidden.dtype), params["nsa_gate_bias"].to(hidden.dtype))
+        weight, bias = params["nsa_gate_weight"].to(hidden.dtype), params["nsa_gate_bias"].to(hidden.dtype)
+        if weight.dim() == 3:  # per batch row (folds_params): weight [B, dim, 3 Hq], bias [B, 3 Hq]
+            logits = torch.baddbmm(bias[:, None], hidden, weight)  # [B, N, 3 Hq]
+        else:
+            logits = F.linear(hidden, weight.t(), bias)
         gates = torch.sigmoid(logits.float()).view(*hidden.shape[:2], BRANCHES, q.shape[1])  # [B, N, 3, Hq]
         return gates.permute(0, 3, 1, 2)  # [B, Hq, N, 3]
 

@@ -31,6 +31,7 @@ from sparsefocus.attention.common import (
 PATTERNS: dict[str, type["Pattern"]] = {}
 HIDDEN_KEY = "hidden"  # params entry: the layer's input x [B, N, dim], for patterns with needs_hidden
 AUX_KEY = "aux_losses"  # params entry: a dict the mechanism fills with named auxiliary losses
+RUNS_KEY = "runs"  # params entry (int): the batch holds that many runs' equal slices (folds_params)
 _ALIASES: dict[str, str] = {}
 
 
@@ -79,6 +80,14 @@ class Pattern:
     expands_kv: ClassVar[bool] = True
     # True: the mechanism writes named auxiliary losses into params[AUX_KEY] (a dict the caller passes).
     has_aux_loss: ClassVar[bool] = False
+
+    @property
+    def folds_params(self) -> bool:
+        """Whether the mechanism also takes its parameters per batch row, each [B, ...] (several
+        models' runs folded into one batch, each row with its run's parameters), and with
+        params[RUNS_KEY] = R makes each auxiliary loss the sum of its value over the batch's R
+        equal slices. Without it, folded runs call the mechanism once per run."""
+        return False
 
     def __post_init__(self) -> None:
         self.validate()

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY, IndexedPattern, Pattern, parse_pattern
+from sparsefocus.attention.patterns import AUX_KEY, RUNS_KEY, IndexedPattern, Pattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.layers.attention import attention_params
@@ -273,7 +273,9 @@ class RunAttention(nn.Module):
 
     def forward(self, x: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
         q, k, v = self.project(x)  # [R*B, H, N, D]
-        if len(self.mechanism):
+        if len(self.mechanism) and not self.exact and self.pattern.folds_params:
+            out = self.folded_core(x, q, k, v, key_padding_mask)
+        elif len(self.mechanism):
             out = self.per_run_core(x, q, k, v, key_padding_mask)
         elif not self.paper:
             out = sparse_attention(q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl)
@@ -286,6 +288,21 @@ class RunAttention(nn.Module):
         out = out.transpose(1, 2).reshape(x.shape[0], x.shape[1], self.heads * self.head_dim)  # [R*B, N, H*Dh]
         out = self.out_proj(out)
         return out if self.paper else self.dropout(out)
+
+    def folded_core(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
+        """A mechanism with its own parameters that ``folds_params``: one ``sparse_attention`` call
+        on the folded batch, each parameter [R, ...] repeated to the rows of its run [R*B, ...],
+        and each auxiliary loss the sum of the runs' (params[RUNS_KEY]). One call instead of R:
+        R times fewer launches, and a graph that does not grow with the runs."""
+        batch = x.shape[0] // self.runs
+        values = {name: _per_row(value, batch) for name, value in self.mechanism.items()}
+        params = attention_params(self.pattern, values, x) or {}
+        params[RUNS_KEY] = self.runs
+        out = sparse_attention(
+            q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
+        )
+        self.aux_loss = sum(params.get(AUX_KEY, {}).values(), x.new_zeros((), dtype=torch.float32))
+        return out
 
     def per_run_core(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
         """A mechanism with its own parameters: one ``sparse_attention`` call per run with that
@@ -336,6 +353,11 @@ class RunAttention(nn.Module):
             topk_select=self.topk_select,
             fixed_index=fixed_index,
         )
+
+
+def _per_row(value: Tensor, batch: int) -> Tensor:
+    """A folded parameter [R, ...] as one copy per batch row [R*B, ...] (a view's gradient sums back)."""
+    return value[:, None].expand(value.shape[0], batch, *value.shape[1:]).reshape(-1, *value.shape[1:])
 
 
 def _one_run(

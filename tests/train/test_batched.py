@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.backends.registry import lookup_backend
 from torch import nn
 
-from sparsefocus.attention import selection_mask
+from sparsefocus.attention import parse_pattern, selection_mask
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models import Encoder, ModelConfig
 from sparsefocus.train.batched import (
@@ -250,8 +250,6 @@ def test_fast_dropout_is_unbiased_and_differs_between_runs():
 
 
 def _full():
-    from sparsefocus.attention import parse_pattern
-
     return parse_pattern("FULL")
 
 
@@ -269,15 +267,21 @@ def test_fold_refuses_a_mechanism_with_trainable_parameters_in_paper_mode():
         fold_models([nn.Sequential(Stub()), nn.Sequential(Stub())], mode="fast")
 
 
-PER_RUN = ["zeta:k=3,window=4,chunks=2,local=2,sink=1", "dsa:k=5,heads=2,dim=4", "nsa:block=4,top=3,cmp=4,stride=2,window=4"]
+PER_RUN = [
+    "zeta:k=3,window=4,chunks=2,local=2,sink=1",
+    "dsa:k=5,heads=2,dim=4",
+    "nsa:block=4,top=3,cmp=4,stride=2,window=4",
+    "nsa:block=4,top=3,cmp=4,stride=2,window=4,pool=mlp",
+]
 
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 @pytest.mark.parametrize("mechanism", PER_RUN)
 def test_batched_mechanisms_with_their_own_parameters_equal_single_runs(mechanism, mode, tmp_path):
     """ZETA's widths and sink, DSA's indexer (with its auxiliary loss) and NSA's gates and
-    compression fold as [R, ...] parameters and run per run: batched training gives each seed's
-    single-run metrics and parameters (dropout 0)."""
+    compression fold as [R, ...] parameters; fast mode attends nsa (mean pooling) and dsa in one
+    call over every run's rows, the others per run: batched training gives each seed's single-run
+    metrics and parameters (dropout 0)."""
     common = ["model.dropout=0.0", "model.paper_mode=false", f"mechanisms=['{mechanism}']", "train.epochs=2"]
     single = run_experiment(config(tmp_path / "single", *common), quiet=True)
     batched = run_experiment(
@@ -290,8 +294,6 @@ def test_batched_mechanisms_with_their_own_parameters_equal_single_runs(mechanis
 
 
 def _has_parameters(spec: str) -> bool:
-    from sparsefocus.attention import parse_pattern
-
     try:
         return bool(parse_pattern(spec).make_parameters(1))
     except Exception:  # noqa: BLE001  (an example that needs other sizes is simply not used)
@@ -683,11 +685,21 @@ def test_gathered_attention_on_the_kernel_compiles_with_fullgraph(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("mechanism", ["nsa:block=4,top=3,cmp=4,stride=2,window=4", "dsa:k=5,heads=2,dim=4"])
+@pytest.mark.parametrize(
+    "mechanism",
+    [
+        "nsa:block=4,top=3,cmp=4,stride=2,window=4",
+        "dsa:k=5,heads=2,dim=4",
+        "nsa:block=4,top=3,cmp=4,stride=2,window=4,pool=mlp",
+        "zeta:k=3,window=4,chunks=2,local=2,sink=1",
+    ],
+)
 def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
-    """The per-run attention of a mechanism with parameters is one region that torch.compile
-    traces once for every run and block; the compiled folded model gives the eager outputs,
+    """A mechanism whose parameters fold (nsa's gates, dsa's indexer) is one call on the folded
+    batch; any other mechanism with parameters runs per run, as one region that torch.compile
+    traces once for every run and block. The compiled folded model gives the eager outputs,
     auxiliary loss and gradients."""
+    folds = parse_pattern(mechanism).folds_params
     cfg = config(Path("unused"), "model.dropout=0.0", "model.paper_mode=false", f"mechanisms=['{mechanism}']")
     data = build_data(cfg, 1, torch.device("cpu"))
     models = []
@@ -701,7 +713,8 @@ def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
     def backend(gm, example_inputs):
         calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
         regions.append({str(n.args[0].target) for n in calls})
-        assert len(calls) == (len(SEEDS) * cfg.model.blocks if REGION_REUSE else 0), "one region call per run and block"
+        per_run = REGION_REUSE and not folds
+        assert len(calls) == (len(SEEDS) * cfg.model.blocks if per_run else 0), "one region call per run and block"
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     def step(model):
@@ -723,5 +736,5 @@ def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-    if REGION_REUSE:
+    if REGION_REUSE and not folds:
         assert regions and all(len(names) == 1 for names in regions)

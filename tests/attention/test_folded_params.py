@@ -1,0 +1,81 @@
+"""Mechanisms that fold their parameters (``Pattern.folds_params``: NSA's gates, DSA's indexer):
+one call over the rows of R runs, each row with its run's parameters and params[RUNS_KEY] = R,
+gives the R separate calls' outputs, the sum of their auxiliary losses and every gradient, with
+key padding that differs between runs (so the runs' KL means have different row counts)."""
+
+import pytest
+import torch
+from block_sparse_checks import impl_device
+
+import sparsefocus as sf
+from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, RUNS_KEY
+
+RUNS, BATCH, N, DIM, HEADS, KV_HEADS, HEAD_DIM = 3, 2, 19, 12, 4, 2, 8
+FOLDING = ["nsa:block=4,top=3,cmp=4,stride=2,window=4", "dsa:k=5,heads=2,dim=4"]
+
+
+def call(spec, impl, q, k, v, x, padding, params, runs=None):
+    """(out, auxiliary loss) of one ``sparse_attention`` call; ``runs`` sets params[RUNS_KEY]."""
+    extra = {HIDDEN_KEY: x, AUX_KEY: {}, **({} if runs is None else {RUNS_KEY: runs})}
+    args = {**params, **extra}
+    out = sf.sparse_attention(q, k, v, spec, causal=True, key_padding_mask=padding, impl=impl, params=args)
+    return out, sum(args[AUX_KEY].values(), out.new_zeros(()))
+
+
+@pytest.mark.parametrize("impl", ["reference", "lean", "triton"])
+@pytest.mark.parametrize("mechanism", FOLDING)
+def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl):
+    spec = sf.parse_pattern(mechanism)
+    assert spec.folds_params
+    device = impl_device(impl)
+    torch.manual_seed(0)
+    runs = [spec.make_layer_parameters(DIM, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM) for _ in range(RUNS)]
+    stacked = {name: torch.stack([torch.randn_like(r[name]) * 0.3 for r in runs]).to(device) for name in runs[0]}
+    rows = RUNS * BATCH
+    x = torch.randn(rows, N, DIM, device=device)
+    q = torch.randn(rows, HEADS, N, HEAD_DIM, device=device)
+    k, v = (torch.randn(rows, KV_HEADS, N, HEAD_DIM, device=device) for _ in range(2))
+    padding = torch.rand(rows, N, device=device) > 0.3
+    padding[:, 0] = True
+    weight = torch.cos(torch.arange(q.numel(), dtype=torch.float32, device=device)).view(q.shape)
+
+    def loss_and_grads(folded: bool):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        params = {name: value.clone().requires_grad_() for name, value in stacked.items()}
+        if folded:
+            per_row = {
+                name: p[:, None].expand(RUNS, BATCH, *p.shape[1:]).reshape(rows, *p.shape[1:]) for name, p in params.items()
+            }
+            out, aux = call(spec, impl, *leaves, x, padding, per_row, runs=RUNS)
+        else:
+            parts = [
+                call(
+                    spec,
+                    impl,
+                    *(t[r * BATCH : (r + 1) * BATCH] for t in (*leaves, x, padding)),
+                    {n: p[r] for n, p in params.items()},
+                )
+                for r in range(RUNS)
+            ]
+            out, aux = torch.cat([o for o, _ in parts]), sum(a for _, a in parts)
+        grads = torch.autograd.grad((out * weight).sum() + aux, leaves + list(params.values()), allow_unused=True)
+        return [out, aux, *(torch.zeros(()) if g is None else g for g in grads)]
+
+    want, got = loss_and_grads(folded=False), loss_and_grads(folded=True)
+    if spec.has_aux_loss:
+        assert want[1] > 0
+    for name, a, b in zip(["out", "aux", "dq", "dk", "dv", *stacked], want, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_runs_that_do_not_split_the_batch_fail_by_name():
+    spec = sf.parse_pattern(FOLDING[1])
+    params = spec.make_layer_parameters(DIM, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM)
+    q = torch.randn(5, HEADS, N, HEAD_DIM)
+    k = torch.randn(5, KV_HEADS, N, HEAD_DIM)
+    with pytest.raises(ValueError, match="does not split a batch of 5 into equal runs"):
+        call(spec, "lean", q, k, k, torch.randn(5, N, DIM), None, params, runs=2)
+
+
+def test_nsa_with_a_compression_mlp_does_not_fold():
+    assert not sf.parse_pattern("nsa:block=4,top=3,cmp=4,stride=2,window=4,pool=mlp").folds_params
