@@ -128,12 +128,12 @@ def indexed_attention_ref(
         scale: multiplies dot scores / squared distances. Default: 1/sqrt(D).
         score: "dot" (softmax of scale*q.k), "neg_sqeuclid" (softmax of -scale*||q-k||^2) or
             "cauchy" (weights 1/(||q-k||^2 + gamma^2) normalised over the list; scale unused).
-        gamma: Cauchy width, scalar or [Hq] tensor. Default: 1.
+        gamma: Cauchy width, scalar, [Hq] or per batch row [B, Hq] tensor. Default: 1.
         extra_key, extra_value: optional one more slot per query, its own key [B, Hq or Hk, N, D]
             and value [B, Hq or Hk, N, Dv] (e.g. ZETA's cumulative mean token), scored like the
             listed keys; both or neither. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        sink_key: optional [Hq, D] attention sink, Cauchy only: one more slot in every row with
+        sink_key: optional [Hq, D] (or per batch row [B, Hq, D]) attention sink, Cauchy only: one more slot in every row with
             this key (per query head) and value 0, so it only adds its weight to the normaliser
             (ZETA's ``sink=1``). Default: none.
         slot_weight: optional [B, Hq, N, K] factor on each listed slot's normalised weight, applied
@@ -154,11 +154,11 @@ def indexed_attention_ref(
     if extra_key is not None or extra_value is not None:
         keys, values, valid = _append_extra_slot(keys, values, valid, extra_key, extra_value, extra_mask)
     if sink_key is not None:
-        sink = upcast(sink_key)[None, :, None, :].expand(*keys.shape[:3], -1)  # [B, Hq, N, D]
+        sink = sink_rows(upcast(sink_key)).expand(*keys.shape[:3], -1)  # [B, Hq, N, D]
         keys, values, valid = _append_extra_slot(keys, values, valid, sink, torch.zeros_like(values[..., 0, :]), None)
     raw = indexed_scores(upcast(q), keys, score, scale)
     if score == "cauchy":
-        weights = cauchy_weights(raw, valid, gamma, q.shape[1])
+        weights = cauchy_weights(raw, valid, gamma)
     else:
         weights = masked_softmax(raw, valid)
     if slot_weight is not None:
@@ -178,13 +178,28 @@ def check_slot_weight(q: Tensor, index: Tensor, slot_weight: Tensor) -> None:
 
 
 def check_sink_key(q: Tensor, sink_key: Tensor | None, score: str) -> None:
-    """A sink key is [Hq, D] and goes with Cauchy weights only (ValueError otherwise)."""
+    """A sink key is [Hq, D], or per batch row [B, Hq, D], and goes with Cauchy weights only
+    (ValueError otherwise)."""
     if sink_key is None:
         return
     if score != "cauchy":
         raise ValueError(f"sink_key needs score='cauchy' (a zero-value key that only adds its weight), got score={score!r}")
-    if tuple(sink_key.shape) != (q.shape[1], q.shape[-1]):
-        raise ValueError(f"sink_key must be [Hq, D] = [{q.shape[1]}, {q.shape[-1]}], got {tuple(sink_key.shape)}")
+    if tuple(sink_key.shape) not in ((q.shape[1], q.shape[-1]), (q.shape[0], q.shape[1], q.shape[-1])):
+        raise ValueError(f"sink_key must be [Hq, D] = [{q.shape[1]}, {q.shape[-1]}] or [B, Hq, D], got {tuple(sink_key.shape)}")
+
+
+def sink_rows(sink: Tensor) -> Tensor:
+    """A sink key [Hq, D] or [B, Hq, D] as [1 or B, Hq, 1, D], to broadcast over [B, Hq, N, D]."""
+    return sink[:, :, None, :] if sink.dim() == 3 else sink[None, :, None, :]
+
+
+def gamma_squared(gamma: Tensor | float | None, like: Tensor) -> Tensor:
+    """gamma^2 in ``like``'s dtype and device, shaped to broadcast over [B, H, N, *]: a scalar;
+    [H] -> [1, H, 1, 1]; per batch row [B, H] -> [B, H, 1, 1]. None means 1."""
+    gamma = torch.as_tensor(1.0 if gamma is None else gamma, dtype=like.dtype, device=like.device)
+    if gamma.dim() == 2:
+        return gamma[:, :, None, None].pow(2)
+    return gamma.reshape(1, -1, 1, 1).pow(2) if gamma.numel() > 1 else gamma.pow(2)
 
 
 def _append_extra_slot(
@@ -204,11 +219,10 @@ def _append_extra_slot(
     )
 
 
-def cauchy_weights(sq_dist: Tensor, valid: Tensor, gamma: Tensor | float | None, num_heads: int) -> Tensor:
-    """Normalised Cauchy weights (d^2 + gamma^2)^-1 over the valid entries of the last dim."""
-    gamma = torch.as_tensor(1.0 if gamma is None else gamma, dtype=sq_dist.dtype, device=sq_dist.device)
-    gamma_sq = gamma.reshape(1, num_heads, 1, 1).pow(2) if gamma.numel() > 1 else gamma.pow(2)
-    kernel = torch.where(valid, 1.0 / (sq_dist + gamma_sq), torch.zeros_like(sq_dist))
+def cauchy_weights(sq_dist: Tensor, valid: Tensor, gamma: Tensor | float | None) -> Tensor:
+    """Normalised Cauchy weights (d^2 + gamma^2)^-1 over the valid entries of the last dim:
+    sq_dist, valid [B, H, N, K]; gamma as ``gamma_squared`` reads it."""
+    kernel = torch.where(valid, 1.0 / (sq_dist + gamma_squared(gamma, sq_dist)), torch.zeros_like(sq_dist))
     total = kernel.sum(-1, keepdim=True)
     return kernel / torch.where(total > 0, total, torch.ones_like(total))
 

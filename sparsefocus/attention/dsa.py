@@ -307,7 +307,7 @@ def chunked_indexer_kl(
 
 class IndexerKL(torch.autograd.Function):
     """The indexer's KL loss (mean over rows with a key of KL(target || softmax(logits)) over the
-    listed keys) with its gradients in iq [B, h, N, d], ik [B, M, d] and w [B, N, h], computed
+    listed keys; with ``runs`` > 1, the sum of each batch slice's mean) with its gradients in iq [B, h, N, d], ik [B, M, d] and w [B, N, h], computed
     together chunk by chunk in the forward: the target (the main attention's distribution, no
     gradient) is the costly part, and autograd through checkpointed chunks computed it twice.
 

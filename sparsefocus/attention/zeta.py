@@ -30,7 +30,7 @@ from typing import ClassVar, Iterator
 import torch
 from torch import Tensor
 
-from sparsefocus.attention.common import expand_kv, indexed_attention_ref, upcast
+from sparsefocus.attention.common import expand_kv, gamma_squared, indexed_attention_ref, sink_rows, upcast
 from sparsefocus.attention.patterns import Pattern, parse_pattern, register, require
 
 CODE_BITS = 62  # Morton codes stay below 2**62 so that SENTINEL sorts after every real code
@@ -280,8 +280,15 @@ class Zeta(Pattern):
             params["sink_key"] = torch.nn.Parameter(torch.full((num_heads, self.dk), SINK_INIT))
         return params
 
+    @property
+    def folds_params(self) -> bool:
+        """The widths [B, Hq] and sink keys [B, Hq, D] may come per batch row: the kernels and
+        both references read them by (row, head)."""
+        return True
+
     def sink_of(self, params: dict | None, heads: int, width: int, device: torch.device) -> Tensor | None:
-        """The sink keys [H, D] (trained, or ``SINK_INIT`` everywhere), or None without ``sink``."""
+        """The sink keys [H, D] or per batch row [B, H, D] (trained, or ``SINK_INIT`` everywhere), or
+        None without ``sink``."""
         if not self.sink:
             return None
         if params is not None and params.get("sink_key") is not None:
@@ -603,7 +610,8 @@ def dense_cauchy_attention(
     kbar_i, vbar_i the mean of the real keys/values q_i may see (0..i when causal, all when not)
     and c_i* = 1 / (||q_i - kbar_i||^2 + gamma^2), or 0 when q_i may see no key (the row is then 0).
     With ``sink`` [H, D], c_is = 1 / (||q_i - sink||^2 + gamma^2) joins the denominator only (its
-    value is 0). q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, Dv]; gamma: scalar or [H].
+    value is 0). q: [B, H, N, D]; k: [B, H, M, D]; v: [B, H, M, Dv]; gamma: scalar, [H] or per
+    batch row [B, H]; sink [H, D] or [B, H, D].
     Returns [B, H, N, Dv].
     """
     q, k, v = upcast(q), upcast(k), upcast(v)
@@ -614,13 +622,12 @@ def dense_cauchy_attention(
     count = visible.sum(-1, keepdim=True)  # [B, 1, N, 1]
     averaging = visible.to(q.dtype) / count.clamp_min(1)
     mean_k, mean_v = averaging @ k, averaging @ v  # [B, H, N, D], [B, H, N, Dv]
-    gamma = torch.as_tensor(gamma, dtype=q.dtype, device=q.device)
-    gamma_sq = gamma.reshape(1, -1, 1, 1).pow(2) if gamma.numel() > 1 else gamma.pow(2)
+    gamma_sq = gamma_squared(gamma, q)
     weight = mask.to(q.dtype) / (squared_distances(q, k) + gamma_sq)  # [B, H, N, M]
     mean_weight = (count > 0).to(q.dtype) / ((q - mean_k).pow(2).sum(-1, keepdim=True) + gamma_sq)  # [B, H, N, 1]
     total = weight.sum(-1, keepdim=True) + mean_weight
     if sink is not None:
-        total = total + 1 / ((q - upcast(sink)[None, :, None, :]).pow(2).sum(-1, keepdim=True) + gamma_sq)
+        total = total + 1 / ((q - sink_rows(upcast(sink))).pow(2).sum(-1, keepdim=True) + gamma_sq)
     total = torch.where(total > 0, total, torch.ones_like(total))
     return (weight @ v + mean_weight * mean_v) / total
 

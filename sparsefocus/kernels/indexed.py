@@ -199,6 +199,8 @@ def _indexed_fwd_kernel(
     EV_SB,
     EV_SH,
     EV_SN,
+    G_SB,
+    S_SB,
     D: tl.constexpr,
     DV: tl.constexpr,
     SCORE: tl.constexpr,
@@ -212,13 +214,13 @@ def _indexed_fwd_kernel(
 ):
     bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
-    gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
+    gamma_sq = tl.load(GAMMA_SQ + (bh // HQ) * G_SB + bh % HQ)  # G_SB: 0 (per head) or HQ (per batch row)
     k_base, v_base = K + kv_bh.to(tl.int64) * M * D, V + kv_bh.to(tl.int64) * M * DV
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite start: all-masked tiles give exp(-inf) = 0
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     if HAS_SINK:  # Cauchy only: a zero-value key, so only the normaliser grows
-        l_i += tl.where(row_ok, _sink_weights(q, SINK, bh % HQ, gamma_sq, D, BLOCK_D)[0], 0.0)
+        l_i += tl.where(row_ok, _sink_weights(q, SINK + (bh // HQ) * S_SB, bh % HQ, gamma_sq, D, BLOCK_D)[0], 0.0)
     if HAS_EXTRA:
         e_ok = row_ok & (tl.load(EMASK + row_offs, mask=row_ok, other=0) != 0)
         e_idx = tl.where(e_ok, 0, -1)[:, None]  # [BM, 1]
@@ -303,6 +305,8 @@ def _indexed_bwd_kernel(
     EV_SB,
     EV_SH,
     EV_SN,
+    G_SB,
+    S_SB,
     D: tl.constexpr,
     DV: tl.constexpr,
     SCORE: tl.constexpr,
@@ -326,13 +330,13 @@ def _indexed_bwd_kernel(
     if KEY_MODE == 1:  # indexed_csr.key_grads needs it per query
         tl.store(DELTA + row_offs, delta, mask=row_ok)
     stat = tl.load(STAT + row_offs, mask=row_ok, other=0.0)
-    gamma_sq = tl.load(GAMMA_SQ + bh % HQ)
+    gamma_sq = tl.load(GAMMA_SQ + (bh // HQ) * G_SB + bh % HQ)  # G_SB: 0 (per head) or HQ (per batch row)
     inv_total = 1.0 / tl.where(stat > 0, stat, 1.0)
     k_base, v_base = kv_bh.to(tl.int64) * M * D, kv_bh.to(tl.int64) * M * DV
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     dgamma_sq = tl.zeros([BLOCK_M], tl.float32)
     if HAS_SINK:  # value 0, so dp = 0 and d loss / d squared distance = delta w^2 / S
-        w_s, diff_s = _sink_weights(q, SINK, bh % HQ, gamma_sq, D, BLOCK_D)
+        w_s, diff_s = _sink_weights(q, SINK + (bh // HQ) * S_SB, bh % HQ, gamma_sq, D, BLOCK_D)
         d_sq = tl.where(row_ok, delta * w_s * w_s * inv_total, 0.0)  # [BM]
         dgamma_sq += d_sq
         dq += (2.0 * d_sq)[:, None] * diff_s
@@ -430,10 +434,18 @@ def _extra_args(q: Tensor, extra: "Extra | None") -> tuple[tuple, dict]:
     return (extra.key, extra.value, extra.mask), dict(sizes=(group, *strides), HAS_EXTRA=True)
 
 
+def _row_strides(gamma_sq: Tensor, sink: Tensor | None) -> dict[str, int]:
+    """The kernels' batch strides of gamma^2 (G_SB) and the sink keys (S_SB): 0 for one value per
+    head ([Hq], [Hq, D]), a row's size for one per batch row and head ([B, Hq], [B, Hq, D])."""
+    per_row_sink = sink is not None and sink.dim() == 3
+    return dict(G_SB=gamma_sq.shape[-1] if gamma_sq.dim() == 2 else 0, S_SB=sink.shape[1] * sink.shape[2] if per_row_sink else 0)
+
+
 def _indexed_forward(
     q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None, slot_weight=None
 ) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel (sink: [Hq, D] or None; slot_weight: [B, Hq, N, K] or None).
+    """Launch the forward kernel (gamma_sq [Hq] or [B, Hq]; sink: [Hq, D], [B, Hq, D] or None;
+    slot_weight: [B, Hq, N, K] or None).
     Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -460,6 +472,7 @@ def _indexed_forward(
         HAS_EXTRA=extra_kw["HAS_EXTRA"],
         HAS_SINK=sink is not None,
         HAS_SW=slot_weight is not None,
+        **_row_strides(gamma_sq, sink),
         **blocks,
     )
     return out, stat
@@ -547,7 +560,7 @@ def _indexed_backward(
     """Launch the backward kernel(s), dk and dv summed as ``key_grads`` says ("" = ``KEY_GRADS``).
     Returns dq, dk, dv (input dtypes; with ``cast`` False dk and dv in fp32 as summed), d gamma^2
     per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
-    without extra) and the sink's d key [Hq, D] fp32 (None without sink)."""
+    without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
@@ -582,6 +595,7 @@ def _indexed_backward(
         HAS_SINK=sink is not None,
         DK_ROW=dk_row(q.shape[-1]),
         HAS_SW=slot_weight is not None,
+        **_row_strides(gamma_sq, sink),
         **blocks,
     )
     dk, dv = g.dk[..., : k.shape[-1]], g.dv
@@ -593,10 +607,11 @@ def _indexed_backward(
         from sparsefocus.kernels.indexed_short import short_key_grads
 
         dk, dv = short_key_grads(q, k, v, grad_out, index, g.pair_coef, g.pair_prob, score_code)
-    d_sink = None if sink is None else g.d_sink.sum(dim=(0, 2))  # [Hq, D]
+    d_sink = None if sink is None else g.d_sink.sum(dim=2 if sink.dim() == 3 else (0, 2))  # as sink: [(B,) Hq, D]
     if cast:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
-    return g.dq, dk, dv, g.dgamma_sq.sum(dim=(0, 2)), g.d_extra_k, g.d_extra_v, d_sink
+    dgamma_sq = g.dgamma_sq.sum(dim=2 if gamma_sq.dim() == 2 else (0, 2))  # as gamma_sq: [(B,) Hq]
+    return g.dq, dk, dv, dgamma_sq, g.d_extra_k, g.d_extra_v, d_sink
 
 
 class Extra(NamedTuple):
@@ -646,8 +661,9 @@ def indexed_fwd(
 ) -> tuple[Tensor, Tensor]:
     """``sparsefocus::indexed_fwd``: out [B, Hq, N, Dv] (q.dtype) and the row statistic stat
     [B, Hq, N] fp32 (softmax kinds: base-2 log-sum-exp, +inf for a row with no key; Cauchy: the
-    sum of the weights). q, k, v in one dtype, index int32 [B, Hq, N, K], gamma_sq [Hq] fp32,
-    extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink [Hq, D] fp32,
+    sum of the weights). q, k, v in one dtype, index int32 [B, Hq, N, K], gamma_sq [Hq] or
+    [B, Hq] fp32, extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink
+    [Hq, D] or [B, Hq, D] fp32,
     slot_weight fp32 [B, Hq, N, K] (factors on the listed slots' normalised weights), key_grads:
     how the backward sums dk and dv ("" = ``KEY_GRADS``). Differentiable in q, k, v, gamma_sq,
     extra key/value and sink (backward: ``indexed_bwd``); stat and slot_weight get no gradient."""
@@ -683,8 +699,8 @@ def indexed_bwd(
     slot_weight: Tensor | None = None,
     key_grads: str = "",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq [Hq] fp32, d extra_key, d extra_value,
-    d sink [Hq, D] fp32), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
+    """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq fp32 shaped as gamma_sq, d extra_key,
+    d extra_value, d sink fp32 shaped as sink), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
     extra_key come in their inputs' dtypes, else fp32 as summed (for a caller that adds more
     into them); d extra_value is always in its input's dtype. ``key_grads``: how dk and dv are
     summed ("" = the module setting ``KEY_GRADS``)."""
@@ -727,13 +743,13 @@ def _indexed_bwd_fake(
 ):
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape, dtype=key_dtypes[0]), v.new_empty(v.shape, dtype=key_dtypes[1])]
-    grads.append(q.new_empty(q.shape[1], dtype=torch.float32))
+    grads.append(q.new_empty(gamma_sq.shape, dtype=torch.float32))
     if extra_key is None or extra_value is None:
         grads += [q.new_empty(0), q.new_empty(0)]
     else:
         grads.append(q.new_empty(extra_key.shape, dtype=extra_key.dtype if cast else torch.float32))
         grads.append(q.new_empty(extra_value.shape, dtype=extra_value.dtype))
-    grads.append(q.new_empty(0) if sink is None else q.new_empty(q.shape[1], q.shape[-1], dtype=torch.float32))
+    grads.append(q.new_empty(0) if sink is None else q.new_empty(sink.shape, dtype=torch.float32))
     return tuple(grads)
 
 
@@ -885,17 +901,23 @@ def indexed_attention_causal_mean(
     if tuple(real.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_sq = _gamma_per_head(gamma, q.shape[1], q.device).float().pow(2)  # [Hq]
+    gamma_sq = _gamma_per_head(gamma, q.shape[0], q.shape[1], q.device).float().pow(2)  # [Hq] or [B, Hq]
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
     out, stat, _, _ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 
-def _gamma_per_head(gamma: Tensor | float | None, num_heads: int, device: torch.device) -> Tensor:
-    """Gamma as an [Hq] tensor for the kernel (a view of a trainable tensor, so gradients flow back)."""
+def _gamma_per_head(gamma: Tensor | float | None, batch: int, num_heads: int, device: torch.device) -> Tensor:
+    """Gamma as an [Hq] tensor for the kernel, or [B, Hq] when given per batch row (a view of a
+    trainable tensor, so gradients flow back)."""
     if isinstance(gamma, Tensor):
+        if gamma.dim() == 2 and tuple(gamma.shape) == (batch, num_heads):
+            return gamma
         if gamma.numel() not in (1, num_heads):
-            raise ValueError(f"gamma must be a scalar or have one value per query head ({num_heads}), got {tuple(gamma.shape)}")
+            raise ValueError(
+                f"gamma must be a scalar, one value per query head ({num_heads}) or [B, Hq] = [{batch}, {num_heads}], "
+                f"got {tuple(gamma.shape)}"
+            )
         return gamma.reshape(-1).expand(num_heads)
     value = 1.0 if gamma is None else float(gamma)
     return torch.full((num_heads,), value, dtype=torch.float32, device=device)
@@ -943,13 +965,13 @@ def indexed_attention(
             Repeated positions count as many times as they appear.
         scale: multiplies dot scores / squared distances. Default: 1/sqrt(D).
         score: "dot", "neg_sqeuclid" or "cauchy" (weights 1/(||q-k||^2 + gamma^2); scale unused).
-        gamma: Cauchy width, float or tensor with 1 or Hq values; a tensor that requires grad
-            receives its gradient. Default: 1.
+        gamma: Cauchy width, float or tensor with 1 or Hq values, or [B, Hq] (one per batch row
+            and head); a tensor that requires grad receives its gradient. Default: 1.
         extra_key, extra_value: optional one more slot per query with its own key
             [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
             place, not copied); scored like the listed keys; both receive gradients. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        sink_key: optional [Hq, D] attention sink (Cauchy only): a key per query head with value
+        sink_key: optional [Hq, D] (or [B, Hq, D]) attention sink (Cauchy only): a key per query head with value
             0 in every row, adding only its weight to the normaliser; receives a gradient.
             Computed per row in the kernels, so k, v and index are not extended. Default: none.
         slot_weight: optional [B, Hq, N, K] factor on each listed slot's normalised weight,
@@ -970,7 +992,7 @@ def indexed_attention(
     if key_grads is not None and key_grads not in KEY_GRADS_MODES:
         raise ValueError(f"key_grads must be one of {', '.join(KEY_GRADS_MODES)}, got {key_grads!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_sq = _gamma_per_head(gamma, q.shape[1], q.device).float().pow(2)  # [Hq]
+    gamma_sq = _gamma_per_head(gamma, q.shape[0], q.shape[1], q.device).float().pow(2)  # [Hq] or [B, Hq]
     if q.shape[2] == 0:  # no query: nothing to launch
         out = indexed_attention_ref(
             q,
@@ -1019,7 +1041,7 @@ def _checked_index(q: Tensor, k: Tensor, v: Tensor, index: Tensor, score: str, s
 
 
 def _kernel_tensors(q: Tensor, k: Tensor, v: Tensor, index: Tensor, sink_key: Tensor | None) -> tuple:
-    """What the kernels read: q, k, v contiguous in q's dtype, index int32, the sink [Hq, D] in
+    """What the kernels read: q, k, v contiguous in q's dtype, index int32, the sink ([Hq, D] or [B, Hq, D]) in
     fp32 (the kernels compute in fp32) or None."""
     sink = None if sink_key is None else sink_key.float().contiguous()
     return q.contiguous(), k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous(), index.to(torch.int32).contiguous(), sink

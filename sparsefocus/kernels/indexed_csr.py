@@ -171,6 +171,7 @@ def _key_grads_kernel(
     HQ,
     NUM_SLOTS,
     scale,
+    G_SB,
     D: tl.constexpr,
     DV: tl.constexpr,
     SCORE: tl.constexpr,
@@ -201,7 +202,8 @@ def _key_grads_kernel(
         e_ok = e[None, :] < count[:, None]  # [BN, BE]
         pair = tl.load(ENTRIES + first[:, None] + e[None, :], mask=e_ok, other=0).to(tl.int64)  # [BN, BE]
         row = pair // NUM_SLOTS  # flat query rows
-        gamma_sq = tl.load(GAMMA_SQ + (row // N) % HQ, mask=e_ok, other=1.0)
+        bh = row // N
+        gamma_sq = tl.load(GAMMA_SQ + (bh // HQ) * G_SB + bh % HQ, mask=e_ok, other=1.0)  # G_SB: 0 per head, HQ per row
         stat = tl.load(STAT + row, mask=e_ok, other=1.0)
         delta = tl.load(DELTA + row, mask=e_ok, other=0.0)
         if HAS_SW:
@@ -239,7 +241,7 @@ def key_grads_op(
     ``sparsefocus::key_grads``, not differentiable).
 
     Args: q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], index [B, Hq, N, K] int32 and
-    grad_out [B, Hq, N, Dv]; gamma_sq [Hq] fp32 (Cauchy); stat [B, Hq, N] fp32, the forward's
+    grad_out [B, Hq, N, Dv]; gamma_sq [Hq] or [B, Hq] fp32 (Cauchy); stat [B, Hq, N] fp32, the forward's
     row statistic (Cauchy: the sum of weights, extra slot included; dot and neg_sqeuclid: the
     base-2 log-sum-exp of the scaled scores, +inf for a row with no key); delta [B, Hq, N] fp32
     = sum(out * grad_out) per query (stored by the query pass, so no fp32 copy of out is made);
@@ -271,6 +273,7 @@ def key_grads_op(
         q.shape[1],
         index.shape[-1],
         scale,
+        gamma_sq.shape[-1] if gamma_sq.dim() == 2 else 0,
         D=dim,
         DV=v.shape[-1],
         SCORE=score_code,

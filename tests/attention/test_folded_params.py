@@ -1,4 +1,5 @@
-"""Mechanisms that fold their parameters (``Pattern.folds_params``: NSA's gates, DSA's indexer):
+"""Mechanisms that fold their parameters (``Pattern.folds_params``: NSA's gates, DSA's indexer,
+ZETA's widths and sink keys):
 one call over the rows of R runs, each row with its run's parameters and params[RUNS_KEY] = R,
 gives the R separate calls' outputs, the sum of their auxiliary losses and every gradient, with
 key padding that differs between runs (so the runs' KL means have different row counts)."""
@@ -9,9 +10,15 @@ from block_sparse_checks import impl_device
 
 import sparsefocus as sf
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, RUNS_KEY
+from sparsefocus.kernels import indexed
 
 RUNS, BATCH, N, DIM, HEADS, KV_HEADS, HEAD_DIM = 3, 2, 19, 12, 4, 2, 8
-FOLDING = ["nsa:block=4,top=3,cmp=4,stride=2,window=4", "dsa:k=5,heads=2,dim=4"]
+FOLDING = [
+    "nsa:block=4,top=3,cmp=4,stride=2,window=4",
+    "dsa:k=5,heads=2,dim=4",
+    "zeta:k=3,window=4,chunks=2,local=2,sink=1",
+    "zeta:k=3,window=4,chunks=2,local=2,sink=1,dk=8",
+]
 
 
 def call(spec, impl, q, k, v, x, padding, params, runs=None):
@@ -22,22 +29,30 @@ def call(spec, impl, q, k, v, x, padding, params, runs=None):
     return out, sum(args[AUX_KEY].values(), out.new_zeros(()))
 
 
-@pytest.mark.parametrize("impl", ["reference", "lean", "triton"])
-@pytest.mark.parametrize("mechanism", FOLDING)
-def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl):
+CASES = [(mechanism, impl, "atomic") for mechanism in FOLDING for impl in ("reference", "lean", "triton")]
+CASES += [(FOLDING[2], "triton", "inverse"), (FOLDING[2], "triton", "short")]  # ZETA's other key-gradient sums
+
+
+@pytest.mark.parametrize("mechanism, impl, key_grads", CASES)
+def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl, key_grads, monkeypatch):
+    monkeypatch.setattr(indexed, "KEY_GRADS", key_grads)
     spec = sf.parse_pattern(mechanism)
     assert spec.folds_params
     device = impl_device(impl)
     torch.manual_seed(0)
-    runs = [spec.make_layer_parameters(DIM, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM) for _ in range(RUNS)]
-    stacked = {name: torch.stack([torch.randn_like(r[name]) * 0.3 for r in runs]).to(device) for name in runs[0]}
+    width = spec.qk_dim(HEAD_DIM)  # ZETA's q and k are dk wide
+    runs = [spec.make_layer_parameters(DIM, HEADS, KV_HEADS, width, HEAD_DIM) for _ in range(RUNS)]
+    stacked = {name: torch.stack([torch.randn_like(r[name]) * 0.3 + r[name] for r in runs]).to(device) for name in runs[0]}
     rows = RUNS * BATCH
     x = torch.randn(rows, N, DIM, device=device)
-    q = torch.randn(rows, HEADS, N, HEAD_DIM, device=device)
-    k, v = (torch.randn(rows, KV_HEADS, N, HEAD_DIM, device=device) for _ in range(2))
+    q = torch.randn(rows, HEADS, N, width, device=device)
+    k = torch.randn(rows, KV_HEADS, N, width, device=device)
+    v = torch.randn(rows, KV_HEADS, N, HEAD_DIM, device=device)
     padding = torch.rand(rows, N, device=device) > 0.3
     padding[:, 0] = True
-    weight = torch.cos(torch.arange(q.numel(), dtype=torch.float32, device=device)).view(q.shape)
+    weight = torch.cos(torch.arange(rows * HEADS * N * HEAD_DIM, dtype=torch.float32, device=device)).view(
+        rows, HEADS, N, HEAD_DIM
+    )
 
     def loss_and_grads(folded: bool):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
