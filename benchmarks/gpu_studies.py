@@ -398,7 +398,7 @@ def main() -> int:
         default=None,
         choices=COMPILE_SCOPES,
         help="train.compile_scope: the whole forward as one graph, or each block (compiles faster; default: blocks"
-        " for the open-question studies, whose mechanisms with parameters run per run, step otherwise)",
+        " for the open-question studies, which compile nine or ten kinds of model, step otherwise)",
     )
     parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
     parser.add_argument(

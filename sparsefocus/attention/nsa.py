@@ -75,9 +75,22 @@ def compress(
         cmp_real = count[:, 0, :, 0] > 0  # [B, Nc]
     if mlp is None:
         return mean, cmp_real
-    pos, w1, b1, w2 = mlp
-    flat = (windows + pos.to(x.dtype)).flatten(-2)  # [B, Hk, Nc, cmp * X]
-    return mean + F.linear(F.gelu(F.linear(flat, w1.t().to(x.dtype), b1.to(x.dtype))), w2.t().to(x.dtype)), cmp_real
+    pos, w1, b1, w2 = (t.to(x.dtype) for t in mlp)
+    pos = pos if pos.dim() == 2 else pos[:, None, None]  # [cmp, X], or per batch row [B, 1, 1, cmp, X]
+    flat = (windows + pos).flatten(-2)  # [B, Hk, Nc, cmp * X]
+    return mean + row_linear(F.gelu(row_linear(flat, w1, b1)), w2), cmp_real
+
+
+def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [B, ..., I] @ weight + bias with weight [I, O] and bias [O] shared by every batch row,
+    or weight [B, I, O] and bias [B, O] per batch row (``folds_params``) -> [B, ..., O]."""
+    if weight.dim() == 2:
+        return F.linear(x, weight.t(), bias)
+    if x.dim() < 3:
+        raise ValueError(f"per-row weights need x [B, ..., I] with at least one dim between, got {tuple(x.shape)}")
+    ones = [1] * (x.dim() - 3)  # weight [B, 1.., I, O] against x [B, .., N, I]
+    out = x @ weight.view(weight.shape[0], *ones, *weight.shape[1:])
+    return out if bias is None else out + bias.view(bias.shape[0], *ones, 1, bias.shape[-1])
 
 
 def group_probabilities(q, ck, lse, cmp_real, rows, cmp, stride, causal, scale) -> Tensor:
@@ -167,8 +180,8 @@ class NSA(Pattern):
 
     @property
     def folds_params(self) -> bool:
-        """The gates take per-row weights; the compression MLP (pool=mlp) does not."""
-        return self.pool == "mean"
+        """The gates and the compression MLP take per-row weights (``row_linear``)."""
+        return True
 
     def _mlp(self, params: dict | None, name: str) -> tuple[Tensor, ...] | None:
         if self.pool == "mean":
@@ -193,11 +206,7 @@ class NSA(Pattern):
         hidden = params.get(HIDDEN_KEY)
         if hidden is None:
             raise ValueError(f"nsa gates need the layer's input x as params[{HIDDEN_KEY!r}] [B, N, dim]")
-        weight, bias = params["nsa_gate_weight"].to(hidden.dtype), params["nsa_gate_bias"].to(hidden.dtype)
-        if weight.dim() == 3:  # per batch row (folds_params): weight [B, dim, 3 Hq], bias [B, 3 Hq]
-            logits = torch.baddbmm(bias[:, None], hidden, weight)  # [B, N, 3 Hq]
-        else:
-            logits = F.linear(hidden, weight.t(), bias)
+        logits = row_linear(hidden, params["nsa_gate_weight"].to(hidden.dtype), params["nsa_gate_bias"].to(hidden.dtype))
         gates = torch.sigmoid(logits.float()).view(*hidden.shape[:2], BRANCHES, q.shape[1])  # [B, N, 3, Hq]
         return gates.permute(0, 3, 1, 2)  # [B, Hq, N, 3]
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
-import importlib.util
 import math
 from collections.abc import Callable, Iterator
 from typing import cast
@@ -37,7 +35,7 @@ from torch import Tensor, nn
 from sparsefocus.attention import selection_mask, sparse_attention
 from sparsefocus.attention.common import expand_kv
 from sparsefocus.attention.full import Full
-from sparsefocus.attention.patterns import AUX_KEY, RUNS_KEY, IndexedPattern, Pattern, parse_pattern
+from sparsefocus.attention.patterns import AUX_KEY, RUNS_KEY, IndexedPattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
 from sparsefocus.layers import SparseAttention
 from sparsefocus.layers.attention import attention_params
@@ -250,8 +248,6 @@ class RunAttention(nn.Module):
         # the mechanism's own parameters (ZETA's widths, NSA's gates, DSA's indexer): [R, ...] each
         self.mechanism = nn.ParameterDict({name: _stack([m.mechanism[name] for m in modules]) for name in first.mechanism})
         self.aux_loss: Tensor = torch.zeros(())
-        # made here, not in the traced forward: torch.compile cannot trace the making of a region
-        self.run_region = _run_region(self.pattern, self.causal, self.impl, tuple(self.mechanism.keys()))
 
     # Borrowed: they read only the pattern, mechanism and head sizes, which RunAttention has too.
     mechanism_params = SparseAttention.mechanism_params
@@ -305,19 +301,21 @@ class RunAttention(nn.Module):
         return out
 
     def per_run_core(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        """A mechanism with its own parameters: one ``sparse_attention`` call per run with that
-        run's parameters (and hidden states, for mechanisms that read them); the runs' auxiliary
-        losses are summed into ``aux_loss`` (the folded loss sums the runs' losses)."""
+        """A mechanism with its own parameters in exact mode (or one that does not fold them): one
+        ``sparse_attention`` call per run with that run's parameters (and hidden states, for
+        mechanisms that read them), as each single model calls it; the runs' auxiliary losses are
+        summed into ``aux_loss`` (the folded loss sums the runs' losses)."""
         masks = _runs_of(key_padding_mask, self.runs) if key_padding_mask is not None else [None] * self.runs
         parts = zip(_runs_of(x, self.runs), _runs_of(q, self.runs), _runs_of(k, self.runs), _runs_of(v, self.runs), masks)
         outs, aux = [], []
         for run, (x_r, q_r, k_r, v_r, mask_r) in enumerate(parts):
-            values = [self.mechanism[name][run] for name in self.mechanism]
-            if REGION_REUSE:  # a region takes no inputs that share memory: q, k, v may view one projection
-                k_r, v_r = k_r.clone(), v_r.clone()
-            out, loss = self.run_region(q_r, k_r, v_r, mask_r, x_r, *values)
-            outs.append(_FreshGrad.apply(out) if REGION_REUSE else out)
-            aux.append(loss)
+            values = {name: value[run] for name, value in self.mechanism.items()}
+            params = attention_params(self.pattern, values, x_r) or {}
+            out = sparse_attention(
+                q_r, k_r, v_r, self.pattern, causal=self.causal, key_padding_mask=mask_r, impl=self.impl, params=params
+            )
+            outs.append(out)
+            aux.extend(params.get(AUX_KEY, {}).values())
         self.aux_loss = sum(aux, x.new_zeros((), dtype=torch.float32))
         return torch.cat(outs)
 
@@ -358,59 +356,6 @@ class RunAttention(nn.Module):
 def _per_row(value: Tensor, batch: int) -> Tensor:
     """A folded parameter [R, ...] as one copy per batch row [R*B, ...] (a view's gradient sums back)."""
     return value[:, None].expand(value.shape[0], batch, *value.shape[1:]).reshape(-1, *value.shape[1:])
-
-
-def _one_run(
-    pattern: Pattern,
-    causal: bool,
-    impl: str,
-    names: tuple[str, ...],
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    key_padding_mask: Tensor | None,
-    hidden: Tensor,
-    *values: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """One run's attention with its own mechanism parameters ``values`` (named ``names``):
-    (out [B, H, N, Dv], the sum of its auxiliary losses)."""
-    params = attention_params(pattern, dict(zip(names, values)), hidden) or {}
-    out = sparse_attention(q, k, v, pattern, causal=causal, key_padding_mask=key_padding_mask, impl=impl, params=params)
-    return out, sum(params.get(AUX_KEY, {}).values(), out.new_zeros((), dtype=torch.float32))
-
-
-class _FreshGrad(torch.autograd.Function):
-    """Identity whose backward hands on a copy of the gradient: the runs' outputs are concatenated,
-    so their gradients are views of one tensor at different offsets, and a region traces one
-    backward per distinct gradient layout; a fresh copy gives every call the same one."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:  # type: ignore[override]
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        return grad.clone(memory_format=torch.contiguous_format)
-
-
-REGION_REUSE = importlib.util.find_spec("torch._dynamo.variables.invoke_subgraph") is not None
-"""Whether this torch's Dynamo traces a ``nested_compile_region`` once and stamps it out at later
-calls (torch 2.13). Torch 2.11 traced the region again at every call, which made a 10-seed nsa
-step slower to trace than inlining it (91 s against 63 on a 2-core CPU) and failed on dsa, so
-there the runs' calls are inlined as before."""
-
-
-@functools.cache
-def _run_region(pattern: Pattern, causal: bool, impl: str, names: tuple[str, ...]) -> Callable[..., tuple[Tensor, Tensor]]:
-    """``_one_run`` for this mechanism as a region that torch.compile traces once and reuses for
-    every run and block (one function per mechanism: a region's inputs may only be tensors and
-    constants). Inlined, the runs' and blocks' calls of nsa, dsa or ZETA made a step graph ten
-    times FULL's, and ten such models compiling at once outlasted a 10-minute GPU call."""
-
-    def one_run(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, hidden: Tensor, *values: Tensor):
-        return _one_run(pattern, causal, impl, names, q, k, v, key_padding_mask, hidden, *values)
-
-    return torch.compiler.nested_compile_region(one_run) if REGION_REUSE else one_run
 
 
 FIXED_LIST_MAX_SLOTS = 0

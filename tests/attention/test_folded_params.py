@@ -1,5 +1,5 @@
-"""Mechanisms that fold their parameters (``Pattern.folds_params``: NSA's gates, DSA's indexer,
-ZETA's widths and sink keys):
+"""Mechanisms that fold their parameters (``Pattern.folds_params``: NSA's gates and compression
+MLP, DSA's indexer, ZETA's widths and sink keys):
 one call over the rows of R runs, each row with its run's parameters and params[RUNS_KEY] = R,
 gives the R separate calls' outputs, the sum of their auxiliary losses and every gradient, with
 key padding that differs between runs (so the runs' KL means have different row counts)."""
@@ -15,6 +15,7 @@ from sparsefocus.kernels import indexed
 RUNS, BATCH, N, DIM, HEADS, KV_HEADS, HEAD_DIM = 3, 2, 19, 12, 4, 2, 8
 FOLDING = [
     "nsa:block=4,top=3,cmp=4,stride=2,window=4",
+    "nsa:block=4,top=3,cmp=4,stride=2,window=4,pool=mlp",
     "dsa:k=5,heads=2,dim=4",
     "zeta:k=3,window=4,chunks=2,local=2,sink=1",
     "zeta:k=3,window=4,chunks=2,local=2,sink=1,dk=8",
@@ -30,7 +31,7 @@ def call(spec, impl, q, k, v, x, padding, params, runs=None):
 
 
 CASES = [(mechanism, impl, "atomic") for mechanism in FOLDING for impl in ("reference", "lean", "triton")]
-CASES += [(FOLDING[2], "triton", "inverse"), (FOLDING[2], "triton", "short")]  # ZETA's other key-gradient sums
+CASES += [(FOLDING[3], "triton", "inverse"), (FOLDING[3], "triton", "short")]  # ZETA's other key-gradient sums
 
 
 @pytest.mark.parametrize("mechanism, impl, key_grads", CASES)
@@ -84,13 +85,9 @@ def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl, k
 
 
 def test_runs_that_do_not_split_the_batch_fail_by_name():
-    spec = sf.parse_pattern(FOLDING[1])
+    spec = sf.parse_pattern(FOLDING[2])
     params = spec.make_layer_parameters(DIM, HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM)
     q = torch.randn(5, HEADS, N, HEAD_DIM)
     k = torch.randn(5, KV_HEADS, N, HEAD_DIM)
     with pytest.raises(ValueError, match="does not split a batch of 5 into equal runs"):
         call(spec, "lean", q, k, k, torch.randn(5, N, DIM), None, params, runs=2)
-
-
-def test_nsa_with_a_compression_mlp_does_not_fold():
-    assert not sf.parse_pattern("nsa:block=4,top=3,cmp=4,stride=2,window=4,pool=mlp").folds_params

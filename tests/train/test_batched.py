@@ -3,19 +3,17 @@
 dropout, to fp32 rounding), resume after an interruption, and keep the run-folder layout."""
 
 import json
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from torch._dynamo.backends.registry import lookup_backend
 from torch import nn
 
 from sparsefocus.attention import parse_pattern, selection_mask
 from sparsefocus.layers import SparseAttention
 from sparsefocus.models import Encoder, ModelConfig
+from sparsefocus.train import batched
 from sparsefocus.train.batched import (
-    REGION_REUSE,
     RunRandomness,
     default_generator,
     fold_models,
@@ -694,12 +692,11 @@ def test_gathered_attention_on_the_kernel_compiles_with_fullgraph(monkeypatch):
         "zeta:k=3,window=4,chunks=2,local=2,sink=1",
     ],
 )
-def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
-    """A mechanism whose parameters fold (nsa's gates, dsa's indexer) is one call on the folded
-    batch; any other mechanism with parameters runs per run, as one region that torch.compile
-    traces once for every run and block. The compiled folded model gives the eager outputs,
-    auxiliary loss and gradients."""
-    folds = parse_pattern(mechanism).folds_params
+def test_folded_mechanisms_with_parameters_attend_once_per_block_and_compile_like_eager(mechanism, monkeypatch):
+    """Fast mode attends every run of a mechanism with parameters in one call per block (their
+    parameters fold), so the step graph does not grow with the runs; the compiled folded model
+    (fullgraph) gives the eager outputs, auxiliary loss and gradients."""
+    assert parse_pattern(mechanism).folds_params
     cfg = config(Path("unused"), "model.dropout=0.0", "model.paper_mode=false", f"mechanisms=['{mechanism}']")
     data = build_data(cfg, 1, torch.device("cpu"))
     models = []
@@ -708,33 +705,28 @@ def test_per_run_attention_compiles_once_and_equals_eager(mechanism):
         models.append(build_model(cfg.model, mechanism, data))
     folded = fold_models(models, mode="fast")
     inputs = data.train_inputs[:4].repeat(len(models), 1)
-    regions: list[set[str]] = []
+    calls = []
+    attend = batched.sparse_attention
 
-    def backend(gm, example_inputs):
-        calls = [n for n in gm.graph.nodes if n.op == "call_function" and "invoke_subgraph" in str(n.target)]
-        regions.append({str(n.args[0].target) for n in calls})
-        per_run = REGION_REUSE and not folds
-        assert len(calls) == (len(SEEDS) * cfg.model.blocks if per_run else 0), "one region call per run and block"
-        return lookup_backend("aot_eager")(gm, example_inputs)
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return attend(*args, **kwargs)
 
     def step(model):
         logits = model(inputs)
-        aux = sum(m.aux_loss for m in model.modules() if hasattr(m, "run_region"))
+        aux = sum(m.aux_loss for m in model.modules() if isinstance(m, batched.RunAttention))
         grads = torch.autograd.grad(logits.square().sum() + aux, list(model.parameters()), allow_unused=True)
         return logits, aux, grads
 
-    torch._dynamo.reset()
+    monkeypatch.setattr(batched, "sparse_attention", counted)
     want = step(folded)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = step(torch.compile(folded, backend=backend, fullgraph=True))
-    # one backward per region too: the runs' gradients reach it as copies of one layout
-    assert not [w for w in caught if "multiple backward graphs" in str(w.message)]
+    assert calls == [inputs.shape[0]] * cfg.model.blocks, "one call per block over every run's rows"
+    monkeypatch.setattr(batched, "sparse_attention", attend)
+    torch._dynamo.reset()
+    got = step(torch.compile(folded, backend="aot_eager", fullgraph=True))
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
     for g, w in zip(got[2], want[2], strict=True):
         assert (g is None) == (w is None)
         if g is not None:
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
-    if REGION_REUSE and not folds:
-        assert regions and all(len(names) == 1 for names in regions)
