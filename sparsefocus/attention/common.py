@@ -133,9 +133,9 @@ def indexed_attention_ref(
             and value [B, Hq or Hk, N, Dv] (e.g. ZETA's cumulative mean token), scored like the
             listed keys; both or neither. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        sink_key: optional [Hq, D] (or per batch row [B, Hq, D]) attention sink, Cauchy only: one more slot in every row with
-            this key (per query head) and value 0, so it only adds its weight to the normaliser
-            (ZETA's ``sink=1``). Default: none.
+        sink_key: optional [Hq, D] (or per batch row [B, Hq, D]) attention sink, Cauchy only: one
+            more slot in every row with this key (per query head) and value 0, so it only adds its
+            weight to the normaliser (ZETA's ``sink=1``). Default: none.
         slot_weight: optional [B, Hq, N, K] factor on each listed slot's normalised weight, applied
             after normalisation and outside the normaliser (attention dropout: the kept slots'
             ``1 / (1 - p)``, 0 for dropped ones); the extra slot and the sink keep their weights.

@@ -971,9 +971,10 @@ def indexed_attention(
             [B, Hq or Hk, N, D] and value [B, Hq or Hk, N, Dv] (expanded views are read in
             place, not copied); scored like the listed keys; both receive gradients. Default: none.
         extra_mask: [B, 1 or Hq, N] bool, True where the extra slot counts. Default: every row.
-        sink_key: optional [Hq, D] (or [B, Hq, D]) attention sink (Cauchy only): a key per query head with value
-            0 in every row, adding only its weight to the normaliser; receives a gradient.
-            Computed per row in the kernels, so k, v and index are not extended. Default: none.
+        sink_key: optional [Hq, D] (or [B, Hq, D]) attention sink (Cauchy only): a key per query
+            head (and batch row) with value 0 in every row, adding only its weight to the
+            normaliser; receives a gradient. Computed per row in the kernels, so k, v and index
+            are not extended. Default: none.
         slot_weight: optional [B, Hq, N, K] factor on each listed slot's normalised weight,
             outside the normaliser (attention dropout: ``F.dropout`` of ones); the extra slot and
             the sink keep theirs; no gradient. The lse is unchanged by it. Default: none.
