@@ -3,7 +3,7 @@
 Each call unpacks the study folder a previous call returned (``--inbox``, parts of a tar.gz),
 trains with the budget driver until ``--budget`` seconds are spent, and packs the study folder
 again into parts of at most 15 MiB under ``--out`` (without the task cache), with a progress line
-in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
+(and each mechanism group's epochs) in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
 call. A call whose training fails (a mechanism that does not compile, say) still packs what was
 trained (finished runs, the last checkpoints), names the error in its progress line and exits
 with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The budget stops
@@ -72,7 +72,7 @@ from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import SETUP_LOG, Budget, compile_phases
-from sparsefocus.train.experiment import finished_groups, progress_line, run_experiment, slim_finished_runs
+from sparsefocus.train.experiment import finished_groups, group_progress, progress_line, run_experiment, slim_finished_runs
 from sparsefocus.train.workers import TIMING_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -486,6 +486,7 @@ def main() -> int:
         "compile_cache": {"found": cached, "returned": cache},
         "slimmed_checkpoints": len(slimmed),
         "progress": line,
+        "groups": group_progress(config),
         "complete": complete,
         "error": failure,
         "seconds": round(time.time() - began, 1),

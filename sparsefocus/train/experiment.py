@@ -295,6 +295,22 @@ def progress_line(config: ExperimentConfig) -> tuple[str, bool]:
     return f"{config.name}: {finished}/{len(specs)} runs finished, {epochs}/{total} epochs; {tail}", complete
 
 
+def group_progress(config: ExperimentConfig) -> dict[str, str]:
+    """Per mechanism group (``<setting>/<label>``), the epochs its runs have reached out of the
+    total: "8/100" when they agree, "8-9/100" when they differ (such runs resume as separate
+    folded parts)."""
+    specs = plan(config, expand_settings(config))
+    reached: dict[str, list[int]] = {}
+    for spec, (_, done) in zip(specs, _states(specs)):
+        reached.setdefault(f"{spec.setting}/{spec.label}", []).append(done)
+    total = {f"{spec.setting}/{spec.label}": spec.config.train.epochs for spec in specs}
+    lines = {}
+    for group, epochs in reached.items():
+        low, high = min(epochs), max(epochs)
+        lines[group] = f"{low}/{total[group]}" if low == high else f"{low}-{high}/{total[group]}"
+    return lines
+
+
 def finished_groups(config: ExperimentConfig) -> list[Path]:
     """The mechanism folders (``<experiment>/<setting>/<mechanism>``) of ``config`` whose every run,
     one per seed, has finished; in the order ``plan`` gives."""

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from sparsefocus.train import commands, driver
+from sparsefocus.train.config import load_config
 from sparsefocus.train.driver import Budget
+from sparsefocus.train.experiment import group_progress
 
 TINY = [
     "task={name: parity, length: 10, num_train: 30, num_valid: 15}",
@@ -260,3 +262,14 @@ def test_an_alarm_while_a_part_checkpoints_lands_after_every_run_is_saved(monkey
     finally:
         signal.signal(signal.SIGALRM, previous)
     assert saved == [spec.run_dir / "checkpoint.pt" for spec in specs]
+
+
+def test_group_progress_gives_each_groups_epochs_and_their_spread(tmp_path):
+    """Fresh groups stand at 0; a budget call of the single loop trains the first run one epoch,
+    so its group's runs differ (a range); a finished experiment stands at the total everywhere."""
+    config = load_config(None, [f"out_dir={tmp_path}", *TINY])
+    assert group_progress(config) == {"default/FULL": "0/3", "default/TOPK:3": "0/3"}
+    assert train(tmp_path, "--budget", "0.001") == 0
+    assert group_progress(config) == {"default/FULL": "0-1/3", "default/TOPK:3": "0/3"}
+    assert train(tmp_path) == 0
+    assert group_progress(config) == {"default/FULL": "3/3", "default/TOPK:3": "3/3"}
