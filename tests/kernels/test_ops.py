@@ -60,6 +60,25 @@ def test_opcheck_indexed_ops(dtype):
     torch.library.opcheck(indexed.indexed_bwd, (*tensors, 0.3, 2, cast), **tol)
 
 
+def test_opcheck_indexed_ops_with_per_row_widths_and_sinks():
+    """gamma^2 [B, Hq] and sink keys [B, Hq, D], one per batch row and head (folded runs)."""
+    batch = 2
+    q, k, v = randn(batch, HQ, N, D, grad=True), randn(batch, HK, N, D, grad=True), randn(batch, HK, N, DV, grad=True)
+    index = torch.randint(-1, N, (batch, HQ, N, K), device=DEVICE, dtype=torch.int32)
+    gamma_sq = (torch.rand(batch, HQ, device=DEVICE) + 0.5).requires_grad_()
+    sink = randn(batch, HQ, D, grad=True)
+    torch.library.opcheck(indexed.indexed_fwd, (q, k, v, index, gamma_sq, None, None, None, sink, 0.3, 2))
+    real = torch.rand(batch, N, device=DEVICE) > 0.2
+    torch.library.opcheck(indexed.indexed_causal_mean_fwd, (q, k, v, index, gamma_sq, real, sink, 1.0, 2))
+    out, stat = indexed.indexed_fwd(q, k, v, index, gamma_sq, None, None, None, sink, 0.3, 2)
+    grad_out = randn(*out.shape)
+    tensors = [x.detach() for x in (q, k, v, index, gamma_sq, out, grad_out, stat)]
+    torch.library.opcheck(indexed.indexed_bwd, (*tensors, None, None, None, sink.detach(), 0.3, 2, True))
+    delta = (out * grad_out).sum(-1).detach()
+    key_args = (*(x.detach() for x in (q, k, v)), index, gamma_sq.detach(), grad_out, stat.detach(), delta)
+    torch.library.opcheck(indexed_csr.key_grads_op, key_args)
+
+
 def test_opcheck_runs_ops():
     q, k, v, _ = attention_inputs()
     start = torch.randint(-3, N, (B, HQ, N), device=DEVICE, dtype=torch.int32)
