@@ -302,13 +302,9 @@ def group_progress(config: ExperimentConfig) -> dict[str, str]:
     specs = plan(config, expand_settings(config))
     reached: dict[str, list[int]] = {}
     for spec, (_, done) in zip(specs, _states(specs)):
-        reached.setdefault(f"{spec.setting}/{spec.label}", []).append(done)
-    total = {f"{spec.setting}/{spec.label}": spec.config.train.epochs for spec in specs}
-    lines = {}
-    for group, epochs in reached.items():
-        low, high = min(epochs), max(epochs)
-        lines[group] = f"{low}/{total[group]}" if low == high else f"{low}-{high}/{total[group]}"
-    return lines
+        reached.setdefault(f"{spec.setting}/{spec.label}", [spec.config.train.epochs]).append(done)
+    spans = {group: (min(done), max(done), total) for group, (total, *done) in reached.items()}
+    return {group: f"{low}/{total}" if low == high else f"{low}-{high}/{total}" for group, (low, high, total) in spans.items()}
 
 
 def finished_groups(config: ExperimentConfig) -> list[Path]:
