@@ -388,7 +388,7 @@ def main() -> int:
     )
     parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"))
-    parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph"))
+    parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph", "eager-graph"))
     parser.add_argument("--concurrent", type=int, default=len(FIGURE_1), help="mechanism groups trained at once")
     parser.add_argument(
         "--fast-attention", default="masks", choices=FAST_ATTENTIONS, help="train.fast_attention (default: masks)"

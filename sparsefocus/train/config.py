@@ -26,7 +26,7 @@ SCHEDULES = ("constant", "step", "cosine")
 TRAIN_LOSSES = ("full_eval", "running")
 DEVICES = ("cpu", "cuda", "auto")
 BATCHED_MODES = ("exact", "fast")
-COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead", "step-graph")
+COMPILE_MODES = ("auto", "eager", "default", "reduce-overhead", "step-graph", "eager-graph")
 MATMUL_PRECISIONS = ("highest", "high", "medium")
 AUTOCASTS = ("none", "bf16")
 TOPK_SELECTS = ("torch", "triton")
@@ -110,7 +110,8 @@ class TrainConfig:
             CPU), "eager" (no compile), "default", "reduce-overhead" (CUDA graphs of the forward
             and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default
             mode and the whole step, forward, backward, clipping and update, replayed as one CUDA
-            graph). Default: "auto".
+            graph), or "eager-graph" (the same graph of PyTorch's own kernels: nothing compiles).
+            Default: "auto".
         compile_scope: what a compiling mode compiles: "step" (the folded model's whole forward
             and loss as one graph) or "blocks" (each transformer block, one graph for the blocks
             alike, the rest eager; in step-graph mode the eager rest is captured with the step).

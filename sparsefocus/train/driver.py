@@ -231,7 +231,7 @@ def compile_blocks(model: nn.Module, mode: str) -> int:
 
 def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
     """The torch.compile mode of the fast step, or None for eager."""
-    if train.batched_mode != "fast" or train.compile == "eager":
+    if train.batched_mode != "fast" or train.compile in ("eager", "eager-graph"):
         return None
     if train.compile == "auto":
         return "default" if device.type == "cuda" else None
@@ -240,15 +240,21 @@ def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
     return train.compile
 
 
+STEP_GRAPH_MODES = ("step-graph", "eager-graph")
+"""The compile modes that record the whole step as one CUDA graph: with the forward compiled, or
+with PyTorch's own kernels (nothing to compile, so a short call trains from its first second)."""
+
+
 def _check_step_graph(config: ExperimentConfig, device: torch.device) -> bool:
     """Whether the whole training step is one CUDA graph; refuses what it cannot capture."""
-    if config.train.compile != "step-graph":
+    mode = config.train.compile
+    if mode not in STEP_GRAPH_MODES:
         return False
     optim = config.optim
     if config.train.batched_mode != "fast" or device.type != "cuda":
-        raise ValueError("train.compile=step-graph needs train.batched_mode=fast on a CUDA device")
+        raise ValueError(f"train.compile={mode} needs train.batched_mode=fast on a CUDA device")
     if optim.name != "sgd" or optim.momentum or optim.weight_decay:
-        raise ValueError("train.compile=step-graph supports plain SGD only (optim.name=sgd, no momentum, no weight decay)")
+        raise ValueError(f"train.compile={mode} supports plain SGD only (optim.name=sgd, no momentum, no weight decay)")
     return True
 
 

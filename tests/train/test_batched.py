@@ -351,20 +351,32 @@ def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, l
         (["train.batched_mode=exact"], "needs train.batched_mode=fast on a CUDA device"),
     ],
 )
-def test_step_graph_refuses_what_it_cannot_capture(overrides, message, tmp_path):
-    cfg = config(tmp_path, "train.batched=true", "train.compile=step-graph", "mechanisms=[FULL]", *overrides)
+@pytest.mark.parametrize("mode", ["step-graph", "eager-graph"])
+def test_step_graph_refuses_what_it_cannot_capture(overrides, message, mode, tmp_path):
+    cfg = config(tmp_path, "train.batched=true", f"train.compile={mode}", "mechanisms=[FULL]", *overrides)
     with pytest.raises(ValueError, match=message):
         run_experiment(cfg, quiet=True)
 
 
-def test_step_graph_refuses_momentum(monkeypatch, tmp_path):
+@pytest.mark.parametrize("mode", ["step-graph", "eager-graph"])
+def test_step_graph_refuses_momentum(mode, tmp_path):
     """The captured update is plain SGD; momentum or weight decay would be silently dropped."""
     from sparsefocus.train import driver
 
-    cfg = config(tmp_path, "train.batched=true", "train.compile=step-graph", "train.batched_mode=fast", "optim.momentum=0.9")
+    cfg = config(tmp_path, "train.batched=true", f"train.compile={mode}", "train.batched_mode=fast", "optim.momentum=0.9")
     with pytest.raises(ValueError, match="plain SGD only"):
         driver._check_step_graph(cfg, torch.device("cuda"))
     assert not driver._check_step_graph(config(tmp_path, "train.batched=true"), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("mode, compiled", [("step-graph", "default"), ("eager-graph", None)])
+def test_eager_graph_records_the_step_without_compiling(mode, compiled, tmp_path):
+    """Both graph modes record the whole step; only step-graph compiles the forward first."""
+    from sparsefocus.train import driver
+
+    cfg = config(tmp_path, "train.batched=true", f"train.compile={mode}", "train.batched_mode=fast")
+    assert driver._check_step_graph(cfg, torch.device("cuda"))
+    assert driver._compile_mode(cfg.train, torch.device("cuda")) == compiled
 
 
 def test_step_graph_body_is_the_fast_step(tmp_path):
