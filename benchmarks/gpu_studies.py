@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
-from sparsefocus.train.driver import SETUP_LOG, Budget, compile_phases
+from sparsefocus.train.driver import SETUP_LOG, STEP_GRAPH_MODES, Budget, compile_phases
 from sparsefocus.train.experiment import finished_groups, group_progress, progress_line, run_experiment, slim_finished_runs
 from sparsefocus.train.workers import TIMING_NAME
 
@@ -388,7 +388,7 @@ def main() -> int:
     )
     parser.add_argument("--precision", default="highest", choices=("highest", "high", "medium"))
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"))
-    parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", "step-graph", "eager-graph"))
+    parser.add_argument("--compile", default="step-graph", choices=("default", "reduce-overhead", *STEP_GRAPH_MODES))
     parser.add_argument("--concurrent", type=int, default=len(FIGURE_1), help="mechanism groups trained at once")
     parser.add_argument(
         "--fast-attention", default="masks", choices=FAST_ATTENTIONS, help="train.fast_attention (default: masks)"
