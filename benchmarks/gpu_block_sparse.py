@@ -1,7 +1,8 @@
 """Block-sparse mechanisms on one GPU: correctness first (small sizes, against the fp32
-definitions), then fwd+bwd time and peak memory of nsa (16 q heads per kv head, and GQA 1, 4, 8),
-moba, quest and dsa beside fla-core's ``parallel_nsa`` on identical shapes and dense SDPA (the
-fastest of the cuDNN, flash and efficient backends), at N = 4K, 16K, 64K.
+definitions), then fwd+bwd time and peak memory of nsa (16 q heads per kv head, and GQA 1, 4, 8
+on group tiles and on query tiles of 16), moba, quest and dsa beside fla-core's ``parallel_nsa``
+on identical shapes and dense SDPA (the fastest of the cuDNN, flash and efficient backends), at
+N = 4K, 16K, 64K.
 
 Usage (CUDA machine, repo root):
     PYTHONPATH=. python benchmarks/gpu_block_sparse.py --out benchmarks/results
@@ -111,6 +112,8 @@ def correctness() -> dict:
         ("quest:block=32,top=3,tile=32", 1),
         ("nsa:block=32,top=4,cmp=32,stride=16,window=64,pool=mlp", 4),
         ("nsa:block=64,top=3,cmp=64,stride=64,window=0", 16),
+        ("nsa:block=32,top=4,cmp=32,stride=16,window=64,tile=16", 1),
+        ("nsa:block=32,top=4,cmp=32,stride=16,window=64,tile=32", 4),
         ("dsa:k=40,heads=4,dim=16", 2),
     ):
         report[f"{pattern} group={group}"] = check_pattern(pattern, group, kv=1 if group == 16 else 2)
@@ -216,6 +219,8 @@ def cases(batch, heads, d):
     yield "nsa_selection g16", lambda n: ours_selection_only(batch, heads, heads // 16, n, d)
     for group in (8, 4, 1):
         yield f"nsa g{group}", lambda n, group=group: ours(NSA, batch, heads, heads // group, n, d)
+        # the selection on query tiles of 16 positions with per-row block masks, same shapes
+        yield f"nsa tile16 g{group}", lambda n, group=group: ours(NSA + ",tile=16", batch, heads, heads // group, n, d)
     yield "moba", lambda n: ours(MOBA, batch, heads, heads, n, d)
     yield "quest", lambda n: ours(QUEST, batch, heads, heads, n, d)
     yield "dsa", lambda n: ours(DSA, batch, heads, heads, n, d)

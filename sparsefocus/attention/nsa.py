@@ -42,6 +42,7 @@ BRANCHES = 3  # compression, selection, sliding window
 QUERY_TILE = 64  # query tile of the compressed and window branches in the kernel
 KEY_TILE = 64  # compressed keys per listed block of the compressed branch; window branch block
 SCORE_ELEMENTS = 2**26  # largest [B, Hq, rows, Nc] chunk of the selection scores
+SELECTION_TILES = (0, 16, 32)  # the selection branch's kernel tiles: group tiles, or query tiles with row masks
 
 
 def compressed_count(n: int, cmp: int, stride: int) -> int:
@@ -118,11 +119,16 @@ def compressed_visible(rows: slice, n_cmp: int, cmp: int, stride: int, causal: b
 @register
 @dataclass(frozen=True)
 class NSA(Pattern):
-    """``nsa:block=64,top=16,cmp=32,stride=16,window=512,pool=mean|mlp,initial=1,local=2``.
+    """``nsa:block=64,top=16,cmp=32,stride=16,window=512,pool=mean|mlp,initial=1,local=2,tile=0``.
 
     ``block`` selection block length, ``top`` selected blocks per (position, kv group) counting the
     forced ones, ``cmp``/``stride`` compression window and step (both divide ``block``; stride
     divides cmp), ``window`` sliding-window length (0: no window branch), ``pool`` compression.
+    ``tile`` only changes how the Triton path runs the selection branch, not what it computes:
+    0 = a kernel tile per (position, kv group), the group's query heads as its rows (NSA's own
+    layout, padded to 16 rows when the group is smaller); 16 or 32 = a tile of that many
+    consecutive positions of one query head over the union of their selected blocks, each row
+    masked to its own (no padding rows, for groups below 16).
     """
 
     block: int = 64
@@ -133,6 +139,7 @@ class NSA(Pattern):
     pool: str = "mean"
     initial: int = 1
     local: int = 2
+    tile: int = 0
     name: ClassVar[str] = "nsa"
     positional: ClassVar[tuple[str, ...]] = ("block", "top")
     input_dependent: ClassVar[bool] = True
@@ -158,6 +165,7 @@ class NSA(Pattern):
             self.window >= 0 and self.initial >= 0 and self.local >= 1,
             f"nsa: window, initial must be >= 0 and local >= 1, got {self.window}, {self.initial}, {self.local}",
         )
+        require(self.tile in SELECTION_TILES, f"nsa: tile must be one of {SELECTION_TILES}, got {self.tile}")
         require(
             self.top >= self.initial + self.local,
             f"nsa: top ({self.top}) must count the initial ({self.initial}) and local ({self.local}) blocks",
@@ -335,8 +343,20 @@ class NSA(Pattern):
 
         cmp_part, lse = _recomputed(gated_compressed, q, ck, cv, gates[..., 0])
         blocks = self.selected_blocks(q.detach(), ck.detach(), lse.detach(), cmp_real, causal, scale, fused=True)
+        row_bits = None
+        if self.tile:
+            blocks, row_bits = tile_union(blocks, self.tile, -(-k.shape[2] // self.block), q.shape[1] // k.shape[1])
         o_slc, _ = block_sparse_attention(
-            q, k, v, blocks, block_size=self.block, tile=GROUP_TILE, causal=causal, scale=scale, key_padding_mask=key_padding_mask
+            q,
+            k,
+            v,
+            blocks,
+            block_size=self.block,
+            tile=self.tile or GROUP_TILE,
+            causal=causal,
+            scale=scale,
+            key_padding_mask=key_padding_mask,
+            row_bits=row_bits,
         )
         out = cmp_part + gates[..., 1, None] * o_slc
         if self.window:
@@ -381,6 +401,29 @@ class NSA(Pattern):
             key_stride=self.stride,
             key_offset=self.cmp - 1,
         )
+
+
+def tile_union(blocks: Tensor, tile: int, n_blocks: int, group: int) -> tuple[Tensor, Tensor]:
+    """The selection as query tiles: (lists [B, Hq, T, tile * top] int32, the union of the blocks
+    of a tile's ``tile`` consecutive positions in ascending order, then -1; row_bits int32 of the
+    same shape, bit r set where row r of the tile selected that block), T = ceil(N / tile), from
+    ``blocks`` [B, Hk, N, top] (-1 unused), shared by the ``group`` query heads of a kv head.
+    Fixed shapes and no host sync: a sort, run starts and two scatters per tile."""
+    batch, kv_heads, n, top = blocks.shape
+    tiles = -(-n // tile)
+    padded = F.pad(blocks, (0, 0, 0, tiles * tile - n), value=-1)
+    entries = padded.reshape(batch, kv_heads, tiles, tile * top).long()  # entry e: row e // top
+    keyed = torch.where(entries >= 0, entries, torch.full_like(entries, n_blocks))
+    ordered, order = torch.sort(keyed, dim=-1)
+    starts = torch.ones_like(ordered, dtype=torch.bool)
+    starts[..., 1:] = ordered[..., 1:] != ordered[..., :-1]
+    run = starts.long().cumsum(-1) - 1  # [B, Hk, T, L] the entry's slot in the union
+    lists = torch.full_like(ordered, -1).scatter(-1, run, ordered)
+    lists = torch.where(lists >= n_blocks, torch.full_like(lists, -1), lists)  # the unused entries' run
+    bits = torch.zeros_like(ordered).scatter_add(-1, run, torch.ones_like(order) << (order // top))  # distinct rows: sum = or
+    bits = torch.where(bits >= 2**31, bits - 2**32, bits)  # row 31 in int32's sign bit
+    lists, bits = (x.to(torch.int32).repeat_interleave(group, dim=1).contiguous() for x in (lists, bits))  # [B, Hq, T, L]
+    return lists, bits
 
 
 def compressed_lists(

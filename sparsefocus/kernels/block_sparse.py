@@ -10,6 +10,10 @@ rows attend, through ``tl.dot``, to the keys of those blocks only. Two kinds of 
   shares a selection across a GQA group; the lists are ``blocks [B, Hk, N, S]`` and the tile is
   padded to 16 rows when G < 16.
 
+With ``tile`` 16 or 32, optional ``row_bits`` (int32, shaped like ``blocks``) mask the list per
+row: bit r of entry [.., t, s] set = row t * tile + r keeps block blocks[.., t, s]; the list is the
+union of the rows' blocks (NSA's per-position selection on query tiles).
+
 Inside the kept blocks the usual masks still apply per (query, key): causal (key position <=
 query position), a sliding window (key position > query position - window), key padding. The
 position of key j is ``j * key_stride + key_offset`` (1 and 0 for ordinary keys; NSA's
@@ -31,6 +35,7 @@ from typing import (
 )
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -57,9 +62,10 @@ def block_sparse_attention_ref(
     window: int = 0,
     key_stride: int = 1,
     key_offset: int = 0,
+    row_bits: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Dense fp32 definition of ``block_sparse_attention`` (same arguments); returns (out, lse) fp32."""
-    mask = block_sparse_mask(q, k, blocks, block_size, tile, causal, key_padding_mask, window, key_stride, key_offset)
+    mask = block_sparse_mask(q, k, blocks, block_size, tile, causal, key_padding_mask, window, key_stride, key_offset, row_bits)
     group = q.shape[1] // k.shape[1]
     kf, vf = (x.double() if q.dtype == torch.float64 else x.float() for x in (k, v))
     qf = q.double() if q.dtype == torch.float64 else q.float()
@@ -83,18 +89,25 @@ def block_sparse_mask(
     window: int,
     key_stride: int,
     key_offset: int,
+    row_bits: Optional[Tensor] = None,
 ) -> Tensor:
     """[B, Hq, N, M] bool: the (query, key) pairs ``block_sparse_attention`` keeps."""
     q_heads, n_queries = q.shape[1], q.shape[2]
     n_keys = k.shape[2]
     n_blocks = -(-n_keys // block_size)
     slot = torch.where(blocks >= 0, blocks.long(), torch.full_like(blocks.long(), n_blocks))
-    kept = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)
-    kept = kept.scatter(-1, slot, True)[..., :n_blocks]  # [B, Hsel, T, nb]
-    if tile == GROUP_TILE:
-        kept = kept.repeat_interleave(q_heads // k.shape[1], dim=1)  # [B, Hq, N, nb]
+    if row_bits is not None:  # tile mode, per row: block of slot s kept where bit r of row_bits is set
+        rows = (row_bits.long()[..., None] >> torch.arange(tile, device=q.device)) & 1  # [B, Hq, T, S, tile]
+        chosen = F.one_hot(slot, n_blocks + 1).to(rows.dtype)  # [B, Hq, T, S, nb + 1]
+        kept = torch.einsum("bhtsr,bhtsj->bhtrj", rows, chosen) > 0  # [B, Hq, T, tile, nb + 1]
+        kept = kept.flatten(2, 3)[:, :, :n_queries, :n_blocks]  # [B, Hq, N, nb]
     else:
-        kept = kept.repeat_interleave(tile, dim=2)[:, :, :n_queries]  # [B, Hq, N, nb]
+        kept = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=q.device)
+        kept = kept.scatter(-1, slot, True)[..., :n_blocks]  # [B, Hsel, T, nb]
+        if tile == GROUP_TILE:
+            kept = kept.repeat_interleave(q_heads // k.shape[1], dim=1)  # [B, Hq, N, nb]
+        else:
+            kept = kept.repeat_interleave(tile, dim=2)[:, :, :n_queries]  # [B, Hq, N, nb]
     key_pos = torch.arange(n_keys, device=q.device)
     mask = kept[..., key_pos // block_size]  # [B, Hq, N, M]
     query_pos = torch.arange(n_queries, device=q.device)[:, None]
@@ -108,6 +121,18 @@ def block_sparse_mask(
     if key_padding_mask is not None:
         mask = mask & key_padding_mask[:, None, None, :]
     return mask
+
+
+@triton.jit
+def _slot_rows(bits_ptr, row_ok, BLOCK_M: tl.constexpr, HAS_BITS: tl.constexpr):
+    """[BM] bool: the rows of a query tile that keep a listed block (bit r of its int32 row
+    mask, or every valid row without masks)."""
+    if HAS_BITS:
+        bits = tl.load(bits_ptr)
+        keep = row_ok & (((bits >> tl.arange(0, BLOCK_M)) & 1) != 0)
+    else:
+        keep = row_ok
+    return keep
 
 
 @triton.jit
@@ -161,6 +186,7 @@ def _fwd_kernel(
     K,
     V,
     BLOCKS,
+    BITS,
     REAL,
     OUT,
     LSE,
@@ -192,6 +218,7 @@ def _fwd_kernel(
     CAUSAL: tl.constexpr,
     HAS_REAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_BITS: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -215,6 +242,7 @@ def _fwd_kernel(
     list_ptr = BLOCKS + (bh * T + t) * S
     for s in range(S):
         blk = tl.load(list_ptr + s)
+        row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
         if blk >= 0:
             for sub in tl.static_range(N_SUB):
                 inner = sub * BLOCK_N + offs_n
@@ -232,7 +260,7 @@ def _fwd_kernel(
                 )  # [BN, BDV]
                 sc = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * qk_scale  # [BM, BN]
                 mask = _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window, CAUSAL, HAS_REAL, HAS_WINDOW)
-                sc = tl.where(mask, sc, float("-inf"))
+                sc = tl.where(mask & row_in[:, None], sc, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(sc, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = tl.exp2(m_i - m_safe)
@@ -266,6 +294,7 @@ def _bwd_dq_kernel(
     LSE,
     DELTA,
     BLOCKS,
+    BITS,
     REAL,
     DQ,
     sqb,
@@ -296,6 +325,7 @@ def _bwd_dq_kernel(
     CAUSAL: tl.constexpr,
     HAS_REAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_BITS: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -327,6 +357,7 @@ def _bwd_dq_kernel(
     list_ptr = BLOCKS + (bh * T + t) * S
     for s in range(S):
         blk = tl.load(list_ptr + s)
+        row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
         if blk >= 0:
             for sub in tl.static_range(N_SUB):
                 inner = sub * BLOCK_N + offs_n
@@ -343,6 +374,7 @@ def _bwd_dq_kernel(
                     other=0.0,
                 )
                 mask = _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window, CAUSAL, HAS_REAL, HAS_WINDOW)
+                mask = mask & row_in[:, None]
                 _, ds = _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION)
                 dq += tl.dot(ds.to(kt.dtype), kt, input_precision=PRECISION)
     tl.store(
@@ -361,6 +393,7 @@ def _bwd_dkdv_kernel(
     LSE,
     DELTA,
     CODES,
+    ENTRY_BITS,
     ITEM_BLOCK,
     ITEM_START,
     ITEM_END,
@@ -395,6 +428,7 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr,
     HAS_REAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_BITS: tl.constexpr,
     D: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -443,7 +477,7 @@ def _bwd_dkdv_kernel(
         lse2 = tl.where(lse2 == float("-inf"), 0.0, lse2)
         delta = tl.load(DELTA + stat, mask=row_ok, other=0.0)
         mask = _score_mask(kidx, kin, pos, b, REAL, M, key_stride, key_offset, window, CAUSAL, HAS_REAL, HAS_WINDOW)
-        mask = mask & row_ok[:, None]
+        mask = mask & _slot_rows(ENTRY_BITS + bhk * L + e, row_ok, BLOCK_M, HAS_BITS)[:, None]
         p, ds = _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
@@ -523,12 +557,13 @@ class _Launch:
         self.precision = "ieee" if q.dtype == torch.float32 else "tf32"
         self.num_warps = 4 if self.block_m * max(self.block_d, self.block_dv) <= 64 * 128 else 8
 
-    def constexprs(self, causal: bool, has_real: bool, window: int) -> dict:
+    def constexprs(self, causal: bool, has_real: bool, window: int, has_bits: bool = False) -> dict:
         return dict(
             GROUP=self.grouped,
             CAUSAL=causal,
             HAS_REAL=has_real,
             HAS_WINDOW=window > 0,
+            HAS_BITS=has_bits,
             D=self.d,
             DV=self.dv,
             BLOCK_M=self.block_m,
@@ -550,7 +585,11 @@ def _real_arg(key_real: Optional[Tensor], q: Tensor) -> Tensor:
     return q.new_zeros(1, dtype=torch.int8) if key_real is None else key_real.to(torch.int8).contiguous()
 
 
-def _forward_impl(q, k, v, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset):
+def _bits_arg(row_bits: Optional[Tensor], q: Tensor) -> Tensor:
+    return q.new_zeros(1, dtype=torch.int32) if row_bits is None else row_bits
+
+
+def _forward_impl(q, k, v, blocks, key_real, row_bits, block_size, tile, causal, scale, window, key_stride, key_offset):
     run = _Launch(q, k, v, blocks, block_size, tile)
     out = torch.empty(run.batch, run.q_heads, run.n, run.dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(run.batch, run.q_heads, run.n, dtype=torch.float32, device=q.device)
@@ -560,6 +599,7 @@ def _forward_impl(q, k, v, blocks, key_real, block_size, tile, causal, scale, wi
         k,
         v,
         blocks,
+        _bits_arg(row_bits, q),
         _real_arg(key_real, q),
         out,
         lse,
@@ -576,7 +616,7 @@ def _forward_impl(q, k, v, blocks, key_real, block_size, tile, causal, scale, wi
         key_stride,
         key_offset,
         block_size,
-        **run.constexprs(causal, key_real is not None, window),
+        **run.constexprs(causal, key_real is not None, window, row_bits is not None),
     )
     return out, lse
 
@@ -588,6 +628,7 @@ def block_sparse_fwd(
     v: Tensor,
     blocks: Tensor,
     key_real: Optional[Tensor],
+    row_bits: Optional[Tensor],
     block_size: int,
     tile: int,
     causal: bool,
@@ -597,21 +638,31 @@ def block_sparse_fwd(
     key_offset: int,
 ) -> tuple[Tensor, Tensor]:
     """Forward op: contiguous q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], blocks int32
-    (see the module docstring), key_real [B, M] bool or None -> (out [B, Hq, N, Dv], lse [B, Hq, N] fp32)."""
-    return _forward_impl(q, k, v, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset)
+    (see the module docstring), key_real [B, M] bool or None, row_bits int32 like blocks or None
+    -> (out [B, Hq, N, Dv], lse [B, Hq, N] fp32)."""
+    return _forward_impl(q, k, v, blocks, key_real, row_bits, block_size, tile, causal, scale, window, key_stride, key_offset)
 
 
 @block_sparse_fwd.register_fake
-def _(q, k, v, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset):
+def _(q, k, v, blocks, key_real, row_bits, block_size, tile, causal, scale, window, key_stride, key_offset):
     out = q.new_empty(q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int]:
+def _entry_bits(row_bits: Optional[Tensor], order: Tensor) -> Tensor:
+    """[BHk, L] int32 row mask of each inverse-list entry (``order``: the list slot each sorted
+    entry came from), or a placeholder without row masks."""
+    if row_bits is None:
+        return order.new_zeros(1, dtype=torch.int32)
+    return torch.gather(row_bits.reshape(order.shape[0], -1), 1, order).contiguous()
+
+
+def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, Tensor]:
     """The (block -> query tiles) lists the dk/dv pass reads, built on device with fixed sizes.
 
     Returns (codes [BHk, L] tile codes sorted by block, item_block, item_start, item_end [BHk, W]
-    int32, xoff [BHk, nb + 1] int32 offsets of each block's extra items, W). A tile code is the
+    int32, xoff [BHk, nb + 1] int32 offsets of each block's extra items, W, order [BHk, L] the
+    flat list slot of each sorted entry). A tile code is the
     position (group tiles) or g * T + t (query head kv * G + g, tile t). Item j < nb is block j's
     first run of at most E entries; items nb + x are the further runs of the busy blocks."""
     bhk, nb = run.batch * run.kv_heads, run.n_blocks
@@ -635,16 +686,32 @@ def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor,
     item_start = (block_start + part * entries).clamp(max=block_end)
     item_end = torch.minimum(item_start + entries, block_end)
     item_block, item_start, item_end, xoff = (t.to(torch.int32).contiguous() for t in (item_block, item_start, item_end, xoff))
-    return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra
+    return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra, order
 
 
 def _backward_impl(
-    grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    blocks,
+    key_real,
+    row_bits,
+    block_size,
+    tile,
+    causal,
+    scale,
+    window,
+    key_stride,
+    key_offset,
 ):
     run = _Launch(q, k, v, blocks, block_size, tile)
     delta = row_dot(out, grad_out) - grad_lse.float()  # [B, Hq, N]
     real = _real_arg(key_real, q)
-    flags = run.constexprs(causal, key_real is not None, window)
+    flags = run.constexprs(causal, key_real is not None, window, row_bits is not None)
     sizes = (run.n, run.m)
     dq = torch.empty_like(q)
     _bwd_dq_kernel[(run.tiles, run.batch * run.h_sel)](
@@ -655,6 +722,7 @@ def _backward_impl(
         lse,
         delta,
         blocks,
+        _bits_arg(row_bits, q),
         real,
         dq,
         *_strides(q, k, v, grad_out),
@@ -674,7 +742,8 @@ def _backward_impl(
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if run.m == 0:
         return dq, dk, dv
-    codes, item_block, item_start, item_end, xoff, width = inverse_lists(blocks, run)
+    codes, item_block, item_start, item_end, xoff, width, order = inverse_lists(blocks, run)
+    entry_bits = _entry_bits(row_bits, order)
     bhk, span = run.batch * run.kv_heads, run.n_sub * run.block_n
     part_k = torch.empty(bhk, width, span, run.block_d, dtype=torch.float32, device=q.device)
     part_v = torch.empty(bhk, width, span, run.block_dv, dtype=torch.float32, device=q.device)
@@ -686,6 +755,7 @@ def _backward_impl(
         lse,
         delta,
         codes,
+        entry_bits,
         item_block,
         item_start,
         item_end,
@@ -739,6 +809,7 @@ def block_sparse_bwd(
     grad_lse: Tensor,
     blocks: Tensor,
     key_real: Optional[Tensor],
+    row_bits: Optional[Tensor],
     block_size: int,
     tile: int,
     causal: bool,
@@ -749,12 +820,46 @@ def block_sparse_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward op of ``block_sparse_fwd``: (dq, dk, dv) in the inputs' dtypes."""
     return _backward_impl(
-        grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        grad_lse,
+        blocks,
+        key_real,
+        row_bits,
+        block_size,
+        tile,
+        causal,
+        scale,
+        window,
+        key_stride,
+        key_offset,
     )
 
 
 @block_sparse_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, block_size, tile, causal, scale, window, key_stride, key_offset):
+def _(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_lse,
+    blocks,
+    key_real,
+    row_bits,
+    block_size,
+    tile,
+    causal,
+    scale,
+    window,
+    key_stride,
+    key_offset,
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -762,24 +867,31 @@ _STATIC_ARGS = ("block_size", "tile", "causal", "scale", "window", "key_stride",
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, blocks, key_real, *static = inputs
-    ctx.save_for_backward(q, k, v, blocks, key_real, *output)
+    q, k, v, blocks, key_real, row_bits, *static = inputs
+    ctx.save_for_backward(q, k, v, blocks, key_real, row_bits, *output)
     ctx.static = static
 
 
 def _backward(ctx, grad_out, grad_lse):
-    q, k, v, blocks, key_real, out, lse = ctx.saved_tensors
+    q, k, v, blocks, key_real, row_bits, out, lse = ctx.saved_tensors
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
     grad_lse = torch.zeros_like(lse) if grad_lse is None else grad_lse.contiguous()
-    dq, dk, dv = block_sparse_bwd(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, *ctx.static)
-    return dq, dk, dv, None, None, *([None] * len(_STATIC_ARGS))
+    dq, dk, dv = block_sparse_bwd(grad_out, q, k, v, out, lse, grad_lse, blocks, key_real, row_bits, *ctx.static)
+    return dq, dk, dv, None, None, None, *([None] * len(_STATIC_ARGS))
 
 
 block_sparse_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check(
-    q: Tensor, k: Tensor, v: Tensor, blocks: Tensor, block_size: int, tile: int, key_padding_mask: Optional[Tensor]
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: Tensor,
+    block_size: int,
+    tile: int,
+    key_padding_mask: Optional[Tensor],
+    row_bits: Optional[Tensor] = None,
 ) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[-1] != k.shape[-1] or k.shape[:3] != v.shape[:3]:
         raise ValueError(
@@ -797,6 +909,10 @@ def _check(
     if blocks.dim() != 4 or blocks.is_floating_point() or tuple(blocks.shape[:3]) != (q.shape[0], heads, tiles):
         raise ValueError(
             f"blocks must be an integer tensor [B, {heads}, {tiles}, S] for tile={tile}, got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+    if row_bits is not None and (tile not in (16, 32) or row_bits.dtype != torch.int32 or row_bits.shape != blocks.shape):
+        raise ValueError(
+            f"row_bits must be int32 shaped like blocks {tuple(blocks.shape)} with tile 16 or 32, got {row_bits.dtype} {tuple(row_bits.shape)}, tile={tile}"
         )
     if key_padding_mask is not None and (
         key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2])
@@ -820,6 +936,7 @@ def block_sparse_attention(
     window: int = 0,
     key_stride: int = 1,
     key_offset: int = 0,
+    row_bits: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of query tiles over lists of key blocks (Triton forward and backward).
 
@@ -842,11 +959,15 @@ def block_sparse_attention(
             >= query position + window). Default: 0 (none).
         key_stride, key_offset: the position of key j is j * key_stride + key_offset (for
             ``causal`` and ``window``). Default: 1, 0.
+        row_bits: int32 [B, Hq, ceil(N / tile), S] (``tile`` 16 or 32): bit r of entry [.., t, s]
+            set = row t * tile + r keeps block blocks[.., t, s]; a tile then lists the union of
+            its rows' blocks, each row attending to its own (NSA's per-position selection on
+            query tiles). Default: None (every row of a tile keeps every listed block).
     Returns:
         (out [B, Hq, N, Dv] in q.dtype, lse [B, Hq, N] fp32 natural-log normaliser, -inf where a
         row keeps no key; its gradient is supported). Rows with no key output zero.
     """
-    _check(q, k, v, blocks, block_size, tile, key_padding_mask)
+    _check(q, k, v, blocks, block_size, tile, key_padding_mask, row_bits)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     k, v = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
     return block_sparse_fwd(
@@ -855,6 +976,7 @@ def block_sparse_attention(
         v,
         blocks.to(torch.int32).contiguous(),
         key_padding_mask,
+        None if row_bits is None else row_bits.contiguous(),
         block_size,
         tile,
         causal,

@@ -29,6 +29,9 @@ def nsa_case(spec, group, n, kv_heads=1, dim=10, head_dim=16, batch=1):
     [
         ("nsa:block=16,top=3,cmp=8,stride=4,window=20,pool=mlp", 2, True),
         ("nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1", 1, False),
+        ("nsa:block=4,top=3,cmp=4,stride=2,window=6,tile=16", 1, True),
+        ("nsa:block=8,top=4,cmp=8,stride=4,window=10,pool=mlp,tile=32", 2, True),
+        ("nsa:block=5,top=3,cmp=5,stride=5,window=5,tile=16", 3, False),
     ],
 )
 def test_nsa_kernel_matches_reference_in_output_and_every_gradient(pattern, group, padded):
@@ -42,8 +45,9 @@ def test_nsa_kernel_matches_reference_in_output_and_every_gradient(pattern, grou
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=f"{pattern} {name}")
 
 
-def test_nsa_never_leaks_the_future_into_outputs_or_gradients():
-    spec = sf.parse_pattern("nsa:block=8,top=3,cmp=8,stride=4,window=12,pool=mlp")
+@pytest.mark.parametrize("tile", [0, 16])
+def test_nsa_never_leaks_the_future_into_outputs_or_gradients(tile):
+    spec = sf.parse_pattern(f"nsa:block=8,top=3,cmp=8,stride=4,window=12,pool=mlp,tile={tile}")
     x, q, k, v, weights = nsa_case(spec, group=2, n=40)
     cut = 21
     x2 = perturbed_after(cut, x, dim=1)[0]
@@ -72,6 +76,17 @@ def test_selection_keeps_initial_and_local_blocks_and_ranks_by_the_group_sum():
     assert sorted(chosen.tolist()) == [0, 3, 4, 5]
 
 
+def test_tile_union_lists_each_tiles_blocks_once_with_the_rows_that_chose_them():
+    from sparsefocus.attention.nsa import tile_union
+
+    blocks = torch.tensor([[[[0, 2, -1], [2, 1, -1], [3, -1, -1]]]], dtype=torch.int32)  # [1, 1, N=3, top=3]
+    lists, bits = tile_union(blocks, tile=16, n_blocks=4, group=2)
+    assert lists.shape == (1, 2, 1, 48) and bits.shape == lists.shape
+    assert lists[0, 0, 0, :4].tolist() == [0, 1, 2, 3] and (lists[0, :, 0, 4:] == -1).all()
+    assert bits[0, 0, 0, :4].tolist() == [0b001, 0b010, 0b011, 0b100]  # block 2: rows 0 and 1
+    assert torch.equal(lists[:, 0], lists[:, 1]) and torch.equal(bits[:, 0], bits[:, 1])  # shared by the group
+
+
 def test_mean_compression_averages_real_positions_only():
     x = torch.arange(8.0).view(1, 1, 8, 1)
     real = torch.tensor([[True, False, True, True, True, True, True, True]])
@@ -88,7 +103,14 @@ def test_layer_owns_the_gates_and_trains_them_in_a_decoder_block():
     assert layer.aux_loss.item() == 0.0
 
 
-@pytest.mark.parametrize("pattern", ["nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1", "moba:block=16,top=1,tile=16"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "nsa:block=16,top=2,cmp=16,stride=16,window=0,local=1",
+        "nsa:block=8,top=2,cmp=8,stride=8,window=0,local=1,tile=16",
+        "moba:block=16,top=1,tile=16",
+    ],
+)
 def test_triton_path_compiles_with_fullgraph(pattern):
     spec = sf.parse_pattern(pattern)  # parsed outside, as SparseAttention holds it
     device = impl_device("triton")

@@ -29,6 +29,14 @@ def random_lists(batch, heads, tiles, n_blocks, slots, unused=0.3):
     return ids
 
 
+def random_row_bits(blocks, tile):
+    """int32 row masks like ``blocks``: each (list, slot) kept by a random subset of the tile's rows."""
+    rows = torch.rand(*blocks.shape, tile, device=blocks.device) < 0.5
+    weights = torch.tensor([1 << r for r in range(tile)], dtype=torch.int64, device=blocks.device)
+    bits = (rows.long() * weights).sum(-1)
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # bit 31 as int32's sign bit
+
+
 def make_case(n=75, block_size=16, tile=GROUP_TILE, group=2, kv_heads=2, dim=24, dim_v=20, slots=3, padded=True, batch=2):
     q = torch.randn(batch, kv_heads * group, n, dim, device=DEVICE)
     k = torch.randn(batch, kv_heads, n, dim, device=DEVICE)
@@ -67,6 +75,27 @@ def test_query_tiles_match_reference_with_gqa_and_blocks_of_two_sub_tiles():
     """block_size 80 > 64 keys: every block is read as two sub-tiles of 64, the second one cut."""
     q, k, v, blocks, padding = make_case(n=170, block_size=80, tile=16, group=2, kv_heads=1, slots=2)
     compare(q, k, v, blocks, block_size=80, tile=16, causal=True, key_padding_mask=padding)
+
+
+@pytest.mark.parametrize("tile", [16, 32])
+def test_row_bits_give_each_row_of_a_tile_its_own_blocks(tile):
+    """A tile lists the union of its rows' blocks; row r keeps slot s where bit r is set (bit 31
+    included, at tile 32), with GQA, padding and causal; every gradient against the reference."""
+    q, k, v, blocks, padding = make_case(n=77, block_size=8, tile=tile, group=2, kv_heads=1, slots=6)
+    bits = random_row_bits(blocks, tile)
+    compare(q, k, v, blocks, block_size=8, tile=tile, causal=True, key_padding_mask=padding, row_bits=bits)
+    mask = block_sparse_mask(q, k, blocks, 8, tile, False, None, 0, 1, 0, bits)
+    plain = block_sparse_mask(q, k, blocks, 8, tile, False, None, 0, 1, 0)
+    assert (mask <= plain).all() and (mask < plain).any()  # the bits only remove rows' blocks
+
+
+def test_row_bits_are_checked():
+    q, k, v, blocks, _ = make_case(n=40, tile=16, group=1, kv_heads=1, padded=False)
+    with pytest.raises(ValueError, match="row_bits"):
+        block_sparse_attention(q, k, v, blocks, block_size=16, tile=16, row_bits=random_row_bits(blocks, 16).long())
+    wide = blocks[:, :, :1]  # one tile of 64 rows: more rows than an int32 has bits
+    with pytest.raises(ValueError, match="row_bits"):
+        block_sparse_attention(q, k, v, wide, block_size=16, tile=64, row_bits=random_row_bits(wide, 16))
 
 
 def test_window_and_strided_key_positions_match_reference():
@@ -119,18 +148,24 @@ def test_kernel_rejects_bad_lists_and_tiles():
         block_sparse_attention(q, k, v, blocks, block_size=16, tile=24)
 
 
-def test_forward_op_passes_opcheck():
+@pytest.mark.parametrize("with_bits", [False, True])
+def test_forward_op_passes_opcheck(with_bits):
     q, k, v, blocks, padding = make_case(n=20, tile=16, group=2, kv_heads=1, dim=16, dim_v=16, slots=2)
+    bits = random_row_bits(blocks, 16) if with_bits else None
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    torch.library.opcheck(block_sparse_fwd, (q, k, v, blocks, padding, 16, 16, True, 0.25, 0, 1, 0))
+    torch.library.opcheck(block_sparse_fwd, (q, k, v, blocks, padding, bits, 16, 16, True, 0.25, 0, 1, 0))
 
 
-def test_backward_op_passes_opcheck():
+@pytest.mark.parametrize("with_bits", [False, True])
+def test_backward_op_passes_opcheck(with_bits):
     from sparsefocus.kernels.block_sparse import block_sparse_bwd
 
     q, k, v, blocks, padding = make_case(n=20, tile=16, group=2, kv_heads=1, dim=16, dim_v=16, slots=2, batch=1)
-    out, lse = block_sparse_attention(q, k, v, blocks, block_size=16, tile=16, causal=True, key_padding_mask=padding)
-    args = (torch.randn_like(out), q, k, v, out, lse, torch.zeros_like(lse), blocks, padding, 16, 16, True, 0.25, 0, 1, 0)
+    bits = random_row_bits(blocks, 16) if with_bits else None
+    out, lse = block_sparse_attention(
+        q, k, v, blocks, block_size=16, tile=16, causal=True, key_padding_mask=padding, row_bits=bits
+    )
+    args = (torch.randn_like(out), q, k, v, out, lse, torch.zeros_like(lse), blocks, padding, bits, 16, 16, True, 0.25, 0, 1, 0)
     torch.library.opcheck(block_sparse_bwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
