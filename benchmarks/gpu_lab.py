@@ -25,7 +25,9 @@ step with another implementation choice (e.g. ``--constant
 sparsefocus.kernels.indexed.SHORT_KEY_GRADS_MAX_KEYS=2048``; ``train.fast_attention=lists`` sets
 its two switches of ``sparsefocus.train.batched`` itself, over such constants); the overrides and
 constants are recorded beside the timings. ``--throughput-form masks --throughput-form lists``
-times each mechanism with both ``train.fast_attention`` forms in one process. ``--only-throughput``
+times each mechanism with both ``train.fast_attention`` forms in one process; ``--throughput-config
+EXPERIMENT.yaml`` times the model and data of another experiment (say the even-pairs open question)
+and ``--throughput-mechanism`` takes any pattern spec. ``--only-throughput``
 times and stops (no check, fidelity or study; exit status 1 when the budget left no time to time
 or a case failed). A case that fails is recorded with its error, and the others are still timed.
 """
@@ -47,6 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sparsefocus.attention import parse_pattern
 from sparsefocus.bench.profiling import count_kernels, device_ms, profile_events, top_kernels
 from sparsefocus.train.batched import fast_attention
 from sparsefocus.train.checkpoint import write_text_atomic
@@ -57,6 +60,7 @@ from sparsefocus.train.loop import matmul_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 FIG1A = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
+LISTOPS = ROOT / "experiments" / "listops.yaml"
 FP32 = ("highest", "none")
 DEVICE = "cuda"
 TOPK_SELECT = "torch"
@@ -86,9 +90,17 @@ def synchronize() -> None:
 
 
 def listops(
-    out: Path, name: str, mechanisms: list[str], seeds: list[int], precision: tuple[str, str], extra: list[str], *more: str
+    out: Path,
+    name: str,
+    mechanisms: list[str],
+    seeds: list[int],
+    precision: tuple[str, str],
+    extra: list[str],
+    *more: str,
+    path: Path = LISTOPS,
 ):
-    """The paper's ListOps config, batched fast mode on CUDA, with the given precision."""
+    """The paper's ListOps config (or the experiment at ``path``), batched fast mode on CUDA,
+    with the given precision."""
     overrides = [
         f"out_dir={out}",
         f"name={name}",
@@ -105,7 +117,7 @@ def listops(
         *extra,
         *more,
     ]
-    return load_config(ROOT / "experiments" / "listops.yaml", overrides)
+    return load_config(path, overrides)
 
 
 def label(precision: tuple[str, str]) -> str:
@@ -214,16 +226,17 @@ def throughput(
     compile_mode: str,
     mechanisms: tuple[str, ...],
     forms: tuple[str, ...] = (),
+    path: Path = LISTOPS,
 ) -> dict:
     """ms per training step and seconds per whole evaluation, 10 seeds folded, per mechanism and,
     with ``forms``, per ``train.fast_attention`` (cases "MECHANISM/PRECISION/FORM", timed one
-    after the other in this process)."""
+    after the other in this process), on the model and data of the experiment at ``path``."""
     results = {}
     for precision in precisions:
         for mechanism in mechanisms:
             for form in forms or ("",):
                 more = [f"train.compile={compile_mode}", *([f"train.fast_attention={form}"] if form else [])]
-                config = listops(out, "listops_fig1a", [mechanism], PAPER_SEEDS, precision, extra, *more)
+                config = listops(out, path.stem, [mechanism], PAPER_SEEDS, precision, extra, *more, path=path)
                 case = "/".join(filter(None, (mechanism, label(precision), form)))
                 results[case] = _time_case(config, mechanism, precision, steps)
                 if DEVICE == "cuda":
@@ -294,7 +307,8 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
         "step_ms": round(step_ms, 3),
         "eval_s": round(eval_s, 3),
         "epoch_s": round(epoch_s, 3),
-        "study_min_200_epochs": round(200 * epoch_s / 60, 2),
+        "study_epochs": trainer.train_cfg.epochs,
+        "study_min": round(trainer.train_cfg.epochs * epoch_s / 60, 2),
         "compile_s": round(compile_s, 1),
         "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else 0.0,
         **{
@@ -405,7 +419,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precision", default="high", choices=("highest", "high", "medium"), help="chosen matmul precision")
     parser.add_argument("--autocast", default="none", choices=("none", "bf16"), help="chosen autocast")
     parser.add_argument(
-        "--compile", default="default", choices=("eager", "default", "reduce-overhead", "step-graph"), help="train.compile"
+        "--compile",
+        default="default",
+        choices=("eager", "default", "reduce-overhead", "step-graph", "eager-graph"),
+        help="train.compile",
     )
     parser.add_argument("--no-reference", action="store_true", help="time only the chosen precision, not fp32 too")
     parser.add_argument("--topk-select", default="torch", choices=("torch", "triton"), help="train.topk_select")
@@ -413,8 +430,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--throughput-mechanism",
         action="append",
-        choices=FIG1A,
-        help="a Figure-1a mechanism to time (repeatable; default: FULL and TOPK:5)",
+        help="a mechanism to time (repeatable; any pattern spec; default: FULL and TOPK:5)",
+    )
+    parser.add_argument(
+        "--throughput-config",
+        type=Path,
+        default=LISTOPS,
+        help="the experiment whose model and data the throughput stage times (default: experiments/listops.yaml)",
     )
     parser.add_argument(
         "--throughput-form",
@@ -440,7 +462,13 @@ def parse_args() -> argparse.Namespace:
         "--constant", action="append", default=[], metavar="MODULE.NAME=VALUE", help="a sparsefocus module constant to set"
     )
     parser.add_argument("--only-throughput", action="store_true", help="time the step and stop: no check, fidelity or study")
-    return parser.parse_args()
+    args = parser.parse_args()
+    for mechanism in args.throughput_mechanism or ():
+        try:
+            parse_pattern(mechanism)
+        except ValueError as error:
+            parser.error(f"--throughput-mechanism {mechanism!r}: {error}")
+    return args
 
 
 def main() -> int:
@@ -490,8 +518,13 @@ def main() -> int:
             args.compile,
             tuple(args.throughput_mechanism or FIG1A[:2]),
             tuple(args.throughput_form),
+            args.throughput_config,
         )
-        state["throughput_settings"] = {"set": args.extra, "constants": constants}  # what the timings ran with
+        state["throughput_settings"] = {  # what the timings ran with
+            "config": str(args.throughput_config),
+            "set": args.extra,
+            "constants": constants,
+        }
         save()
     elif "throughput" not in state:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
@@ -534,13 +567,13 @@ def print_table(state: dict) -> None:
             f"check {mechanism:7s} fast vs exact: loss {row['loss_fast']:.6f} vs {row['loss_exact']:.6f}, worst grad rel err {row['worst_grad_rel_err']:.2e}"
         )
     if "throughput" in state:
-        print(f"{'case':24s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'200 ep min':>10s} {'compile s':>9s} {'GiB':>6s}")
+        print(f"{'case':24s} {'step ms':>8s} {'eval s':>7s} {'epoch s':>8s} {'study min':>10s} {'compile s':>9s} {'GiB':>6s}")
         for case, row in state["throughput"].items():
             if "error" in row:
                 print(f"{case:24s} failed: {row['error'].splitlines()[0][:160]}")
                 continue
             print(
-                f"{case:24s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min_200_epochs']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}"
+                f"{case:24s} {row['step_ms']:8.2f} {row['eval_s']:7.2f} {row['epoch_s']:8.2f} {row['study_min']:10.2f} {row['compile_s']:9.1f} {row['peak_gib']:6.2f}"
             )
     fid = state.get("fidelity", {})
     if fid.get("finished"):

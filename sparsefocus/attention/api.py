@@ -197,6 +197,8 @@ def sparse_attention(
     decoding = check_alignment(spec, q.shape[2], k.shape[2], causal)
     if return_lse:
         check_lse_support(spec)
+    if q.shape[0] == 0 or q.shape[2] == 0:
+        return _no_queries(q, k, v, return_lse)
     chosen = resolve_impl(spec, impl, q, decoding, lse=return_lse)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if return_lse and chosen == "triton":
@@ -214,6 +216,16 @@ def sparse_attention(
         return out.to(q.dtype)
     k = expand_kv(k, q.shape[1]) if spec.expands_kv else k
     return out.to(q.dtype), _lse(spec, chosen, q, k, decoding, causal, **kwargs)
+
+
+def _no_queries(q: Tensor, k: Tensor, v: Tensor, return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """An empty batch or no query rows (a data-parallel shard or an evaluation remainder without
+    sequences): the empty [B, Hq, N, Dv] output through dense SDPA, which gives empty gradients,
+    instead of kernels launched on empty grids."""
+    out = torch.nn.functional.scaled_dot_product_attention(q, expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1]))
+    if not return_lse:
+        return out
+    return out, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _packed(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, impl: str, **kwargs):

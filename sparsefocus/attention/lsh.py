@@ -176,7 +176,7 @@ class LSH(IndexedPattern):
         first = start + (query_rank // self.chunk - 1) * self.chunk
         slot = first[..., None] + torch.arange(2 * self.chunk, device=device)  # [B, H, N, 2C]
         valid = (slot >= start[..., None]) & (slot < stop[..., None])
-        flat_slot = slot.clamp(0, n_keys - 1).reshape(*slot.shape[:-2], -1)  # [B, H, N*2C]
+        flat_slot = slot.clamp(0, n_keys - 1).flatten(-2)  # [B, H, N*2C]
         picked = torch.gather(order, -1, flat_slot).reshape(slot.shape)
         return torch.where(valid, picked, torch.full_like(picked, -1))
 

@@ -101,7 +101,7 @@ def group_probabilities(q, ck, lse, cmp_real, rows, cmp, stride, causal, scale) 
     kv_heads, n_cmp = ck.shape[1], ck.shape[2]
     grouped = upcast(q).reshape(batch, kv_heads, q_heads // kv_heads, n_rows, dim)
     scores = torch.matmul(grouped, upcast(ck)[:, :, None].transpose(-1, -2)) * scale  # [B, Hk, G, R, Nc]
-    lse = lse.reshape(batch, kv_heads, -1, n_rows, 1)
+    lse = lse.reshape(batch, kv_heads, q_heads // kv_heads, n_rows, 1)
     visible = compressed_visible(rows, n_cmp, cmp, stride, causal, q.device)  # [R, Nc]
     if cmp_real is not None:
         visible = visible & cmp_real[:, None, None, None, :]

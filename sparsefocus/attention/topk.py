@@ -48,8 +48,10 @@ def select_extreme_keys(
         kv_heads, n_keys = k.shape[1], k.shape[2]
         # query heads h*G .. h*G+G-1 read kv head h (expand_kv's order): one matmul per kv head
         # over its group's rows, so the keys are never repeated
-        grouped = upcast(q[:, :, rows]).reshape(batch, kv_heads, -1, dim)  # [B, Hk, G*C, D]
-        scores = torch.matmul(grouped, upcast(k).transpose(-1, -2)).view(batch, q_heads, -1, n_keys)  # [B, H, C, M]
+        n_rows = q[:, :, rows].shape[2]
+        # explicit sizes, not -1: an empty batch has no size to infer
+        grouped = upcast(q[:, :, rows]).reshape(batch, kv_heads, q_heads // kv_heads * n_rows, dim)  # [B, Hk, G*C, D]
+        scores = torch.matmul(grouped, upcast(k).transpose(-1, -2)).view(batch, q_heads, n_rows, n_keys)  # [B, H, C, M]
         if not largest:
             scores = -scores
         return top_positions(scores, count, allowed_keys(q, k, rows, causal, key_padding_mask))  # [B, H, C, K]

@@ -524,8 +524,9 @@ def _nearest(q: Tensor, k: Tensor, candidates: Tensor, width: int, dedup: bool) 
         repeated[..., 1:] = candidates[..., 1:] == candidates[..., :-1]
         candidates = torch.where(repeated, torch.full_like(candidates, -1), candidates)
     batch, heads, rows, count = candidates.shape
-    flat = candidates.clamp_min(0).reshape(batch, k.shape[1], -1, 1)  # [B, Hk, G*R*C, 1]: a kv head's query heads
-    keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1])).view(batch, heads, rows, count, -1).to(q.dtype)
+    per_kv = heads // k.shape[1] * rows * count  # explicit, not -1: an empty batch has no size to infer
+    flat = candidates.clamp_min(0).reshape(batch, k.shape[1], per_kv, 1)  # [B, Hk, G*R*C, 1]: a kv head's query heads
+    keys = torch.gather(k, 2, flat.expand(-1, -1, -1, k.shape[-1])).view(batch, heads, rows, count, k.shape[-1]).to(q.dtype)
     distance = (q[..., None, :] - keys).pow(2).sum(-1)  # [B, H, R, C]
     distance = distance.masked_fill(candidates < 0, float("inf"))
     if count < width:

@@ -140,3 +140,23 @@ def test_fixed_patterns_selection_mask_matches_flex_mask_mod():
                 from_lists_mask = mask_from_indices(from_lists, k.shape[-2])
                 g = spec.num_global_tokens
                 assert torch.equal(from_lists_mask[:, :, g:], from_rule[:, :, g:]), (example, causal)
+
+
+@pytest.mark.parametrize("pattern", EXAMPLES)
+def test_an_empty_batch_gives_an_empty_output_on_every_path(pattern):
+    """B = 0 (a data-parallel shard or an evaluation remainder with no sequences): every
+    implementation returns [0, H, N, Dv] and a backward through it, as SDPA does."""
+    n = next(size for size in SIZES if _fits(pattern, size)) if any(_fits(pattern, size) for size in SIZES) else own_size(pattern)
+    q, k, v = (x[:0] for x in _inputs(n))
+    spec = sf.parse_pattern(pattern)
+    for impl in spec.impls:
+        for causal in (False, True):
+            try:
+                spec.check_sizes(n, n, causal=causal)
+            except ValueError:
+                continue  # a pattern that refuses this form (tested in test_api.py)
+            q_, k_, v_ = (x.detach().clone().requires_grad_() for x in (q, k, v))
+            out = sf.sparse_attention(q_, k_, v_, spec, causal=causal, impl=impl)
+            assert out.shape == (0, q.shape[1], n, v.shape[-1]), (impl, causal, out.shape)
+            out.sum().backward()
+            assert q_.grad.shape == q.shape and k_.grad.shape == k.shape, (impl, causal)
