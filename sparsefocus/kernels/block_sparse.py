@@ -689,25 +689,27 @@ def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor,
     return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra, order
 
 
-def _backward_impl(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    grad_lse,
-    blocks,
-    key_real,
-    row_bits,
-    block_size,
-    tile,
-    causal,
-    scale,
-    window,
-    key_stride,
-    key_offset,
-):
+@torch.library.custom_op("sparsefocus::block_sparse_bwd", mutates_args=())
+def block_sparse_bwd(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    grad_lse: Tensor,
+    blocks: Tensor,
+    key_real: Optional[Tensor],
+    row_bits: Optional[Tensor],
+    block_size: int,
+    tile: int,
+    causal: bool,
+    scale: float,
+    window: int,
+    key_stride: int,
+    key_offset: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward op of ``block_sparse_fwd``: (dq, dk, dv) in the inputs' dtypes."""
     run = _Launch(q, k, v, blocks, block_size, tile)
     delta = row_dot(out, grad_out) - grad_lse.float()  # [B, Hq, N]
     real = _real_arg(key_real, q)
@@ -796,48 +798,6 @@ def _backward_impl(
         N_SUB=run.n_sub,
     )
     return dq, dk, dv
-
-
-@torch.library.custom_op("sparsefocus::block_sparse_bwd", mutates_args=())
-def block_sparse_bwd(
-    grad_out: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    grad_lse: Tensor,
-    blocks: Tensor,
-    key_real: Optional[Tensor],
-    row_bits: Optional[Tensor],
-    block_size: int,
-    tile: int,
-    causal: bool,
-    scale: float,
-    window: int,
-    key_stride: int,
-    key_offset: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward op of ``block_sparse_fwd``: (dq, dk, dv) in the inputs' dtypes."""
-    return _backward_impl(
-        grad_out,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        grad_lse,
-        blocks,
-        key_real,
-        row_bits,
-        block_size,
-        tile,
-        causal,
-        scale,
-        window,
-        key_stride,
-        key_offset,
-    )
 
 
 @block_sparse_bwd.register_fake
