@@ -45,7 +45,9 @@ The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_gr
 each in turn, each on its own CUDA stream). ``--check`` first trains a small even-pairs grid with
 dropout both one group at a time and concurrently and records how far the two differ
 (``<out>/concurrent_check.json``): each group keeps its own dropout stream, so they differ only
-by the GPU's non-deterministic summation order.
+by the GPU's non-deterministic summation order. ``--verify TESTS`` (repeatable pytest paths) runs
+those tests on the machine first and trains nothing unless they pass (exit status 3; their output
+in ``<out>/<study>_verify.txt``): a kernel a study trains with is checked on the GPU it trains on.
 
 Usage (one H200):
     python benchmarks/gpu_studies.py --study even_pairs --out $OUT --inbox studies_in --budget 480 --check
@@ -367,6 +369,16 @@ def use_compile_cache(work: Path) -> Path:
     return cache
 
 
+def verified(tests: list[str], log: Path) -> bool:
+    """Run pytest on ``tests`` in a fresh process (its output into ``log``); whether all passed."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], capture_output=True, text=True
+    )
+    write_text_atomic(log, result.stdout + result.stderr)
+    print(f"verify: {(result.stdout.strip().splitlines() or ['no output'])[-1]}", flush=True)
+    return result.returncode == 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", required=True, choices=sorted(STUDIES))
@@ -401,6 +413,14 @@ def main() -> int:
         " for the open-question studies, which compile nine or ten kinds of model, step otherwise)",
     )
     parser.add_argument("--check", action="store_true", help="first compare concurrent with one-at-a-time training")
+    parser.add_argument(
+        "--verify",
+        action="append",
+        default=[],
+        metavar="TESTS",
+        help="a pytest path (repeatable) that must pass on this machine before anything trains: a kernel the study"
+        " runs, checked on the device it trains on; a failure stops the call with status 3",
+    )
     parser.add_argument(
         "--no-compile-cache", action="store_true", help="neither unpack nor return Inductor's and Triton's caches"
     )
@@ -446,6 +466,12 @@ def main() -> int:
         print(f"gpu_studies: error: {error}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if args.verify and not verified(args.verify, out / f"{args.study}_verify.txt"):
+        print(
+            f"gpu_studies: error: --verify tests failed (see {out / f'{args.study}_verify.txt'}); nothing trained",
+            file=sys.stderr,
+        )
+        return 3
     work.mkdir(parents=True, exist_ok=True)
     try:
         started = start_from(args.start_from, args.study, work) if args.start_from else 0

@@ -234,3 +234,22 @@ def test_the_hard_stop_interrupts_training_that_outruns_the_call_and_still_packs
     assert studies.unpack(out, "even_pairs", tmp_path / "again")
     assert (tmp_path / "again" / "even_pairs" / "default" / "FULL" / "seed-1" / "metrics.jsonl").exists()
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # the alarm is off again
+
+
+def test_verify_runs_the_tests_first_and_trains_nothing_when_one_fails(studies, tmp_path, monkeypatch, capsys):
+    passing, failing = tmp_path / "test_passing.py", tmp_path / "test_failing.py"
+    passing.write_text("def test_ok():\n    assert 1 + 1 == 2\n")
+    failing.write_text("def test_bad():\n    assert 1 + 1 == 3\n")
+    assert studies.verified([str(passing)], tmp_path / "log-pass.txt")
+    assert "1 passed" in (tmp_path / "log-pass.txt").read_text()
+
+    def must_not_train(*args, **kwargs):
+        raise AssertionError("trained although a --verify test failed")
+
+    monkeypatch.setattr(studies, "run_experiment", must_not_train)
+    out, work = tmp_path / "o", tmp_path / "w"
+    argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(work), "--no-compile-cache"]
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--verify", str(passing), "--verify", str(failing)])
+    assert studies.main() == 3
+    assert "--verify tests failed" in capsys.readouterr().err
+    assert "1 failed" in (out / "even_pairs_verify.txt").read_text() and not work.exists()
