@@ -390,7 +390,9 @@ def main() -> int:
         help="a kept study folder (finished groups) to continue; the inbox's parts are unpacked over it",
     )
     parser.add_argument("--work", default="/tmp/sparsefocus-studies", help="where the study trains")
-    parser.add_argument("--budget", type=float, default=480.0, help="seconds of this call, the check included")
+    parser.add_argument(
+        "--budget", type=float, default=480.0, help="seconds of this call, the verification and the check included"
+    )
     parser.add_argument(
         "--hard-stop",
         type=float,
@@ -466,6 +468,7 @@ def main() -> int:
         print(f"gpu_studies: error: {error}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    verify_began = time.time()
     if args.verify and not verified(args.verify, out / f"{args.study}_verify.txt"):
         print(
             f"gpu_studies: error: --verify tests failed (see {out / f'{args.study}_verify.txt'}); nothing trained",
@@ -482,8 +485,9 @@ def main() -> int:
     if not args.no_compile_cache:
         cached = unpack(Path(args.inbox), CACHE, work)
         use_compile_cache(work)
-    budget = Budget(args.budget)  # the check's time counts towards it, and towards the hard stop
-    called = time.time()
+    spent = time.time() - verify_began  # the verification's and the check's time count towards the budget and the hard stop
+    budget = Budget(max(args.budget - spent, 0.0))
+    called = time.time() - spent
     if args.check:
         print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile, args.fast_attention)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
