@@ -20,7 +20,8 @@ position of key j is ``j * key_stride + key_offset`` (1 and 0 for ordinary keys;
 compressed keys sit at the last position they summarise). Entries of one list must be distinct;
 -1 marks an unused slot.
 
-* forward: one program per tile; online softmax in fp32 over the listed blocks; returns the
+* forward: one program per tile, reading its list up to the last used slot (a query-tile union
+  of NSA's selection is mostly -1 tail); online softmax in fp32 over the listed blocks; returns the
   output and the log-sum-exp (natural log, -inf for a row with no key).
 * backward: dq by the same tiles (recomputing p from the LSE); dk and dv key-block-major: the
   (block, tile) pairs are sorted by block on device (fixed capacity, no host sync), each block's
@@ -186,6 +187,7 @@ def _fwd_kernel(
     K,
     V,
     BLOCKS,
+    ENDS,
     BITS,
     REAL,
     OUT,
@@ -240,7 +242,7 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = scale * 1.4426950408889634
     list_ptr = BLOCKS + (bh * T + t) * S
-    for s in range(S):
+    for s in range(tl.load(ENDS + bh * T + t)):  # the slots up to the list's last used one
         blk = tl.load(list_ptr + s)
         row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
         if blk >= 0:
@@ -294,6 +296,7 @@ def _bwd_dq_kernel(
     LSE,
     DELTA,
     BLOCKS,
+    ENDS,
     BITS,
     REAL,
     DQ,
@@ -355,7 +358,7 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * 1.4426950408889634
     list_ptr = BLOCKS + (bh * T + t) * S
-    for s in range(S):
+    for s in range(tl.load(ENDS + bh * T + t)):  # the slots up to the list's last used one
         blk = tl.load(list_ptr + s)
         row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
         if blk >= 0:
@@ -585,6 +588,15 @@ def _real_arg(key_real: Optional[Tensor], q: Tensor) -> Tensor:
     return q.new_zeros(1, dtype=torch.int8) if key_real is None else key_real.to(torch.int8).contiguous()
 
 
+def _list_ends(blocks: Tensor) -> Tensor:
+    """[B, H, T] int32: one past each list's last used slot (0 for an empty list), so a kernel
+    stops there instead of reading a tail of -1 slots (query-tile unions are mostly tail)."""
+    if blocks.shape[-1] == 0:
+        return blocks.new_zeros(blocks.shape[:-1], dtype=torch.int32)
+    slots = torch.arange(1, blocks.shape[-1] + 1, device=blocks.device, dtype=torch.int32)
+    return torch.where(blocks >= 0, slots, 0).amax(-1).to(torch.int32).contiguous()
+
+
 def _bits_arg(row_bits: Optional[Tensor], q: Tensor) -> Tensor:
     return q.new_zeros(1, dtype=torch.int32) if row_bits is None else row_bits
 
@@ -599,6 +611,7 @@ def _forward_impl(q, k, v, blocks, key_real, row_bits, block_size, tile, causal,
         k,
         v,
         blocks,
+        _list_ends(blocks),
         _bits_arg(row_bits, q),
         _real_arg(key_real, q),
         out,
@@ -724,6 +737,7 @@ def block_sparse_bwd(
         lse,
         delta,
         blocks,
+        _list_ends(blocks),
         _bits_arg(row_bits, q),
         real,
         dq,

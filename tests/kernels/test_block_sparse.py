@@ -104,6 +104,14 @@ def test_window_and_strided_key_positions_match_reference():
     compare(q, k, v, blocks, block_size=16, tile=GROUP_TILE, causal=True, window=20, key_stride=2, key_offset=7)
 
 
+def test_unused_slots_anywhere_in_a_list_are_skipped():
+    """-1 before used slots (the kernel reads up to a list's last used slot), and lists of -1 only."""
+    q, k, v, blocks, padding = make_case(n=70, tile=16, group=2, kv_heads=1, slots=3)
+    blocks[:, :, ::2, 0] = -1
+    blocks[:, :, 1] = -1
+    compare(q, k, v, blocks, block_size=16, tile=16, causal=True, key_padding_mask=padding)
+
+
 def test_rows_without_keys_are_zero_and_lse_minus_inf():
     q, k, v, blocks, _ = make_case(n=40, tile=16, group=1, kv_heads=1, padded=False)
     blocks[:, :, 0] = -1  # the first tile lists nothing
