@@ -89,7 +89,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def listops(
+def experiment_config(
     out: Path,
     name: str,
     mechanisms: list[str],
@@ -99,8 +99,8 @@ def listops(
     *more: str,
     path: Path = LISTOPS,
 ):
-    """The paper's ListOps config (or the experiment at ``path``), batched fast mode on CUDA,
-    with the given precision."""
+    """The experiment at ``path`` (default: the paper's ListOps), batched fast mode on CUDA, with
+    the given precision."""
     overrides = [
         f"out_dir={out}",
         f"name={name}",
@@ -139,7 +139,7 @@ def check(out: Path, extra: list[str]) -> dict:
     for mechanism in ("FULL", "TOPK:5", "BAND:5(1)"):
         grads = {}
         for mode in ("exact", "fast"):
-            config = listops(
+            config = experiment_config(
                 out,
                 "check",
                 [mechanism],
@@ -193,7 +193,9 @@ def check_step_graph(out: Path, extra: list[str], steps: int = 5) -> dict:
 
     finals = {}
     for mode in ("default", "step-graph"):
-        config = listops(out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, f"train.compile={mode}"], "model.dropout=0.0")
+        config = experiment_config(
+            out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, f"train.compile={mode}"], "model.dropout=0.0"
+        )
         with matmul_precision("highest"), fast_attention(config.train.fast_attention):
             trainer = trainer_for(config, "FULL", PAPER_SEEDS[:2])
             batch = trainer.train_cfg.batch_size
@@ -207,7 +209,7 @@ def check_step_graph(out: Path, extra: list[str], steps: int = 5) -> dict:
     worst = max(
         ((finals["step-graph"][n] - w).abs().max() / w.abs().max().clamp(min=1e-12)).item() for n, w in finals["default"].items()
     )
-    config = listops(out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, "train.compile=step-graph"])
+    config = experiment_config(out, "check", ["FULL"], PAPER_SEEDS[:2], FP32, [*extra, "train.compile=step-graph"])
     trainer = trainer_for(config, "FULL", PAPER_SEEDS[:2])
     trainer.model.train()
     index = torch.arange(2 * 25, device=DEVICE).view(2, 25)
@@ -236,7 +238,7 @@ def throughput(
         for mechanism in mechanisms:
             for form in forms or ("",):
                 more = [f"train.compile={compile_mode}", *([f"train.fast_attention={form}"] if form else [])]
-                config = listops(out, path.stem, [mechanism], PAPER_SEEDS, precision, extra, *more, path=path)
+                config = experiment_config(out, path.stem, [mechanism], PAPER_SEEDS, precision, extra, *more, path=path)
                 case = "/".join(filter(None, (mechanism, label(precision), form)))
                 results[case] = _time_case(config, mechanism, precision, steps)
                 if DEVICE == "cuda":
@@ -332,7 +334,7 @@ def fidelity(out: Path, precisions: list[tuple[str, str]], extra: list[str], epo
 
 def fidelity_configs(out: Path, precisions: list[tuple[str, str]], extra: list[str], epochs: int) -> list:
     return [
-        listops(out, f"fidelity-{label(p)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], p, extra, f"train.epochs={epochs}")
+        experiment_config(out, f"fidelity-{label(p)}", ["FULL", "TOPK:5"], PAPER_SEEDS[:3], p, extra, f"train.epochs={epochs}")
         for p in precisions
     ]
 
@@ -404,7 +406,7 @@ def compare_curves(curves: dict, reference: str, chosen: str, epochs: int) -> di
 
 
 def study(out: Path, precision: tuple[str, str], extra: list[str], budget: Budget) -> dict:
-    config = listops(out, "listops_fig1a", FIG1A, PAPER_SEEDS, precision, extra)
+    config = experiment_config(out, "listops_fig1a", FIG1A, PAPER_SEEDS, precision, extra)
     began = time.perf_counter()
     run_experiment(config, quiet=True, budget=budget)
     line, complete = progress_line(config)

@@ -244,8 +244,8 @@ def _fwd_kernel(
     list_ptr = BLOCKS + (bh * T + t) * S
     for s in range(tl.load(ENDS + bh * T + t)):  # the slots up to the list's last used one
         blk = tl.load(list_ptr + s)
-        row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
         if blk >= 0:
+            row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
             for sub in tl.static_range(N_SUB):
                 inner = sub * BLOCK_N + offs_n
                 kidx = blk * block_size + inner  # [BN]
@@ -360,8 +360,8 @@ def _bwd_dq_kernel(
     list_ptr = BLOCKS + (bh * T + t) * S
     for s in range(tl.load(ENDS + bh * T + t)):  # the slots up to the list's last used one
         blk = tl.load(list_ptr + s)
-        row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
         if blk >= 0:
+            row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
             for sub in tl.static_range(N_SUB):
                 inner = sub * BLOCK_N + offs_n
                 kidx = blk * block_size + inner
@@ -601,7 +601,25 @@ def _bits_arg(row_bits: Optional[Tensor], q: Tensor) -> Tensor:
     return q.new_zeros(1, dtype=torch.int32) if row_bits is None else row_bits
 
 
-def _forward_impl(q, k, v, blocks, key_real, row_bits, block_size, tile, causal, scale, window, key_stride, key_offset):
+@torch.library.custom_op("sparsefocus::block_sparse_fwd", mutates_args=())
+def block_sparse_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    blocks: Tensor,
+    key_real: Optional[Tensor],
+    row_bits: Optional[Tensor],
+    block_size: int,
+    tile: int,
+    causal: bool,
+    scale: float,
+    window: int,
+    key_stride: int,
+    key_offset: int,
+) -> tuple[Tensor, Tensor]:
+    """Forward op: contiguous q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], blocks int32
+    (see the module docstring), key_real [B, M] bool or None, row_bits int32 like blocks or None
+    -> (out [B, Hq, N, Dv], lse [B, Hq, N] fp32)."""
     run = _Launch(q, k, v, blocks, block_size, tile)
     out = torch.empty(run.batch, run.q_heads, run.n, run.dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(run.batch, run.q_heads, run.n, dtype=torch.float32, device=q.device)
@@ -632,28 +650,6 @@ def _forward_impl(q, k, v, blocks, key_real, row_bits, block_size, tile, causal,
         **run.constexprs(causal, key_real is not None, window, row_bits is not None),
     )
     return out, lse
-
-
-@torch.library.custom_op("sparsefocus::block_sparse_fwd", mutates_args=())
-def block_sparse_fwd(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    blocks: Tensor,
-    key_real: Optional[Tensor],
-    row_bits: Optional[Tensor],
-    block_size: int,
-    tile: int,
-    causal: bool,
-    scale: float,
-    window: int,
-    key_stride: int,
-    key_offset: int,
-) -> tuple[Tensor, Tensor]:
-    """Forward op: contiguous q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv], blocks int32
-    (see the module docstring), key_real [B, M] bool or None, row_bits int32 like blocks or None
-    -> (out [B, Hq, N, Dv], lse [B, Hq, N] fp32)."""
-    return _forward_impl(q, k, v, blocks, key_real, row_bits, block_size, tile, causal, scale, window, key_stride, key_offset)
 
 
 @block_sparse_fwd.register_fake
@@ -815,25 +811,7 @@ def block_sparse_bwd(
 
 
 @block_sparse_bwd.register_fake
-def _(
-    grad_out,
-    q,
-    k,
-    v,
-    out,
-    lse,
-    grad_lse,
-    blocks,
-    key_real,
-    row_bits,
-    block_size,
-    tile,
-    causal,
-    scale,
-    window,
-    key_stride,
-    key_offset,
-):
+def _(grad_out, q, k, v, *_):  # (dq, dk, dv) shaped like the inputs
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
