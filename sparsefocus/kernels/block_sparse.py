@@ -98,8 +98,8 @@ def block_sparse_mask(
     n_blocks = -(-n_keys // block_size)
     slot = torch.where(blocks >= 0, blocks.long(), torch.full_like(blocks.long(), n_blocks))
     if row_bits is not None:  # tile mode, per row: block of slot s kept where bit r of row_bits is set
-        rows = (row_bits.long()[..., None] >> torch.arange(tile, device=q.device)) & 1  # [B, Hq, T, S, tile]
-        chosen = F.one_hot(slot, n_blocks + 1).to(rows.dtype)  # [B, Hq, T, S, nb + 1]
+        rows = ((row_bits.long()[..., None] >> torch.arange(tile, device=q.device)) & 1).float()  # [B, Hq, T, S, tile]
+        chosen = F.one_hot(slot, n_blocks + 1).float()  # [B, Hq, T, S, nb + 1]; float: CUDA has no integer einsum
         kept = torch.einsum("bhtsr,bhtsj->bhtrj", rows, chosen) > 0  # [B, Hq, T, tile, nb + 1]
         kept = kept.flatten(2, 3)[:, :, :n_queries, :n_blocks]  # [B, Hq, N, nb]
     else:
