@@ -281,6 +281,7 @@ class _GroupTimer:
         for spec in self.group:
             first = self.start[spec.run_dir]
             append_timing(spec.run_dir, {"from_epoch": first + 1, "to_epoch": first + epochs} | segment)
+            self.progress["runs"] += first + epochs >= spec.config.train.epochs
 
 
 def progress_line(config: ExperimentConfig) -> tuple[str, bool]:

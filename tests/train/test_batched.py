@@ -431,6 +431,7 @@ def test_concurrent_groups_give_what_each_group_gives_alone(one_at_a_time, width
     assert_same_params(params, params_of(root), atol=0.0)
     timings = [json.loads(p.read_text()) for p in root.glob("*/*/seed-*/timing.json")]
     assert timings and all(t[-1]["concurrent_groups"] == width and t[-1]["to_epoch"] == 3 for t in timings)
+    assert json.loads((root / "timing.json").read_text())[-1]["runs_finished"] == len(timings)
 
 
 def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at_a_time, tmp_path):
@@ -441,7 +442,9 @@ def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at
         f"default/{m}/seed-{s}": 2 for m, s in [("FULL", 1), ("FULL", 2), ("FULL", 3), ("BAND-3-1", 1), ("BAND-3-1", 2)]
     }
     assert all(not load_checkpoint(p)["finished"] for p in root.glob("*/*/seed-*/checkpoint.pt"))
+    assert json.loads((root / "timing.json").read_text())[-1]["runs_finished"] == 0
     run_experiment(cfg, quiet=True)
+    assert json.loads((root / "timing.json").read_text())[-1]["runs_finished"] == len(metrics_of(root))
     metrics, params = one_at_a_time
     assert_same_metrics(metrics, metrics_of(root), rtol=0.0)
     assert_same_params(params, params_of(root), atol=0.0)
