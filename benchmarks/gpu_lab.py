@@ -35,6 +35,7 @@ or a case failed). A case that fails is recorded with its error, and the others 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 import ast
 import importlib
 import json
@@ -229,21 +230,29 @@ def throughput(
     mechanisms: tuple[str, ...],
     forms: tuple[str, ...] = (),
     path: Path = LISTOPS,
+    done: dict | None = None,
+    on_case: Callable[[dict], None] | None = None,
 ) -> dict:
     """ms per training step and seconds per whole evaluation, 10 seeds folded, per mechanism and,
     with ``forms``, per ``train.fast_attention`` (cases "MECHANISM/PRECISION/FORM", timed one
-    after the other in this process), on the model and data of the experiment at ``path``."""
-    results = {}
+    after the other in this process), on the model and data of the experiment at ``path``.
+    Cases timed without error in ``done`` (an earlier call's) are kept, not timed again;
+    ``on_case(results)`` runs after each case, so a call cut short keeps what it measured."""
+    results = dict(done or {})
     for precision in precisions:
         for mechanism in mechanisms:
             for form in forms or ("",):
+                case = "/".join(filter(None, (mechanism, label(precision), form)))
+                if "error" not in results.get(case, {"error": "not timed"}):
+                    continue
                 more = [f"train.compile={compile_mode}", *([f"train.fast_attention={form}"] if form else [])]
                 config = experiment_config(out, path.stem, [mechanism], PAPER_SEEDS, precision, extra, *more, path=path)
-                case = "/".join(filter(None, (mechanism, label(precision), form)))
                 results[case] = _time_case(config, mechanism, precision, steps)
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
                 print(f"throughput {case}: {results[case]}", flush=True)
+                if on_case is not None:
+                    on_case(results)
     return results
 
 
@@ -511,23 +520,29 @@ def main() -> int:
     if "check" not in state and not args.only_throughput:
         state["check"] = check(out, extra)
         save()
-    if "throughput" not in state and left() > args.min_stage:
-        state["throughput"] = throughput(
-            out,
-            timed,
-            extra,
-            args.steps,
-            args.compile,
-            tuple(args.throughput_mechanism or FIG1A[:2]),
-            tuple(args.throughput_form),
-            args.throughput_config,
+    settings = {"config": str(args.throughput_config), "set": args.extra, "constants": constants}  # what the timings ran with
+    if state.get("throughput_settings", settings) != settings:
+        state.pop("throughput", None)  # an earlier call's cases timed something else
+    if left() > args.min_stage:
+
+        def keep(results: dict) -> None:
+            state["throughput"], state["throughput_settings"] = results, settings
+            save()
+
+        keep(
+            throughput(
+                out,
+                timed,
+                extra,
+                args.steps,
+                args.compile,
+                tuple(args.throughput_mechanism or FIG1A[:2]),
+                tuple(args.throughput_form),
+                args.throughput_config,
+                done=state.get("throughput"),
+                on_case=keep,
+            )
         )
-        state["throughput_settings"] = {  # what the timings ran with
-            "config": str(args.throughput_config),
-            "set": args.extra,
-            "constants": constants,
-        }
-        save()
     elif "throughput" not in state:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
     if args.only_throughput:
