@@ -122,7 +122,8 @@ class NSA(Pattern):
     """``nsa:block=64,top=16,cmp=32,stride=16,window=512,pool=mean|mlp,initial=1,local=2,tile=0``.
 
     ``block`` selection block length, ``top`` selected blocks per (position, kv group) counting the
-    forced ones, ``cmp``/``stride`` compression window and step (both divide ``block``; stride
+    forced ones (``top == initial + local`` leaves nothing to choose by score except where the
+    forced blocks coincide, near the start), ``cmp``/``stride`` compression window and step (both divide ``block``; stride
     divides cmp), ``window`` sliding-window length (0: no window branch), ``pool`` compression.
     ``tile`` only changes how the Triton path runs the selection branch, not what it computes:
     0 = a kernel tile per (position, kv group), the group's query heads as its rows (NSA's own

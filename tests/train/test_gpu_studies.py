@@ -56,10 +56,10 @@ def test_the_open_question_study_keeps_its_nine_mechanisms(studies, tmp_path):
     assert config.train.concurrent_groups == 6 and config.train.autocast == "bf16"
 
 
-def test_the_even_pairs_open_question_adds_fixed_blocks_to_the_nine(studies, tmp_path):
+def test_the_even_pairs_open_question_adds_fixed_blocks_and_nsa_with_forced_blocks_only(studies, tmp_path):
     config = studies.study_config("even_pairs_open", tmp_path, "highest", "none", "step-graph")
     labels = [m.split(":")[0] for m in config.mechanisms]
-    assert labels == ["FULL", "TOPK", "BLOC", "zeta", "moba", "quest", "nsa", "dsa", "lsh", "entmax"]
+    assert labels == ["FULL", "TOPK", "BLOC", "zeta", "moba", "quest", "nsa", "nsa", "dsa", "lsh", "entmax"]
     assert not config.model.paper_mode and config.train.epochs == 100 and len(config.seeds) == 10
     assert config.task["name"] == "even_pairs" and config.train.autocast == "none"
 
