@@ -5,7 +5,8 @@ claims, written by hand) goes at the top of ``report.md``; then ``sparsefocus re
 the tables, ``curves.png`` and ``summary.json`` (per mechanism and seed the per-epoch metrics,
 the median curves and the speed-up statistics) from the experiment folder, and the dispersion
 analysis (``sparsefocus analyze --seed paper``, if it was run into ``<experiment>/analysis``)
-is copied beside them as ``dispersion.md`` / ``dispersion.json``.
+is copied beside them as ``dispersion.md`` / ``dispersion.json``, its run paths relative to the
+repository (or, for an experiment folder outside it, starting at the folder's own name).
 
 Usage:
     sparsefocus analyze runs/even_pairs --seed paper      # optional: the dispersion table
@@ -16,14 +17,17 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.report import write_report
 
+ROOT = Path(__file__).resolve().parents[1]
 COPIED = {"report.md": "report.md", "curves.png": "curves.png", "summary.json": "summary.json"}
 ANALYSIS = {"analysis.md": "dispersion.md", "analysis.json": "dispersion.json"}
 
@@ -33,6 +37,22 @@ def copy_atomic(source: Path, target: Path) -> None:
     temporary = target.with_name(f".{target.name}.tmp")
     shutil.copyfile(source, temporary)
     temporary.replace(target)
+
+
+def portable(text: str, experiment: Path, recorded: str = "", root: Path = ROOT) -> str:
+    """``text`` with the experiment folder's path (absolute, and ``recorded``: as the analysis
+    wrote it) replaced by the path relative to ``root`` where the folder lies inside it, else by
+    the folder's name alone: a committed record names no place outside the repository. Spellings
+    without a "/" (".", a bare name) are left alone: they name no place and match too much."""
+    absolute = experiment.resolve()
+    try:
+        shown = absolute.relative_to(root.resolve()).as_posix()
+    except ValueError:
+        shown = absolute.name
+    spellings = {spelling.rstrip("/") for spelling in (absolute.as_posix(), recorded)}
+    for spelling in sorted((s for s in spellings if "/" in s), key=len, reverse=True):
+        text = text.replace(spelling, shown)
+    return text
 
 
 def write_study(experiment: Path, out: Path, reach: float | None = None) -> list[Path]:
@@ -47,9 +67,13 @@ def write_study(experiment: Path, out: Path, reach: float | None = None) -> list
     for source, target in COPIED.items():
         copy_atomic(experiment / source, out / target)
         written.append(out / target)
+    analysis = experiment / "analysis"
+    recorded = (
+        json.loads((analysis / "analysis.json").read_text()).get("run_dir", "") if (analysis / "analysis.json").exists() else ""
+    )
     for source, target in ANALYSIS.items():
-        if (experiment / "analysis" / source).exists():
-            copy_atomic(experiment / "analysis" / source, out / target)
+        if (analysis / source).exists():
+            write_text_atomic(out / target, portable((analysis / source).read_text(), experiment, recorded))
             written.append(out / target)
     return written
 
