@@ -1,7 +1,11 @@
 """Test setup: Triton's interpreter on machines without CUDA (set before Triton is imported),
 fixed seeds, and NaN-poisoned ``torch.empty`` so that a kernel that leaves outputs unwritten fails."""
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -28,3 +32,21 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", _nan_empty)
     torch.manual_seed(42)
     yield
+
+
+def _load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module, registered in ``sys.modules`` (a dataclass defined in
+    it needs its module there) and loaded once."""
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """``bench_script("gpu_studies")``: a script of ``benchmarks/`` as a module."""
+    return _load_benchmark

@@ -1,10 +1,7 @@
 """benchmarks/zeta_recall_trained.py: ZETA candidate recall on the q/k a run's model produces."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,18 +11,7 @@ from sparsefocus.attention.patterns import parse_pattern
 from sparsefocus.train.config import from_dict
 from sparsefocus.train.experiment import run_experiment
 
-ROOT = Path(__file__).resolve().parents[2]
 PATTERN = "zeta:k=4,window=6,chunks=4,local=3"
-
-
-def load_script():
-    """The script as a module, registered in sys.modules (its dataclass needs its module there)."""
-    if "zeta_recall_trained" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("zeta_recall_trained", ROOT / "benchmarks" / "zeta_recall_trained.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["zeta_recall_trained"]
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +31,8 @@ def tiny_run(tmp_path_factory):
     return find_runs(run_experiment(config, quiet=True))[0]
 
 
-def test_collect_qk_gives_each_zeta_layer_its_projected_qk(tiny_run):
-    script = load_script()
+def test_collect_qk_gives_each_zeta_layer_its_projected_qk(tiny_run, bench_script):
+    script = bench_script("zeta_recall_trained")
     layers = script.collect_qk(load_run(tiny_run), examples=8, batch_size=3)
     assert list(layers) == ["blocks.0.attn", "blocks.1.attn"]
     for layer in layers.values():
@@ -54,8 +40,8 @@ def test_collect_qk_gives_each_zeta_layer_its_projected_qk(tiny_run):
         assert layer.q.shape == layer.k.shape == (8, 2, 32, 3)  # batches concatenated, d_K = 3
 
 
-def test_recall_is_a_fraction_and_one_when_window_and_band_cover_every_key(tiny_run):
-    script = load_script()
+def test_recall_is_a_fraction_and_one_when_window_and_band_cover_every_key(tiny_run, bench_script):
+    script = bench_script("zeta_recall_trained")
     layer = script.collect_qk(load_run(tiny_run), examples=8, batch_size=8)["blocks.0.attn"]
     # window 32 holds every earlier-chunk key; local 8 (the chunk at N <= 32) every own-chunk key
     patterns = [layer.pattern, parse_pattern("zeta:k=4,window=32,chunks=4,local=8")]
@@ -68,16 +54,16 @@ def test_recall_is_a_fraction_and_one_when_window_and_band_cover_every_key(tiny_
     assert any(r["recall"] < 1.0 for r in rows if r["window"] == 6)  # the measurement can tell a narrow window
 
 
-def test_matched_gaussian_keeps_mean_and_std_per_head_and_dimension():
-    script = load_script()
+def test_matched_gaussian_keeps_mean_and_std_per_head_and_dimension(bench_script):
+    script = bench_script("zeta_recall_trained")
     x = torch.randn(64, 2, 128, 3) * torch.tensor([0.5, 2.0, 4.0]) + torch.tensor([1.0, -3.0, 0.0])
     y = script.matched_gaussian(x, torch.Generator().manual_seed(0))
     assert torch.allclose(y.mean(dim=(0, 2)), x.mean(dim=(0, 2)), atol=0.05)
     assert torch.allclose(y.std(dim=(0, 2)), x.std(dim=(0, 2)), rtol=0.03)
 
 
-def test_main_writes_json_and_a_table(tiny_run, tmp_path, capsys):
-    script = load_script()
+def test_main_writes_json_and_a_table(tiny_run, tmp_path, capsys, bench_script):
+    script = bench_script("zeta_recall_trained")
     out = tmp_path / "recall.json"
     assert script.main([str(tiny_run), "--out", str(out), "--examples", "4", "--lengths", "16"]) == 0
     report = json.loads(out.read_text())

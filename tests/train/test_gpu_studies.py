@@ -1,7 +1,6 @@
 """benchmarks/gpu_studies.py: a study folder packed into parts and unpacked again is the same
 folder (the task cache left out), and the study configs are the paper's Figure-1 grid."""
 
-import importlib.util
 import json
 import random
 import signal
@@ -10,15 +9,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def studies():
-    spec = importlib.util.spec_from_file_location("gpu_studies", ROOT / "benchmarks" / "gpu_studies.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def studies(bench_script):
+    return bench_script("gpu_studies")
 
 
 def test_pack_and_unpack_keep_the_study_folder(studies, tmp_path, monkeypatch):

@@ -1,19 +1,9 @@
 """benchmarks/mqar_curves.py: runs from several session folders, seeds kept apart, short names."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_curves():
-    spec = importlib.util.spec_from_file_location("mqar_curves", ROOT / "benchmarks" / "mqar_curves.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_run(folder: Path, index: int, mechanism: str, seed: int, accuracies: list[float]) -> None:
@@ -23,8 +13,8 @@ def write_run(folder: Path, index: int, mechanism: str, seed: int, accuracies: l
     (folder / f"run{index}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_runs_of_one_mechanism_keep_their_seeds_and_the_table_names_differ(tmp_path):
-    curves = load_curves()
+def test_runs_of_one_mechanism_keep_their_seeds_and_the_table_names_differ(tmp_path, bench_script):
+    curves = bench_script("mqar_curves")
     write_run(tmp_path / "a", 0, "zeta:k=32,gamma=0.02", 7, [0.5, 0.9])
     write_run(tmp_path / "a", 1, "zeta:k=32,gamma=0.1", 7, [0.4])
     write_run(tmp_path / "b", 0, "zeta:k=32,gamma=0.02", 1, [0.6, 0.99])

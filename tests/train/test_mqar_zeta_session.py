@@ -1,7 +1,6 @@
 """benchmarks/mqar_zeta_session.py: a call's flat copies restore the run folders, and training
 resumes from them where the previous call stopped."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -32,19 +31,12 @@ TINY = [
 ]
 
 
-def load_session():
-    spec = importlib.util.spec_from_file_location("mqar_zeta_session", ROOT / "benchmarks" / "mqar_zeta_session.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class Stop(Exception):
     """Raised inside training to stop it the way a device call killed at its budget would."""
 
 
-def test_copied_files_restore_the_run_and_training_resumes_from_them(tmp_path):
-    session = load_session()
+def test_copied_files_restore_the_run_and_training_resumes_from_them(tmp_path, bench_script):
+    session = bench_script("mqar_zeta_session")
     first = load_config(ROOT / "experiments" / "mqar_zeta.yaml", TINY + [f"out_dir={tmp_path / 'a'}"])
     [spec] = plan(first, check_experiment(first))
 
@@ -70,8 +62,8 @@ def test_copied_files_restore_the_run_and_training_resumes_from_them(tmp_path):
     assert progress[f"FULL seed={resumed.seed}"]["epochs_done"] == 2
 
 
-def test_progress_keeps_one_entry_per_seed(tmp_path):
-    session = load_session()
+def test_progress_keeps_one_entry_per_seed(tmp_path, bench_script):
+    session = bench_script("mqar_zeta_session")
     for seed, accuracies in ((1, [0.5, 0.9]), (2, [0.7])):
         folder = tmp_path / f"seed-{seed}"
         folder.mkdir()
@@ -89,8 +81,8 @@ def test_progress_keeps_one_entry_per_seed(tmp_path):
     assert progress["zeta:k=2 seed=2"]["valid_acc"] == 0.7
 
 
-def test_the_study_fits_the_device_file_limit_and_a_wider_model_is_refused_before_training():
-    session = load_session()
+def test_the_study_fits_the_device_file_limit_and_a_wider_model_is_refused_before_training(bench_script):
+    session = bench_script("mqar_zeta_session")
     session.check_checkpoint_size(load_config(ROOT / "experiments" / "mqar_zeta.yaml"))
     with pytest.raises(ValueError, match="shrink model.dim"):
         session.check_checkpoint_size(load_config(ROOT / "experiments" / "mqar_zeta.yaml", ["model.dim=256"]))

@@ -1,19 +1,13 @@
 """benchmarks/study_docs.py: the committed dispersion record names no place outside the repository."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def study_docs():
-    spec = importlib.util.spec_from_file_location("study_docs", ROOT / "benchmarks" / "study_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def study_docs(bench_script):
+    return bench_script("study_docs")
 
 
 def test_an_experiment_outside_the_repository_is_named_by_its_folder(study_docs, tmp_path):
