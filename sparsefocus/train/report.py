@@ -457,32 +457,42 @@ def speed_table(curves: dict[str, Curves], chance: tuple[float, float] | None = 
     return speed_rows(SpeedStats.of(curves, chance))
 
 
-def plot_curves(curves: dict[str, Curves], title: str, path: Path) -> None:
+def plot_curves(curves: dict[str, Curves], title: str, path: Path, names: dict[str, str] | None = None) -> None:
     """Two rows like the paper's figures: training loss (top) and held-out accuracy (bottom),
-    median over seeds with the 25-75% band shaded."""
+    median over seeds with the 25-75% band shaded. The legend sits below both, one entry per
+    mechanism, named as ``names`` says (label -> the spec as the experiment wrote it; default: the
+    label); beyond ten mechanisms the colours come from a 20-colour map, so none repeats."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 6.4), sharex=True)
-    for curve in curves.values():
+    names = names or {}
+    columns = 1 if len(curves) <= 4 else 2
+    legend_rows = -(-len(curves) // columns)
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 6.0 + 0.17 * legend_rows), sharex=True)
+    palette = plt.get_cmap("tab10" if len(curves) <= 10 else "tab20")
+    colours = [palette(i) for i in range(palette.N)]  # the qualitative map's own colours, in order
+    for index, curve in enumerate(curves.values()):
         epochs = np.arange(1, curve.values["train_loss"].shape[1] + 1)
+        colour = colours[index % len(colours)]
         for axis, key in ((top, "train_loss"), (bottom, "valid_acc")):
             low, high = curve.quantiles(key)
-            (line,) = axis.plot(epochs, curve.median(key), label=f"{curve.label} ({len(curve.seeds)} seeds)")
-            axis.fill_between(epochs, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+            name = f"{names.get(curve.label, curve.label)} ({len(curve.seeds)} seeds)"
+            axis.plot(epochs, curve.median(key), color=colour, label=name)
+            axis.fill_between(epochs, low, high, color=colour, alpha=0.2, linewidth=0)
     top.set_ylabel("training loss (cross-entropy)")
     top.set_yscale("log")
     bottom.set_ylabel("held-out accuracy")
     bottom.set_xlabel("epoch")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     top.set_title(title, fontsize=10)
-    top.legend(fontsize=8)
     for axis in (top, bottom):
         axis.grid(alpha=0.3)
-    figure.tight_layout()
+    handles, labels = top.get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
+    figure.tight_layout(rect=(0.0, legend_rows * 0.17 / figure.get_figheight() + 0.01, 1.0, 1.0))  # room below for it
     save_png(figure, path, dpi=110)
 
 
@@ -705,7 +715,8 @@ def write_report(
     from sparsefocus.models.config import mechanism_label
 
     runs = load_runs(root)
-    grouped = group_curves(runs, [mechanism_label(m) for m in experiment["mechanisms"]])
+    names = {mechanism_label(m): str(m) for m in experiment["mechanisms"]}  # label -> the spec as written
+    grouped = group_curves(runs, list(names))
     lines = [f"# {experiment['name']}", "", *(preface or []), *timing_lines(root), *_setup_lines(experiment), ""]
     incomplete = [run["dir"] for run in runs if not run["complete"]]
     if incomplete:
@@ -718,7 +729,7 @@ def write_report(
         if key not in chances:
             chances[key] = chance_accuracy(task, experiment["seeds"][0])
         picture = root / _setting_picture(setting, len(grouped) == 1)
-        plot_curves(curves, _title(experiment, setting), picture)
+        plot_curves(curves, _title(experiment, setting), picture, names)
         pictures.append(picture)
         stats = SettingStats.of(curves, epoch_base, chances[key], reach)
         lines += _setting_lines(setting, picture, stats, epoch_base)
