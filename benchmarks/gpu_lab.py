@@ -35,7 +35,6 @@ or a case failed). A case that fails is recorded with its error, and the others 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 import ast
 import importlib
 import json
@@ -44,6 +43,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch

@@ -123,8 +123,9 @@ class NSA(Pattern):
 
     ``block`` selection block length, ``top`` selected blocks per (position, kv group) counting the
     forced ones (``top == initial + local`` leaves nothing to choose by score except where the
-    forced blocks coincide, near the start), ``cmp``/``stride`` compression window and step (both divide ``block``; stride
-    divides cmp), ``window`` sliding-window length (0: no window branch), ``pool`` compression.
+    forced blocks coincide, near the start), ``cmp``/``stride`` compression window and step (both
+    divide ``block``; stride divides cmp), ``window`` sliding-window length (0: no window branch),
+    ``pool`` compression.
     ``tile`` only changes how the Triton path runs the selection branch, not what it computes:
     0 = a kernel tile per (position, kv group), the group's query heads as its rows (NSA's own
     layout, padded to 16 rows when the group is smaller); 16 or 32 = a tile of that many
