@@ -30,6 +30,10 @@ EXPERIMENT.yaml`` times the model and data of another experiment (say the even-p
 and ``--throughput-mechanism`` takes any pattern spec. ``--only-throughput``
 times and stops (no check, fidelity or study; exit status 1 when the budget left no time to time
 or a case failed). A case that fails is recorded with its error, and the others are still timed.
+Each case is written to ``gpu_lab.json`` as soon as it is timed, so a call stopped by its time
+limit keeps the cases it finished; the same command again times only the cases not yet timed
+(or those that failed), and a call with another ``--throughput-config``, ``--set`` or
+``--constant`` starts the throughput record afresh.
 """
 
 from __future__ import annotations
