@@ -32,8 +32,8 @@ times and stops (no check, fidelity or study; exit status 1 when the budget left
 or a case failed). A case that fails is recorded with its error, and the others are still timed.
 Each case is written to ``gpu_lab.json`` as soon as it is timed, so a call stopped by its time
 limit keeps the cases it finished; the same command again times only the cases not yet timed
-(or those that failed), and a call with another ``--throughput-config``, ``--set`` or
-``--constant`` starts the throughput record afresh.
+(or those that failed), and a call with another ``--throughput-config``, ``--set``,
+``--constant``, ``--compile``, ``--topk-select`` or ``--steps`` starts the throughput record afresh.
 """
 
 from __future__ import annotations
@@ -524,7 +524,14 @@ def main() -> int:
     if "check" not in state and not args.only_throughput:
         state["check"] = check(out, extra)
         save()
-    settings = {"config": str(args.throughput_config), "set": args.extra, "constants": constants}  # what the timings ran with
+    settings = {  # what the timings ran with; another value of any of them times every case again
+        "config": str(args.throughput_config),
+        "set": args.extra,
+        "constants": constants,
+        "compile": args.compile,
+        "topk_select": TOPK_SELECT,
+        "steps": args.steps,
+    }
     if state.get("throughput_settings", settings) != settings:
         state.pop("throughput", None)  # an earlier call's cases timed something else
     if left() > args.min_stage:
