@@ -95,3 +95,28 @@ def test_bad_parameters_raise_naming_the_parameter(spec, word):
 
 def test_reformer_parameter_names_are_accepted():
     assert sf.parse_pattern("reformer:n_buckets=4,n_hashes=2,chunk_size=8") == sf.parse_pattern("lsh:4,8,2")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_lists_are_an_op_that_compiles_opaque(causal):
+    """The lists come from ``sparsefocus::lsh_key_lists`` (schema, fake and eager agree, GQA and
+    padding), and a fullgraph-compiled call gives the eager lists."""
+    from sparsefocus.attention.lsh import lsh_key_lists
+
+    q, k = torch.randn(2, 4, 19, 8), torch.randn(2, 2, 23, 8)
+    padding = torch.rand(2, 23, generator=torch.Generator().manual_seed(1)) > 0.2
+    args = (q, k, 4, 3, 2, 0, causal, padding)
+    torch.library.opcheck(torch.ops.sparsefocus.lsh_key_lists.default, args)
+    eager = lsh_key_lists(*args)
+    assert eager.shape == (2, 4, 19, 2 * 3 * 2 + 1) and eager.dtype == torch.long
+    spec = sf.parse_pattern("lsh:buckets=4,chunk=3,rounds=2")
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(str(graph_module.graph))
+        return graph_module.forward
+
+    compiled = torch.compile(lambda q, k: spec.key_indices(q, k, causal, padding, None), fullgraph=True, backend=backend)
+    assert torch.equal(compiled(q, k), eager)
+    [graph] = graphs
+    assert "sparsefocus.lsh_key_lists" in graph and "sort" not in graph  # one opaque call, nothing traced inside
