@@ -540,19 +540,17 @@ def main() -> int:
             state["throughput"], state["throughput_settings"] = results, settings
             save()
 
-        keep(
-            throughput(
-                out,
-                timed,
-                extra,
-                args.steps,
-                args.compile,
-                tuple(args.throughput_mechanism or FIG1A[:2]),
-                tuple(args.throughput_form),
-                args.throughput_config,
-                done=state.get("throughput"),
-                on_case=keep,
-            )
+        throughput(  # each timed case is kept by ``keep`` as it finishes
+            out,
+            timed,
+            extra,
+            args.steps,
+            args.compile,
+            tuple(args.throughput_mechanism or FIG1A[:2]),
+            tuple(args.throughput_form),
+            args.throughput_config,
+            done=state.get("throughput"),
+            on_case=keep,
         )
     elif "throughput" not in state:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
