@@ -493,15 +493,16 @@ def plot_curves(curves: dict[str, Curves], title: str, path: Path, names: dict[s
     handles, labels = top.get_legend_handles_labels()
     figure.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7, frameon=False)
     figure.tight_layout(rect=(0.0, legend_rows * 0.17 / figure.get_figheight() + 0.01, 1.0, 1.0))  # room below for it
-    save_png(figure, path, dpi=110)
+    save_png(figure, path, dpi=110, tight=True)  # long mechanism names may be wider than the axes
 
 
-def save_png(figure, path: Path, dpi: int) -> None:
-    """Save a matplotlib figure at ``path`` through a temporary name, then close it."""
+def save_png(figure, path: Path, dpi: int, tight: bool = False) -> None:
+    """Save a matplotlib figure at ``path`` through a temporary name, then close it; ``tight``
+    grows the canvas to whatever is drawn outside it (a wide legend)."""
     import matplotlib.pyplot as plt
 
     tmp = path.with_name(f".{path.name}.tmp.png")
-    figure.savefig(tmp, dpi=dpi)
+    figure.savefig(tmp, dpi=dpi, bbox_inches="tight" if tight else None)
     plt.close(figure)
     tmp.replace(path)
 
