@@ -15,7 +15,7 @@ def _curves(labels: list[str]) -> dict[str, Curves]:
 
 def _drawn(monkeypatch, curves: dict[str, Curves], names: dict[str, str] | None, tmp_path):
     figures = []
-    monkeypatch.setattr(report, "save_png", lambda figure, path, dpi: figures.append(figure))
+    monkeypatch.setattr(report, "save_png", lambda figure, path, dpi, **_: figures.append(figure))
     plot_curves(curves, "title", tmp_path / "curves.png", names)
     [figure] = figures
     [legend] = figure.legends
@@ -34,3 +34,13 @@ def test_eleven_mechanisms_get_eleven_colours(monkeypatch, tmp_path):
     figure, texts = _drawn(monkeypatch, _curves([f"TOPK:{k}" for k in range(1, 12)]), None, tmp_path)
     top = figure.axes[0]
     assert len(texts) == 11 and len({line.get_color() for line in top.get_lines()}) == 11
+
+
+def test_a_legend_wider_than_the_axes_is_saved_whole(tmp_path):
+    """The canvas grows to the legend: a name wider than the default 6.4-inch figure is not cut."""
+    import matplotlib.image
+
+    long_name = "nsa:" + ",".join(f"option{i}={i}" for i in range(12))
+    plot_curves(_curves(["FULL", long_name]), "title", tmp_path / "curves.png")
+    height, width = matplotlib.image.imread(tmp_path / "curves.png").shape[:2]
+    assert width > 6.4 * 110
