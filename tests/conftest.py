@@ -13,11 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-_empty = torch.empty
+_empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
 
-def _nan_empty(*args, **kwargs):
-    out = _empty(*args, **kwargs)
+def _poisoned(out: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():  # also a leaf made with requires_grad=True (torch.utils.checkpoint makes one)
         if out.is_floating_point():
             out.fill_(float("nan"))
@@ -26,10 +25,25 @@ def _nan_empty(*args, **kwargs):
     return out
 
 
+def _nan_empty(*args, **kwargs):
+    return _poisoned(_empty(*args, **kwargs))
+
+
+def _nan_empty_like(*args, **kwargs):
+    return _poisoned(_empty_like(*args, **kwargs))
+
+
+def _nan_new_empty(self, *args, **kwargs):
+    return _poisoned(_new_empty(self, *args, **kwargs))
+
+
 @pytest.fixture(autouse=True)
 def poison_empty(monkeypatch):
-    """Every torch.empty in a test is filled with NaN (ints with a large negative number)."""
+    """Every ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` in a test is filled
+    with NaN (ints with a large negative number), so that an output a kernel leaves unwritten shows."""
     monkeypatch.setattr(torch, "empty", _nan_empty)
+    monkeypatch.setattr(torch, "empty_like", _nan_empty_like)
+    monkeypatch.setattr(torch.Tensor, "new_empty", _nan_new_empty)
     torch.manual_seed(42)
     yield
 
