@@ -26,6 +26,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import sparsefocus as sf
+from sparsefocus.analysis.files import save_figure
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY
 from sparsefocus.kernels.block_sparse import (
     GROUP_TILE,
@@ -267,7 +268,7 @@ def plot(record: dict, path: str) -> None:
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -17,6 +17,7 @@ from sparsefocus.attention import sparse_attention
 from sparsefocus.attention.common import indexed_attention_ref
 from sparsefocus.bench.registry import BenchShape, random_indices
 from sparsefocus.bench.runner import median_ms
+from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.kernels import indexed
 from sparsefocus.kernels.indexed import indexed_attention
 from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
@@ -178,13 +179,13 @@ def main(argv):
     if "--tune" in argv:
         tune(log)
         log(f"tuning done at {time.time() - start:.0f}s")
-    (out_dir / "check.txt").write_text("\n".join(lines))
+    write_text_atomic(out_dir / "check.txt", "\n".join(lines))
     if "--bench-args" in argv:
         from sparsefocus.bench.run import main as bench_main
 
         bench_main(argv[argv.index("--bench-args") + 1 :])
         log(f"bench done at {time.time() - start:.0f}s")
-    (out_dir / "check.txt").write_text("\n".join(lines))
+    write_text_atomic(out_dir / "check.txt", "\n".join(lines))
 
 
 if __name__ == "__main__":

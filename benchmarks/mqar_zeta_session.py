@@ -33,6 +33,7 @@ import yaml
 from sparsefocus.models import Decoder
 from sparsefocus.tasks.mqar import MQARConfig
 from sparsefocus.train.config import ExperimentConfig, load_config
+from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.experiment import slug
 
 STARTED = time.perf_counter()
@@ -177,7 +178,7 @@ def main() -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     report = session(args.out, args.budget, args.resume, args.overrides)
-    (args.out / "session.json").write_text(json.dumps(report, indent=1))
+    write_text_atomic(args.out / "session.json", json.dumps(report, indent=1))
     print(json.dumps(report, indent=1), flush=True)
 
 
