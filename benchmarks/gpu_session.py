@@ -17,10 +17,10 @@ from sparsefocus.attention import sparse_attention
 from sparsefocus.attention.common import indexed_attention_ref
 from sparsefocus.bench.registry import BenchShape, random_indices
 from sparsefocus.bench.runner import median_ms
-from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.kernels import indexed
 from sparsefocus.kernels.indexed import indexed_attention
 from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
+from sparsefocus.train.checkpoint import write_text_atomic
 
 DEV = torch.device("cuda")
 

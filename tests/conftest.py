@@ -25,25 +25,22 @@ def _poisoned(out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _nan_empty(*args, **kwargs):
-    return _poisoned(_empty(*args, **kwargs))
+def _poisoning(make):
+    """``make`` (torch.empty, torch.empty_like or Tensor.new_empty) with its result poisoned."""
 
+    def poisoned(*args, **kwargs):
+        return _poisoned(make(*args, **kwargs))
 
-def _nan_empty_like(*args, **kwargs):
-    return _poisoned(_empty_like(*args, **kwargs))
-
-
-def _nan_new_empty(self, *args, **kwargs):
-    return _poisoned(_new_empty(self, *args, **kwargs))
+    return poisoned
 
 
 @pytest.fixture(autouse=True)
 def poison_empty(monkeypatch):
     """Every ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` in a test is filled
     with NaN (ints with a large negative number), so that an output a kernel leaves unwritten shows."""
-    monkeypatch.setattr(torch, "empty", _nan_empty)
-    monkeypatch.setattr(torch, "empty_like", _nan_empty_like)
-    monkeypatch.setattr(torch.Tensor, "new_empty", _nan_new_empty)
+    monkeypatch.setattr(torch, "empty", _poisoning(_empty))
+    monkeypatch.setattr(torch, "empty_like", _poisoning(_empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoning(_new_empty))
     torch.manual_seed(42)
     yield
 
