@@ -33,3 +33,10 @@ def test_a_scalar_flag_broadcast_into_a_mask_stores_as_compiled_code_does(n, lim
     _flag_or_mask_kernel[(1,)](out, n, LIMIT=limit, BLOCK=8)
     assert out[:8].tolist() == first
     assert out[8:].tolist() == [0, 1, 2, 3, 4, -1, -1, -1]
+
+
+def test_the_interpreter_skips_the_overflow_checks_that_outside_debug_mode_it_discards():
+    from triton.runtime import interpreter
+
+    assert not interpreter.interpreter_builder.options.debug
+    assert not interpreter.interpreter_builder.options.sanitize_overflow
