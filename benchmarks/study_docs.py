@@ -6,7 +6,10 @@ the tables, ``curves.png`` and ``summary.json`` (per mechanism and seed the per-
 the median curves and the speed-up statistics) from the experiment folder, and the dispersion
 analysis (``sparsefocus analyze --seed paper``, if it was run into ``<experiment>/analysis``)
 is copied beside them as ``dispersion.md`` / ``dispersion.json``, its run paths relative to the
-repository (or, for an experiment folder outside it, starting at the folder's own name).
+repository (or, for an experiment folder outside it, starting at the folder's own name). With
+``--reach`` and a dispersion analysis (the experiment's, or else the ``dispersion.json`` an earlier
+call left in the docs folder), ``speed_dispersion.md`` / ``.png`` set each mechanism's learning
+speed against its kept/all dispersion (``sparsefocus.analysis.speed_dispersion``).
 
 Usage:
     sparsefocus analyze runs/even_pairs --seed paper      # optional: the dispersion table
@@ -24,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sparsefocus.analysis.speed_dispersion import write_speed_dispersion
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.report import write_report
 
@@ -75,6 +79,10 @@ def write_study(experiment: Path, out: Path, reach: float | None = None) -> list
         if (analysis / source).exists():
             write_text_atomic(out / target, portable((analysis / source).read_text(), experiment, recorded))
             written.append(out / target)
+    dispersion = next((path for path in (analysis / "analysis.json", out / "dispersion.json") if path.exists()), None)
+    if reach is not None and dispersion is not None:
+        summary = json.loads((out / "summary.json").read_text())
+        written += write_speed_dispersion(summary, json.loads(dispersion.read_text()), out)
     return written
 
 

@@ -5,7 +5,9 @@ of its training data with hooks on every attention layer, and writes to ``RUN_DI
 (or ``--out``) a Markdown and a JSON report: dispersion, separation and sink percentiles pooled
 and per layer (the paper's table: the FULL model's dispersion over all keys beside each sparse
 model's dispersion over its kept keys), the paper's bound check, top-k recall, and with
-``--landscape`` the loss landscapes and Lipschitz estimates as PNGs.
+``--landscape`` the loss landscapes and Lipschitz estimates as PNGs. With ``--summary`` (the
+``summary.json`` of ``sparsefocus report --reach ACC`` on the same experiment) it also plots each
+mechanism's learning speed against its kept/all dispersion (``speed_dispersion.md`` / ``.png``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from sparsefocus.analysis.landscape import (
 )
 from sparsefocus.analysis.recall import RecallStatistics
 from sparsefocus.analysis.runs import LoadedRun, find_runs, group_runs, load_run, read_record
+from sparsefocus.analysis.speed_dispersion import check_summary, write_speed_dispersion
 from sparsefocus.analysis.statistics import ScoreStatistics
 from sparsefocus.clitools import HelpFormatter, fail
 from sparsefocus.train.checkpoint import write_text_atomic
@@ -368,6 +371,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--grid", type=int, help="landscape points per axis, with --landscape (default: 11; the paper: 200)")
     parser.add_argument("--radius", type=float, help="landscape half-width, with --landscape (default: 1.0)")
     parser.add_argument("--landscape-samples", type=int, help="training examples per loss, with --landscape (default: 500)")
+    parser.add_argument(
+        "--summary",
+        type=Path,
+        help="a report's summary.json written with --reach: also plot each mechanism's learning speed against its dispersion",
+    )
     parser.add_argument("--paper-bounds", action="store_true", help="print the bound check on the paper's own table and exit")
     args = parser.parse_args(argv)
     if not args.paper_bounds and args.run_dir is None:
@@ -415,11 +423,25 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         lipschitz_window=args.lipschitz_window,
     )
-    try:
-        analyze(args.run_dir, options, args.out)
-    except (ValueError, OSError) as error:
-        return fail("sparsefocus analyze", error)
     out_dir = Path(args.out) if args.out else Path(args.run_dir) / "analysis"
+    try:
+        summary = None if args.summary is None else json.loads(args.summary.read_text())
+        if summary is not None:
+            check_summary(summary)
+        report = analyze(args.run_dir, options, args.out)
+        speed = [] if summary is None else speed_files(summary, report, out_dir)
+    except (ValueError, OSError, json.JSONDecodeError) as error:
+        return fail("sparsefocus analyze", error)
     print((out_dir / "analysis.md").read_text())
     print(f"wrote {out_dir / 'analysis.md'} and {out_dir / 'analysis.json'}")
+    for path in speed:
+        print(f"wrote {path}")
     return 0
+
+
+def speed_files(summary: dict[str, Any], report: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``speed_dispersion`` files for every setting both the report's summary and the analysis hold."""
+    settings = [name for name in report["settings"] if name in summary.get("settings", {})]
+    if not settings:
+        raise ValueError("the summary and the analysis share no setting: give the summary.json of the analysed experiment")
+    return [path for setting in settings for path in write_speed_dispersion(summary, report, out_dir, setting)]

@@ -37,3 +37,32 @@ def test_a_path_without_a_slash_is_left_alone(study_docs, tmp_path, monkeypatch)
     assert (
         study_docs.portable(text, Path("."), ".", root=tmp_path / "repo") == f"p75 1.5 in ./default and {tmp_path.name}/default"
     )
+
+
+def test_a_study_record_with_reach_and_an_earlier_dispersion_gets_the_speed_files(study_docs, tmp_path):
+    from sparsefocus.analysis.commands import AnalyzeOptions, analyze
+    from sparsefocus.train.config import from_dict
+    from sparsefocus.train.experiment import run_experiment
+
+    config = from_dict(
+        {
+            "name": "tiny",
+            "out_dir": str(tmp_path / "runs"),
+            "task": {"name": "parity", "length": 8, "num_train": 40, "num_valid": 20},
+            "model": {"blocks": 1, "heads": 1, "dim": 8, "mlp_dim": 8},
+            "train": {"epochs": 2},
+            "mechanisms": ["FULL", "TOPK:3"],
+            "seeds": [1, 2],
+        }
+    )
+    experiment = run_experiment(config, quiet=True)
+    out = tmp_path / "docs"
+    out.mkdir()
+    (out / "notes.md").write_text("How it ran.\n")
+    written = {path.name for path in study_docs.write_study(experiment, out)}
+    assert written == {"report.md", "curves.png", "summary.json"}  # no dispersion, no reach
+    analyze(experiment, AnalyzeOptions(batches=1, batch_size=20), out / "analysis")
+    (out / "analysis" / "analysis.json").rename(out / "dispersion.json")  # as an earlier call left it
+    written = {path.name for path in study_docs.write_study(experiment, out, reach=0.01)}
+    assert {"speed_dispersion.md", "speed_dispersion.png"} <= written
+    assert "| TOPK:3 | 2/2 |" in (out / "speed_dispersion.md").read_text()
