@@ -61,3 +61,23 @@ def _load_benchmark(name: str) -> ModuleType:
 def bench_script():
     """``bench_script("gpu_studies")``: a script of ``benchmarks/`` as a module."""
     return _load_benchmark
+
+
+@pytest.fixture
+def two_seed_parity(tmp_path):
+    """A trained experiment folder: FULL and TOPK:3 on 8-bit parity, 2 seeds x 2 epochs (seconds on a CPU)."""
+    from sparsefocus.train.config import from_dict
+    from sparsefocus.train.experiment import run_experiment
+
+    config = from_dict(
+        {
+            "name": "tiny",
+            "out_dir": str(tmp_path / "runs"),
+            "task": {"name": "parity", "length": 8, "num_train": 40, "num_valid": 20},
+            "model": {"blocks": 1, "heads": 1, "dim": 8, "mlp_dim": 8},
+            "train": {"epochs": 2},
+            "mechanisms": ["FULL", "TOPK:3"],
+            "seeds": [1, 2],
+        }
+    )
+    return run_experiment(config, quiet=True)

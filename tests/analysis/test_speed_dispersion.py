@@ -141,23 +141,10 @@ def test_without_full_only_the_own_model_axis_is_shown(study, tmp_path):
     assert "- kept keys / FULL's all keys: too few mechanisms with a median and a value (0)" in text
 
 
-def test_analyze_with_a_summary_writes_the_speed_files(tmp_path, capsys):
-    from sparsefocus.train.config import from_dict
-    from sparsefocus.train.experiment import run_experiment
+def test_analyze_with_a_summary_writes_the_speed_files(two_seed_parity, tmp_path, capsys):
     from sparsefocus.train.report import write_report
 
-    config = from_dict(
-        {
-            "name": "tiny",
-            "out_dir": str(tmp_path / "runs"),
-            "task": {"name": "parity", "length": 8, "num_train": 40, "num_valid": 20},
-            "model": {"blocks": 1, "heads": 1, "dim": 8, "mlp_dim": 8},
-            "train": {"epochs": 2},
-            "mechanisms": ["FULL", "TOPK:3"],
-            "seeds": [1, 2],
-        }
-    )
-    experiment = run_experiment(config, quiet=True)
+    experiment = two_seed_parity
     write_report(experiment)
     plain = experiment / "summary.json"
     argv = [str(experiment), "--batches", "1", "--batch-size", "20", "--out", str(tmp_path / "a"), "--summary", str(plain)]

@@ -39,23 +39,10 @@ def test_a_path_without_a_slash_is_left_alone(study_docs, tmp_path, monkeypatch)
     )
 
 
-def test_a_study_record_with_reach_and_an_earlier_dispersion_gets_the_speed_files(study_docs, tmp_path):
+def test_a_study_record_with_reach_and_an_earlier_dispersion_gets_the_speed_files(study_docs, two_seed_parity, tmp_path):
     from sparsefocus.analysis.commands import AnalyzeOptions, analyze
-    from sparsefocus.train.config import from_dict
-    from sparsefocus.train.experiment import run_experiment
 
-    config = from_dict(
-        {
-            "name": "tiny",
-            "out_dir": str(tmp_path / "runs"),
-            "task": {"name": "parity", "length": 8, "num_train": 40, "num_valid": 20},
-            "model": {"blocks": 1, "heads": 1, "dim": 8, "mlp_dim": 8},
-            "train": {"epochs": 2},
-            "mechanisms": ["FULL", "TOPK:3"],
-            "seeds": [1, 2],
-        }
-    )
-    experiment = run_experiment(config, quiet=True)
+    experiment = two_seed_parity
     out = tmp_path / "docs"
     out.mkdir()
     (out / "notes.md").write_text("How it ran.\n")
