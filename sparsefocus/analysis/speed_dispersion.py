@@ -39,8 +39,10 @@ PERCENTILES = ("p75", "p90", "p95", "p100")
 
 @dataclass(frozen=True)
 class Point:
-    """One mechanism: ``epochs`` per seed (None: never reached), its median and 25-75% range
-    (None when half the seeds or more never reach), and kept/all dispersion at the percentile."""
+    """One mechanism: ``epochs`` per seed (None: never reached), their median and 25-75% range
+    (None where the quantile falls on a seed that never reaches), and at the percentile the
+    dispersion of its kept keys (``kept``), of all keys in its model (``every``) and of all keys
+    in FULL's model (``full``, None when the analysis has no FULL)."""
 
     mechanism: str
     epochs: tuple[int | None, ...]
