@@ -72,17 +72,16 @@ def write_study(experiment: Path, out: Path, reach: float | None = None) -> list
         copy_atomic(experiment / source, out / target)
         written.append(out / target)
     analysis = experiment / "analysis"
-    recorded = (
-        json.loads((analysis / "analysis.json").read_text()).get("run_dir", "") if (analysis / "analysis.json").exists() else ""
-    )
+    measured = json.loads((analysis / "analysis.json").read_text()) if (analysis / "analysis.json").exists() else None
+    recorded = measured.get("run_dir", "") if measured is not None else ""
     for source, target in ANALYSIS.items():
         if (analysis / source).exists():
             write_text_atomic(out / target, portable((analysis / source).read_text(), experiment, recorded))
             written.append(out / target)
-    dispersion = next((path for path in (analysis / "analysis.json", out / "dispersion.json") if path.exists()), None)
-    if reach is not None and dispersion is not None:
-        summary = json.loads((out / "summary.json").read_text())
-        written += write_speed_dispersion(summary, json.loads(dispersion.read_text()), out)
+    if measured is None and (out / "dispersion.json").exists():  # the analysis an earlier call copied
+        measured = json.loads((out / "dispersion.json").read_text())
+    if reach is not None and measured is not None:
+        written += write_speed_dispersion(json.loads((out / "summary.json").read_text()), measured, out)
     return written
 
 

@@ -33,6 +33,7 @@ import numpy as np
 
 from sparsefocus.analysis.files import save_figure
 from sparsefocus.train.checkpoint import write_text_atomic
+from sparsefocus.train.paired import midranks
 
 PERCENTILES = ("p75", "p90", "p95", "p100")
 
@@ -93,10 +94,15 @@ def check_summary(summary: dict[str, Any]) -> None:
         raise ValueError("the summary has no settings: give the summary.json that sparsefocus report writes")
     for setting, section in settings.items():
         for mechanism, entry in section.get("mechanisms", {}).items():
-            if entry.get("reach") is None:
-                raise ValueError(
-                    f"the summary has no reach statistics for {mechanism} ({setting}): write the report with --reach ACC"
-                )
+            _reach(entry, mechanism, setting)
+
+
+def _reach(entry: dict[str, Any], mechanism: str, setting: str) -> dict[str, Any]:
+    """A summary entry's reach statistics; ValueError naming the mechanism when it has none."""
+    reach = entry.get("reach")
+    if reach is None:
+        raise ValueError(f"the summary has no reach statistics for {mechanism} ({setting}): write the report with --reach ACC")
+    return reach
 
 
 def collect_points(
@@ -117,11 +123,7 @@ def collect_points(
     for mechanism, entry in reported.items():
         if mechanism not in measured:
             continue
-        reach = entry.get("reach")
-        if reach is None:
-            raise ValueError(
-                f"the summary has no reach statistics for {mechanism} ({setting}): write the report with --reach ACC"
-            )
+        reach = _reach(entry, mechanism, setting)
         pooled = measured[mechanism]["statistics"]["pooled"]
         epochs = list(reach["epochs"])
         q25, median, q75 = censored_quantiles(epochs)
@@ -142,34 +144,30 @@ def collect_points(
     return points
 
 
-def ranks(values: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, ties given their mean rank."""
-    order = np.argsort(values, kind="stable")
-    ranked = np.empty(len(values))
-    ranked[order] = np.arange(1, len(values) + 1)
-    for value in np.unique(values):
-        tied = values == value
-        ranked[tied] = ranked[tied].mean()
-    return ranked
-
-
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
     """Spearman's rank correlation (Pearson's on mean ranks); NaN when either side is constant."""
-    rx, ry = ranks(np.asarray(x, float)), ranks(np.asarray(y, float))
-    rx, ry = rx - rx.mean(), ry - ry.mean()
+    rx, ry = _centred_ranks(x), _centred_ranks(y)
     scale = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
     return float((rx * ry).sum() / scale) if scale > 0 else math.nan
 
 
+def _centred_ranks(values: np.ndarray) -> np.ndarray:
+    ranked = midranks(np.asarray(values, dtype=np.float64))
+    return ranked - ranked.mean()
+
+
 def permutation_p(x: np.ndarray, y: np.ndarray, draws: int = 20000, seed: int = 0) -> float:
     """Two-sided p-value of ``spearman(x, y)`` under random pairings: the share of ``draws``
-    seeded permutations of y (the observed pairing counted once) at least as correlated."""
-    observed = abs(spearman(x, y))
-    if math.isnan(observed):
+    seeded permutations of y (the observed pairing counted once) at least as correlated. The
+    ranks are computed once: permuting y permutes its ranks."""
+    rx, ry = _centred_ranks(x), _centred_ranks(y)
+    scale = math.sqrt(float((rx * rx).sum() * (ry * ry).sum()))
+    if scale == 0:
         return math.nan
+    observed = abs(float((rx * ry).sum())) / scale
     rng = np.random.default_rng(seed)
-    y = np.asarray(y, float)
-    hits = sum(abs(spearman(x, rng.permutation(y))) >= observed - 1e-12 for _ in range(draws))
+    permuted = np.stack([rng.permutation(ry) for _ in range(draws)])  # [draws, n]
+    hits = int((np.abs(permuted @ rx) / scale >= observed - 1e-12).sum())
     return (hits + 1) / (draws + 1)
 
 
