@@ -78,24 +78,31 @@ def _scores_kernel(
 
 
 @triton.jit
-def _row_keys(S_row, PAD_row, start, limit, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """(positions [BLOCK], order-preserving int32 keys of their scores, allowed mask)."""
+def _row_keys(S_row, PAD_row, start, limit, M, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """(positions [BLOCK], order-preserving int32 keys of their scores, allowed mask).
+
+    The loads are masked by the row's end M, not by ``limit`` (the causal cut, which differs per
+    row): a mask that is constant over 16 entries when M is a multiple of 16 lets the compiler
+    issue 16-byte loads. Entries past ``limit`` are read (never-written causal tiles included)
+    and left out by ``valid``."""
     pos = start + tl.arange(0, BLOCK)
+    in_row = pos < M
     valid = pos < limit
     if HAS_PAD:
-        valid = valid & (tl.load(PAD_row + pos, mask=valid, other=0) != 0)
-    score = tl.load(S_row + pos, mask=valid, other=0.0)
-    return pos, _ordered_bits(tl.where(score == 0.0, 0.0, score)), valid  # -0.0 ties with 0.0
+        valid = valid & (tl.load(PAD_row + pos, mask=in_row, other=0) != 0)
+    score = tl.load(S_row + pos, mask=in_row, other=0.0)
+    score = tl.where(valid & (score != 0.0), score, 0.0)  # -0.0 ties with 0.0; unread or unallowed: 0
+    return pos, _ordered_bits(score), valid
 
 
 @triton.jit
-def _radix_pass(S_row, PAD_row, limit, prefix, remaining, SHIFT: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+def _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, SHIFT: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """One 8-bit digit of the kk-th key: (prefix with the digit set, keys still to find at or
     below it, number of keys matching the old prefix). Digits are of the key with its sign bit
     flipped (unsigned order); arithmetic shifts give the same low 8 bits as logical ones."""
     hist = tl.zeros([256], tl.int32)
     for start in range(0, limit, BLOCK):
-        _, ordered, valid = _row_keys(S_row, PAD_row, start, limit, HAS_PAD, BLOCK)
+        _, ordered, valid = _row_keys(S_row, PAD_row, start, limit, M, HAS_PAD, BLOCK)
         flipped = ordered ^ INT32_MIN
         if SHIFT < 24:
             valid = valid & (((flipped ^ prefix) >> (SHIFT + 8)) == 0)
@@ -129,15 +136,16 @@ def _select_kernel(
         PAD_row = PAD + b.to(tl.int64) * M
         prefix = tl.zeros([], tl.int32)
         remaining = tl.full([], KK, tl.int32)
-        prefix, remaining, allowed = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 24, HAS_PAD, BLOCK)
-        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 16, HAS_PAD, BLOCK)
-        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 8, HAS_PAD, BLOCK)
-        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, prefix, remaining, 0, HAS_PAD, BLOCK)
+        prefix, remaining, allowed = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 24, HAS_PAD, BLOCK)
+        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 16, HAS_PAD, BLOCK)
+        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 8, HAS_PAD, BLOCK)
+        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 0, HAS_PAD, BLOCK)
         _collect_row(
             S_row,
             PAD_row,
             OUT + (b * N + row).to(tl.int64) * KK,
             limit,
+            M,
             prefix ^ INT32_MIN,
             remaining,
             allowed <= KK,
@@ -149,14 +157,14 @@ def _select_kernel(
 
 @triton.jit
 def _collect_row(
-    S_row, PAD_row, out, limit, cut, ties_wanted, take_all, KK: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr
+    S_row, PAD_row, out, limit, M, cut, ties_wanted, take_all, KK: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Write the keys scoring above ``cut`` and the first ``ties_wanted`` at it (every allowed key
     when ``take_all``) in position order; -1 in the slots left."""
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     for start in range(0, limit, BLOCK):
-        pos, ordered, valid = _row_keys(S_row, PAD_row, start, limit, HAS_PAD, BLOCK)
+        pos, ordered, valid = _row_keys(S_row, PAD_row, start, limit, M, HAS_PAD, BLOCK)
         tie = valid & (ordered == cut)
         tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         take = valid & (take_all | (ordered > cut) | (tie & (tie_rank < ties_wanted)))
