@@ -501,6 +501,11 @@ bf16, 5 keys a row) "short" took 2.5 ms a call for dk and dv alone, where the at
 whole forward and backward took 1.5 ms (``h200_lab_fast_attention_cc65061.json``,
 ``h200_lab_band_bloc_5580fed.json``): the atomics stay the default."""
 
+ROW_ORDER_BACKWARD = True
+"""Whether the backward takes the queries in the forward's row order too (``row_key``), or by
+position: a tile of queries that list the same keys gathers them once but also adds into the
+same dk, dv rows, so the backward may prefer either (benchmark A/B; read when the backward runs)."""
+
 SHORT_KEY_GRADS_MAX_KEYS = 1024
 """Longest key rows (M) that ``KEY_GRADS`` "short" sums by one-hot tiles; longer rows use the
 atomics, since the one-hot work grows with N M per head."""
@@ -813,7 +818,7 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
         True,
         slot_weight,
         ctx.key_grads,
-        row_order,
+        row_order if ROW_ORDER_BACKWARD else None,
     )
     has_extra = extra_key is not None
     extra_grads = (d_extra_k, d_extra_v) if has_extra else (None, None)
@@ -897,7 +902,7 @@ def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
         False,
         None,
         "",
-        row_order,
+        row_order if ROW_ORDER_BACKWARD else None,
     )
     # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
     dk = scaled_scan(d_mean_k, inverse, realf, reverse=True, base=dk, dtype=k.dtype)

@@ -420,15 +420,17 @@ def test_slot_weights_op_passes_opcheck():
     torch.library.opcheck(torch.ops.sparsefocus.indexed_fwd.default, args)
 
 
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
+@pytest.mark.parametrize("key_grads,order_backward", [("atomic", True), ("inverse", True), ("short", True), ("atomic", False)])
 @pytest.mark.parametrize("key_heads", [1, 4])
-def test_row_key_only_reorders_the_tiles(monkeypatch, key_grads, key_heads):
-    """Queries taken in row_key order (ties included, a per-head or a broadcast key): every row
-    written, outputs and dq bitwise those of position order, dk, dv, d gamma, the extra slot's
-    and the sink's gradients as the reference; the causal-mean form too."""
+def test_row_key_only_reorders_the_tiles(monkeypatch, key_grads, order_backward, key_heads):
+    """Queries taken in row_key order (ties included, a per-head or a broadcast key; in the
+    backward too, or not): every row written, outputs and dq bitwise those of position order, dk,
+    dv, d gamma, the extra slot's and the sink's gradients as the reference; the causal-mean form
+    too."""
     import sparsefocus.kernels.indexed as indexed_module
 
     monkeypatch.setattr(indexed_module, "KEY_GRADS", key_grads)
+    monkeypatch.setattr(indexed_module, "ROW_ORDER_BACKWARD", order_backward)
     q, k, v, index, gamma = make_case(37, 37, "cauchy", torch.float32, slots=6, dim=3, dim_v=5)
     row_key = torch.randint(0, 5, (2, key_heads, 37), device=DEVICE)  # many ties
     extra_k, extra_v = torch.randn(2, 2, 37, 3, device=DEVICE), torch.randn(2, 2, 37, 5, device=DEVICE)
