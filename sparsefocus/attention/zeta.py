@@ -368,7 +368,9 @@ class Zeta(Pattern):
 
         return decode_step(self, q, k_new, v_new, cache, params)
 
-    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool, row_key=None) -> Tensor:
+    def _attend(
+        self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool, row_key: Tensor | None = None
+    ) -> Tensor:
         """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
 
         The mean token is the kernel's extra slot: per query its own mean key and value
