@@ -795,11 +795,13 @@ def _indexed_setup(ctx, inputs, output) -> None:
     out, stat = output
     ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight, row_order)
     ctx.scale, ctx.score_code, ctx.key_grads = scale, score_code, key_grads
+    ctx.set_materialize_grads(False)  # no zero gradient for stat
 
 
 def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     """Gradients of every differentiable input; stat is not differentiated (``grad_stat`` unused)."""
     q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight, row_order = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = indexed_bwd(
         q,
         k,
@@ -848,12 +850,13 @@ def indexed_causal_mean_fwd(
     scale: float,
     score_code: int,
     row_order: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_causal_mean_fwd``: ``indexed_fwd`` whose extra slot is the causal
     mean of the real keys and values (``scan.scaled_scan``). Returns (out, stat, mean_k
-    [B, Hk, N, D], mean_v [B, Hk, N, Dv]); the means are saved for the backward and get no
-    gradient of their own. row_order: as ``indexed_fwd``'s. Differentiable in q, k, v, gamma_sq
-    and sink.
+    [B, Hk, N, D], mean_v [B, Hk, N, Dv], and the means' row scales real fp32 [B, N], 1 / count
+    fp32 [B, N] and the extra slot's mask int8 [B, Hq, N]); the means and the scales are saved
+    for the backward (so it need not recompute the scales) and get no gradient of their own.
+    row_order: as ``indexed_fwd``'s. Differentiable in q, k, v, gamma_sq and sink.
 
     The backward adds the means' gradient scan straight into the fp32 dk, dv of the atomics and
     stores k's and v's dtype once, instead of a separate mean gradient, a cast and an add (a
@@ -864,26 +867,27 @@ def indexed_causal_mean_fwd(
     mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, N, D], [B, Hk, N, Dv]
     extra = Extra(mean_k, mean_v, mask)
     out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, row_order=row_order)
-    return out, stat, mean_k, mean_v
+    return out, stat, mean_k, mean_v, realf, inverse, mask
 
 
 @indexed_causal_mean_fwd.register_fake
 def _causal_mean_fake(q, k, v, index, gamma_sq, real, sink, scale, score_code, row_order=None):
     out, stat = _indexed_fwd_fake(q, k, v, index, gamma_sq, None, None, None, sink, scale, score_code)
-    return out, stat, k.new_empty(k.shape), v.new_empty(v.shape)
+    scales = [q.new_empty(real.shape, dtype=torch.float32) for _ in range(2)]
+    return out, stat, k.new_empty(k.shape), v.new_empty(v.shape), *scales, q.new_empty(q.shape[:3], dtype=torch.int8)
 
 
 def _causal_mean_setup(ctx, inputs, output) -> None:
     q, k, v, index, gamma_sq, real, sink, scale, score_code, row_order = inputs
-    out, stat, mean_k, mean_v = output
-    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, real, sink, row_order)
+    ctx.save_for_backward(q, k, v, index, gamma_sq, *output, sink, row_order)
+    ctx.set_materialize_grads(False)  # no zero gradients for stat, the means and their scales
     ctx.scale, ctx.score_code = scale, score_code
 
 
 def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
-    """Gradients of q, k, v, gamma_sq and sink; stat and the means are not differentiated."""
-    q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, real, sink, row_order = ctx.saved_tensors
-    realf, inverse, mask = _mean_rows(q, real)
+    """Gradients of q, k, v, gamma_sq and sink; stat, the means and their scales are not differentiated."""
+    q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, realf, inverse, mask, sink, row_order = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = indexed_bwd(
         q,
         k,
@@ -964,7 +968,7 @@ def indexed_attention_causal_mean(
     gamma_sq = _gamma_per_head(gamma, q.shape[0], q.shape[1], q.device).float().pow(2)  # [Hq] or [B, Hq]
     row_order = _row_order(q, row_key)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat, _, _ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score], row_order)
+    out, stat, *_ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score], row_order)
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 

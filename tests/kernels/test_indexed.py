@@ -471,3 +471,27 @@ def test_row_key_is_checked_and_its_op_passes_opcheck():
     gamma_sq = torch.ones(4, device=DEVICE)
     mean_args = (q, k9, v9, index.clamp_max(8).to(torch.int32), gamma_sq, real, None, 1.0, 2, order)
     torch.library.opcheck(torch.ops.sparsefocus.indexed_causal_mean_fwd.default, mean_args)
+
+
+def test_causal_mean_backward_reuses_the_forward_scales_and_fills_no_zero_gradients():
+    """The backward outside the ops launches nothing of its own: the row scales come saved from
+    the forward (no cumsum again) and the outputs without a gradient get no zero tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    q, k, v, index, gamma = make_case(21, 21, "cauchy", torch.float32, slots=4, dim=3, dim_v=5)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = indexed_attention_causal_mean(*leaves, index, gamma=gamma)
+    with Calls() as calls:
+        grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+    assert all(torch.isfinite(g).all() for g in grads)
+    recomputed = [name for name in calls.names if name.split(".")[0] in ("zeros", "zeros_like", "cumsum", "fill_", "zero_")]
+    assert not recomputed, f"the backward recomputed or zero-filled: {recomputed}"
