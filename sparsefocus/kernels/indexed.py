@@ -44,7 +44,7 @@ from torch import Tensor
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, check_slot_weight, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name
-from sparsefocus.kernels.scan import mean_scales, scaled_scan
+from sparsefocus.kernels.scan import mean_rows, scaled_scan
 
 LOG2E = 1.4426950408889634
 SCORE_CODES = {name: code for code, name in enumerate(SCORE_KINDS)}  # dot 0, neg_sqeuclid 1, cauchy 2
@@ -830,14 +830,6 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
 indexed_fwd.register_autograd(_indexed_grads, setup_context=_indexed_setup)
 
 
-def _mean_rows(q: Tensor, real: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The causal mean's row scales (real fp32 [B, M], 1 / count [B, M]) and the extra slot's mask
-    int8 [B, Hq, N]: a row has a mean once a real key has been seen."""
-    count = real.to(torch.float32).cumsum(-1)  # [B, M] real keys 0..i
-    realf, inverse = mean_scales(real, count)
-    return realf, inverse, (count > 0)[:, None, :].expand(q.shape[:3]).to(torch.int8).contiguous()
-
-
 @torch.library.custom_op(op_name("indexed_causal_mean_fwd"), mutates_args=())
 def indexed_causal_mean_fwd(
     q: Tensor,
@@ -863,7 +855,7 @@ def indexed_causal_mean_fwd(
     separate mean would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16;
     this, 1.5 GB)."""
     q, k, v, index, gamma_sq, sink, row_order = _dense(q, k, v, index, gamma_sq, sink, row_order)
-    realf, inverse, mask = _mean_rows(q, real)
+    realf, inverse, mask = mean_rows(real, q.shape[1])  # a row has a mean once a real key has been seen
     mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, N, D], [B, Hk, N, Dv]
     extra = Extra(mean_k, mean_v, mask)
     out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, row_order=row_order)

@@ -5,8 +5,10 @@ blocks with a carried fp32 sum). Here the sum is two-level and every level is pa
 
 * ``_tile_sums_kernel``: one program per (tile of BLOCK_N rows, batch x head, BLOCK_X columns)
   writes the fp32 sum of ``pre[row] * x[row]`` over its tile;
-* torch turns those tile sums [BH, X, T] into the carry of every tile (a scan over T tiles,
-  innermost dim, so it is one fast pass);
+* ``_carry_kernel``: one program per (batch x head, column) turns its T tile sums into the carry
+  of every tile, the sum of the tiles strictly before it (after it, reversed): chunks of
+  BLOCK_T tiles scanned in registers on top of a running total (one launch, where torch's
+  shift-and-cumsum took three, five reversed);
 * ``_tile_scan_kernel``: each tile scans its rows in registers, adds its carry and writes
   ``post[row] * total`` in x's dtype.
 
@@ -28,6 +30,7 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import op_name
 
+CARRY_BLOCK = 256  # tile sums per chunk of ``_carry_kernel``: 4 chunks for 64K rows of 64-row tiles
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"BLOCK_N": rows per tile, "num_warps": ...} replacing ``_tiles``' choice."""
 
@@ -51,6 +54,27 @@ def _tile_sums_kernel(X, PRE, SUMS, N, XW, T, H, BLOCK_N: tl.constexpr, BLOCK_X:
     pre = tl.load(PRE + (bh // H).to(tl.int64) * N + rows, mask=rows < N, other=0.0)  # [BN]
     total = tl.sum(x * pre[:, None], axis=0)  # [BX]
     tl.store(SUMS + (bh.to(tl.int64) * XW + cols) * T + tile, total, mask=cols < XW)
+
+
+@triton.jit
+def _carry_kernel(SUMS, CARRY, T, REVERSE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """CARRY[row, t] = sum of SUMS[row, s] over s < t (REVERSE: s > t), SUMS and CARRY [rows, T].
+
+    Walks the row in order r = 0, 1, ... (t = r, or T - 1 - r reversed): the carry of position r
+    is a running total of the chunks before plus a scan of this chunk's entries r' = r - 1, r - 2,
+    ... inside it, so it sums earlier entries only (``cumsum(x) - x`` would round with the
+    entry's own value in it, and a later tile could move an earlier carry in the last bit)."""
+    base = tl.program_id(0).to(tl.int64) * T
+    running = tl.zeros([1], tl.float32)
+    for start in range(0, T, BLOCK_T):
+        r = start + tl.arange(0, BLOCK_T)  # walk positions
+        prev = r - 1  # the entry each carry adds last
+        source = T - 1 - prev if REVERSE else prev
+        value = tl.load(SUMS + base + source, mask=(prev >= 0) & (prev < T), other=0.0)  # [BT]
+        carry = running + tl.cumsum(value, axis=0)
+        target = T - 1 - r if REVERSE else r
+        tl.store(CARRY + base + target, carry, mask=r < T)
+        running += tl.sum(value, axis=0)
 
 
 @triton.jit
@@ -98,7 +122,8 @@ def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tens
     grid = (tiles, batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
     sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
     _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
-    carry = exclusive_cumsum(sums, reverse)  # [BH, X, T]
+    carry = torch.empty_like(sums)  # [BH, X, T]
+    _carry_kernel[(batch * heads * width,)](sums, carry, tiles, REVERSE=reverse, BLOCK_T=CARRY_BLOCK, num_warps=1)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
     _tile_scan_kernel[grid](
@@ -163,14 +188,37 @@ def scaled_scan(
     return scaled_scan_op(x, pre, post, base, reverse, dtype or x.dtype)
 
 
-def exclusive_cumsum(x: Tensor, reverse: bool = False) -> Tensor:
-    """Sum of the entries strictly before (``reverse``: after) each one along the last dim.
+@triton.jit
+def _mean_rows_kernel(REAL, REALF, INVERSE, MASK, M, HQ, BLOCK: tl.constexpr):
+    """Batch row b = program 0: REALF[b, i] = real_i, INVERSE[b, i] = 1 / max(count_i, 1) (count_i
+    the real keys 0..i, exact in int32, the division rounded as torch's) and MASK[b, h, i] =
+    count_i > 0 for each of the HQ heads."""
+    b = tl.program_id(0).to(tl.int64)
+    running = tl.zeros([1], tl.int32)
+    for start in range(0, M, BLOCK):
+        i = start + tl.arange(0, BLOCK)
+        ok = i < M
+        real = tl.load(REAL + b * M + i, mask=ok, other=0).to(tl.int32)
+        count = running + tl.cumsum(real, axis=0)
+        inverse = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.maximum(count, 1).to(tl.float32))
+        tl.store(REALF + b * M + i, real.to(tl.float32), mask=ok)
+        tl.store(INVERSE + b * M + i, inverse, mask=ok)
+        for h in range(HQ):
+            tl.store(MASK + (b * HQ + h) * M + i, (count > 0).to(tl.int8), mask=ok)
+        running += tl.sum(real, axis=0)
 
-    Shift-then-sum, not ``cumsum(x) - x``: that would round with the entry's own value in it, so a
-    later tile's sum could change an earlier tile's carry in the last bit."""
-    if reverse:
-        return exclusive_cumsum(x.flip(-1)).flip(-1)
-    return torch.nn.functional.pad(x[..., :-1], (1, 0)).cumsum(-1)
+
+def mean_rows(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The causal mean's row scales and mask in one launch: real [B, M] bool -> (real fp32 [B, M],
+    1 / max(count, 1) fp32 [B, M], count > 0 int8 [B, heads, M]); count the real keys 0..i.
+    The same values as ``mean_scales`` (and the mask from its count)."""
+    batch, n_keys = real.shape
+    realf = torch.empty(batch, n_keys, dtype=torch.float32, device=real.device)
+    inverse = torch.empty_like(realf)
+    mask = torch.empty(batch, heads, n_keys, dtype=torch.int8, device=real.device)
+    if n_keys > 0:
+        _mean_rows_kernel[(batch,)](real.contiguous(), realf, inverse, mask, n_keys, heads, BLOCK=1024, num_warps=4)
+    return realf, inverse, mask
 
 
 def mean_scales(real: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:

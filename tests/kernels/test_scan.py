@@ -17,7 +17,10 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("n", [1, 63, 64, 200, 300])
 @pytest.mark.parametrize("reverse", [False, True])
-def test_scaled_scan_matches_explicit_sum(n, reverse):
+@pytest.mark.parametrize("carry_block", [256, 2])
+def test_scaled_scan_matches_explicit_sum(monkeypatch, n, reverse, carry_block):
+    """carry_block 2: the tile sums' carries run over several chunks (odd tile counts included)."""
+    monkeypatch.setattr("sparsefocus.kernels.scan.CARRY_BLOCK", carry_block)
     x = torch.randn(2, 3, n, 5, device=DEVICE)
     pre, post = torch.rand(2, n, device=DEVICE), torch.rand(2, n, device=DEVICE)
     scaled = x * pre[:, None, :, None]
@@ -60,9 +63,31 @@ def test_causal_mean_scan_matches_torch_twin(n, dtype, tol):
     assert (got_dx[~real[:, None, :].expand(-1, 3, -1)] == 0).all()  # padded keys get no gradient
 
 
-def test_scan_is_causal():
-    x = torch.randn(1, 2, 150, 4, device=DEVICE)
-    ones = torch.ones(1, 150, device=DEVICE)
+@pytest.mark.parametrize("carry_block", [256, 2])
+def test_scan_is_causal(monkeypatch, carry_block):
+    """Bitwise: later rows never move an earlier row's sum, nor (reversed) earlier rows a later one."""
+    monkeypatch.setattr("sparsefocus.kernels.scan.CARRY_BLOCK", carry_block)
+    x = torch.randn(1, 2, 450, 4, device=DEVICE)
+    ones = torch.ones(1, 450, device=DEVICE)
     changed = x.clone()
-    changed[:, :, 100:] = torch.randn(1, 2, 50, 4, device=DEVICE)
-    assert torch.equal(scaled_scan(x, ones, ones)[:, :, :100], scaled_scan(changed, ones, ones)[:, :, :100])
+    changed[:, :, 300:] = torch.randn(1, 2, 150, 4, device=DEVICE)
+    assert torch.equal(scaled_scan(x, ones, ones)[:, :, :300], scaled_scan(changed, ones, ones)[:, :, :300])
+    changed = x.clone()
+    changed[:, :, :150] = torch.randn(1, 2, 150, 4, device=DEVICE)
+    forward, backward = (scaled_scan(y, ones, ones, reverse=True)[:, :, 150:] for y in (x, changed))
+    assert torch.equal(forward, backward)
+
+
+@pytest.mark.parametrize("n", [1, 5, 2500])
+def test_mean_rows_equal_the_torch_scales_bitwise(n):
+    """One launch for the causal mean's scales and mask, across several chunks of keys, with
+    padded keys (a row before any real key included): bitwise torch's values."""
+    from sparsefocus.kernels.scan import mean_rows, mean_scales
+
+    real = torch.rand(2, n, device=DEVICE) > 0.3
+    real[1, 0] = False
+    realf, inverse, mask = mean_rows(real, 3)
+    count = real.float().cumsum(-1)
+    want_realf, want_inverse = mean_scales(real, count)
+    assert torch.equal(realf, want_realf) and torch.equal(inverse, want_inverse)
+    assert mask.dtype == torch.int8 and torch.equal(mask, (count > 0)[:, None].expand(-1, 3, -1).to(torch.int8))
