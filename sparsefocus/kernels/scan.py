@@ -208,17 +208,29 @@ def _mean_rows_kernel(REAL, REALF, INVERSE, MASK, M, HQ, BLOCK: tl.constexpr):
         running += tl.sum(real, axis=0)
 
 
+@torch.library.custom_op(op_name("mean_rows"), mutates_args=())
 def mean_rows(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The causal mean's row scales and mask in one launch: real [B, M] bool -> (real fp32 [B, M],
-    1 / max(count, 1) fp32 [B, M], count > 0 int8 [B, heads, M]); count the real keys 0..i.
-    The same values as ``mean_scales`` (and the mask from its count)."""
-    batch, n_keys = real.shape
-    realf = torch.empty(batch, n_keys, dtype=torch.float32, device=real.device)
-    inverse = torch.empty_like(realf)
-    mask = torch.empty(batch, heads, n_keys, dtype=torch.int8, device=real.device)
-    if n_keys > 0:
-        _mean_rows_kernel[(batch,)](real.contiguous(), realf, inverse, mask, n_keys, heads, BLOCK=1024, num_warps=4)
+    """``sparsefocus::mean_rows``: the causal mean's row scales and mask in one launch: real
+    [B, M] bool -> (real fp32 [B, M], 1 / max(count, 1) fp32 [B, M], count > 0 int8
+    [B, heads, M]); count the real keys 0..i. The same values as ``mean_scales`` (and the mask
+    from its count). Not differentiable."""
+    realf, inverse, mask = _mean_rows_outputs(real, heads)
+    if real.shape[1] > 0:
+        _mean_rows_kernel[(real.shape[0],)](
+            real.contiguous(), realf, inverse, mask, real.shape[1], heads, BLOCK=1024, num_warps=4
+        )
     return realf, inverse, mask
+
+
+@mean_rows.register_fake
+def _mean_rows_fake(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _mean_rows_outputs(real, heads)
+
+
+def _mean_rows_outputs(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    batch, n_keys = real.shape
+    realf = real.new_empty(batch, n_keys, dtype=torch.float32)
+    return realf, torch.empty_like(realf), real.new_empty(batch, heads, n_keys, dtype=torch.int8)
 
 
 def mean_scales(real: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -95,6 +95,7 @@ def test_opcheck_scan_morton_and_inverse_ops():
     pre, post = torch.rand(B, N, device=DEVICE), torch.rand(B, N, device=DEVICE)
     torch.library.opcheck(scan.scaled_scan_op, (x, pre, post, base, True, torch.float32))
     torch.library.opcheck(scan.scaled_scan_op, (x, pre, post, None, False, torch.float16))
+    torch.library.opcheck(scan.mean_rows, (torch.rand(B, N, device=DEVICE) > 0.3, HQ))
     unit = torch.rand(N, 3, device=DEVICE)
     torch.library.opcheck(morton.morton_codes_op, (unit, 5, 0.25, 32, 31, 1, 0, False))
     torch.library.opcheck(morton.morton_codes_op, (unit, 5, 0.25, 32, 31, 7, 3, True))
