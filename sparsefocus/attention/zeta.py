@@ -450,9 +450,9 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
 
 
 def fused_selection(
-    spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, row_key: bool
+    spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, with_row_key: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """(``select_keys_fused``'s lists, ``curve_row_key`` of the queries when ``row_key``, else None)."""
+    """(``select_keys_fused``'s lists, ``curve_row_key`` of the queries when ``with_row_key``, else None)."""
     from sparsefocus.kernels.zeta_select import key_prefixes, zeta_select
 
     with torch.no_grad():
@@ -479,7 +479,7 @@ def fused_selection(
             local=local,
             chunk=chunk,
         )
-        return index, curve_row_key(codes_q[0], width, chunk) if row_key else None
+        return index, curve_row_key(codes_q[0], width, chunk) if with_row_key else None
 
 
 def curve_row_key(codes: Tensor, width: int, chunk: int | None) -> Tensor:

@@ -5,8 +5,8 @@ this file computes the same thing without gathering [B, H, N, K, D] tensors:
 
 * forward: one program per (BLOCK_M queries, batch x head): consecutive positions, or
   consecutive entries of a row order (``row_key``: queries whose lists share keys gather them in
-  one program); it loads BLOCK_K slots of the key lists at a time, gathers those keys and values as [BLOCK_M, BLOCK_K, D] tiles, and keeps an
-  online softmax (running max and sum, fp32) over the slots. Cauchy weights need no max.
+  one program); it loads BLOCK_K slots of the key lists at a time, gathers those keys and values
+  as [BLOCK_M, BLOCK_K, D] tiles, and keeps an online softmax (running max and sum, fp32) over the slots. Cauchy weights need no max.
 * backward: the same programs recompute the weights from the saved log-sum-exp (or Cauchy sum),
   accumulate dq in registers, and scatter dk and dv with fp32 atomic adds (the lists are
   arbitrary, so a key's contributions come from unknown programs).
@@ -575,8 +575,10 @@ def _indexed_backward(
     """Launch the backward kernel(s), dk and dv summed as ``key_grads`` says ("" = ``KEY_GRADS``).
     Returns dq, dk, dv (input dtypes; with ``cast`` False dk and dv in fp32 as summed), d gamma^2
     per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
-    without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
+    without extra) and the sink's d key fp32 shaped as the sink (None without sink). The
+    programs take the queries in ``row_order`` when ``ROW_ORDER_BACKWARD``, else by position."""
     mode = key_grads_mode(k.shape[2], key_grads)
+    row_order = row_order if ROW_ORDER_BACKWARD else None
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
@@ -820,7 +822,7 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
         True,
         slot_weight,
         ctx.key_grads,
-        row_order if ROW_ORDER_BACKWARD else None,
+        row_order,
     )
     has_extra = extra_key is not None
     extra_grads = (d_extra_k, d_extra_v) if has_extra else (None, None)
@@ -896,9 +898,7 @@ def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
         ctx.scale,
         ctx.score_code,
         False,
-        None,
-        "",
-        row_order if ROW_ORDER_BACKWARD else None,
+        row_order=row_order,
     )
     # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
     dk = scaled_scan(d_mean_k, inverse, realf, reverse=True, base=dk, dtype=k.dtype)
