@@ -193,14 +193,36 @@ def _band(cand, cols, AT: tl.constexpr, LOCAL: tl.constexpr, rows, row_ok, chunk
 
 
 @triton.jit
-def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr):
+def _half_to_float(bits, BF16: tl.constexpr):
+    """fp32 values of 16-bit floats given by their bits (int32 in [0, 2**16)): bf16 is the upper
+    half of an fp32, so a shift decodes it exactly with integer operations alone."""
+    if BF16:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _key_component(word, d: tl.constexpr, BF16: tl.constexpr):
+    """fp32 component d of keys packed by ``_packed_keys`` (int64 words of any shape)."""
+    return _half_to_float(((word >> (16 * d)) & 0xFFFF).to(tl.int32), BF16)
+
+
+@triton.jit
+def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr, PACKED: tl.constexpr, BF16: tl.constexpr):
     """[BM, BC] fp32 squared distances of each row's query to its candidate keys (a key at 0
-    where cand < 0: callers mask those entries)."""
+    where cand < 0: callers mask those entries). PACKED: k_base points at int64 words, one per
+    key, holding its D <= 4 16-bit components from the low bits up (``_packed_keys``): one
+    8-byte load per candidate instead of D scattered 2-byte ones."""
     valid = cand >= 0
     distance = tl.zeros(cand.shape, tl.float32)
+    if PACKED:
+        word = tl.load(k_base + cand.to(tl.int64), mask=valid, other=0)  # [BM, BC] int64
     for d in tl.static_range(D):
         q_d = tl.load(q_base + d, mask=row_ok, other=0.0).to(tl.float32)
-        k_d = tl.load(k_base + cand.to(tl.int64) * D + d, mask=valid, other=0.0).to(tl.float32)
+        if PACKED:
+            k_d = _key_component(word, d, BF16)
+        else:
+            k_d = tl.load(k_base + cand.to(tl.int64) * D + d, mask=valid, other=0.0).to(tl.float32)
         diff = q_d[:, None] - k_d
         distance += diff * diff
     return distance
@@ -238,9 +260,12 @@ def _zeta_select_kernel(
     BLOCK_B: tl.constexpr,
     GUESSES: tl.constexpr,
     PADDED: tl.constexpr,
+    PACKED_KEYS: tl.constexpr,
+    BF16: tl.constexpr,
 ):
     """SPLIT (distinct only): the window candidates in [BM, BLOCK_C] and the band in its own
-    [BM, BLOCK_B] tile instead of both in one padded tile."""
+    [BM, BLOCK_B] tile instead of both in one padded tile. PACKED_KEYS: K holds one int64 word
+    per key (``_packed_keys``); BF16 says how to decode its halves."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
     hk = hq // GROUP
@@ -278,12 +303,14 @@ def _zeta_select_kernel(
         else:
             cand = _band(cand, cols, CURVES * WINDOW, LOCAL, rows, row_ok, chunk_start, REAL, b, M, PADDED)
     valid = cand >= 0
-    k_base = K + (b * HK + hk).to(tl.int64) * M * D
+    k_base = K + (b * HK + hk).to(tl.int64) * M * (1 if PACKED_KEYS else D)
     q_base = Q + (bh.to(tl.int64) * N + rows) * D
-    distance = _distances(q_base, k_base, cand, row_ok, D)
+    distance = _distances(q_base, k_base, cand, row_ok, D, PACKED_KEYS, BF16)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
-        distance_b = _distances(q_base, k_base, cand_b, row_ok, D)  # a [BM, 1] placeholder without SPLIT: all masked
+        distance_b = _distances(
+            q_base, k_base, cand_b, row_ok, D, PACKED_KEYS, BF16
+        )  # a [BM, 1] placeholder without SPLIT: all masked
         _store_nearest_distinct(
             distance,
             cand,
@@ -563,9 +590,10 @@ def _zeta_select_op(
     # (H200, 64K: 4 rows and 1 warp 6.5 ms for the whole selection; 32 rows and 4 warps 9.4)
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
+    packed = k.dtype in (torch.float16, torch.bfloat16) and dim <= 4 and SELECT_OVERRIDES.get("packed_keys", True)
     _zeta_select_kernel[grid](
         q.contiguous(),
-        k.contiguous(),
+        _packed_keys(k) if packed else k.contiguous(),
         insert,
         spos.contiguous(),
         count.contiguous(),
@@ -594,9 +622,18 @@ def _zeta_select_op(
         BLOCK_B=block_b,
         GUESSES=SELECT_OVERRIDES.get("guesses", 8),
         PADDED=key_padding_mask is not None,
+        PACKED_KEYS=packed,
+        BF16=k.dtype == torch.bfloat16,
         num_warps=SELECT_OVERRIDES.get("num_warps", 1 if distinct else 4),
     )
     return out
+
+
+def _packed_keys(k: Tensor) -> Tensor:
+    """[B, Hk, M, D] 16-bit keys, D <= 4 -> [B, Hk, M, 1] int64: each key's components in one
+    aligned 8-byte word, zero-padded, first component in the low bits (little-endian bytes), so
+    that the selection gathers each candidate key with one load instead of D 2-byte ones."""
+    return torch.nn.functional.pad(k, (0, 4 - k.shape[-1])).contiguous().view(torch.int64)
 
 
 @_zeta_select_op.register_fake

@@ -493,3 +493,23 @@ def test_curve_row_key_orders_each_chunk_by_its_codes(n, chunk):
     same_chunk = chunks[..., 1:] == chunks[..., :-1]
     leading = ordered >> 9  # at most 3 chunk bits here, so at least the leading 28 of 36 code bits order a chunk
     assert (leading.diff(dim=-1)[same_chunk] >= 0).all(), "inside a chunk the leading code bits must not decrease"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pattern", ["zeta:k=8,window=16,chunks=3,local=6", "zeta:k=6,window=6,curves=2,chunks=3,local=4"])
+def test_fused_selection_reads_16bit_keys_packed_or_not_alike(monkeypatch, pattern, causal):
+    """fp16 keys (bf16 has no CPU interpreter) of widths 3 and 4 read as packed words keep the
+    same keys in the same order as the keys read component by component, and the reference's."""
+    from sparsefocus.kernels import zeta_select
+
+    spec = sf.parse_pattern(pattern)
+    padding = torch.rand(1, 55, generator=torch.Generator().manual_seed(24)) > 0.15
+    for dims in (3, 4):
+        q, k, _ = _qkv(55, batch=1, dim=dims, seed=23 + dims, dtype=torch.float16)
+        packed = _fused(spec, q, k, causal, padding)
+        monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "packed_keys", False)
+        plain = _fused(spec, q, k, causal, padding)
+        monkeypatch.delitem(zeta_select.SELECT_OVERRIDES, "packed_keys")
+        assert torch.equal(packed, plain), dims
+        want = select_keys(spec, q.float(), k.float(), causal, padding)
+        assert torch.equal(mask_from_indices(packed, 55), mask_from_indices(want, 55)), dims
