@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsefocus.kernels.zeta_select import _key_component, _packed_keys
+from sparsefocus.kernels.zeta_select import _key_component, packed_keys
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,7 +27,7 @@ def test_packed_keys_decode_to_the_exact_fp32_values(dtype, dims):
     k = torch.randn(1, 1, 40, dims).mul(100).to(dtype)
     tiny = torch.finfo(dtype).tiny
     k.view(-1)[:6] = torch.tensor([-0.0, 0.0, float("inf"), -float("inf"), tiny / 4, -tiny / 8]).to(dtype)
-    words = _packed_keys(k).view(-1).to(DEVICE)
+    words = packed_keys(k).view(-1).to(DEVICE)
     out = torch.full((40, dims), float("nan"), device=DEVICE)
     _decode_packed[(1,)](words, out, 40, D=dims, BF16=dtype == torch.bfloat16)
     want = k.float().view(40, dims)
