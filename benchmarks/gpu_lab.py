@@ -39,8 +39,6 @@ limit keeps the cases it finished; the same command again times only the cases n
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import json
 import os
 import statistics
@@ -56,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.attention import parse_pattern
 from sparsefocus.bench.profiling import count_kernels, device_ms, profile_events, top_kernels
+from sparsefocus.bench.run import BenchError, parse_constant
 from sparsefocus.train.batched import fast_attention
 from sparsefocus.train.checkpoint import write_text_atomic
 from sparsefocus.train.config import FAST_ATTENTIONS, PAPER_SEEDS, load_config
@@ -72,21 +71,14 @@ TOPK_SELECT = "torch"
 
 
 def set_constant(assignment: str) -> tuple[str, object]:
-    """Apply ``MODULE.NAME=VALUE`` (VALUE a Python literal, else a string) to a module constant of
-    sparsefocus that already exists. Returns (the dotted name, the value). ValueError otherwise."""
-    target, sep, text = assignment.partition("=")
-    module_name, _, name = target.rpartition(".")
-    if not sep or not module_name.startswith("sparsefocus") or not name:
-        raise ValueError(f"--constant takes sparsefocus.MODULE.NAME=VALUE, got {assignment!r}")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, name):
-        raise ValueError(f"{module_name} has no constant {name}")
+    """Apply ``MODULE.NAME=VALUE`` to a sparsefocus module constant that exists (for the whole
+    process). Returns (the dotted name, the value). ValueError otherwise."""
     try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        value = text
+        module, name, value = parse_constant(assignment)
+    except BenchError as error:
+        raise ValueError(str(error)) from None
     setattr(module, name, value)
-    return target, value
+    return f"{module.__name__}.{name}", value
 
 
 def synchronize() -> None:

@@ -46,6 +46,8 @@ from sparsefocus.bench.registry import SDPA_BACKENDS, sdpa_backend
 from sparsefocus.bench.run import (
     PROG,
     BenchError,
+    add_constant_argument,
+    constants_set,
     resolve_device,
     run_metadata,
     write_json_atomic,
@@ -110,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-kernels", type=int, default=8, help="heaviest kernels (CPU: ops) per row in the JSON, by device time"
     )
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    add_constant_argument(parser)
     return parser
 
 
@@ -377,9 +380,14 @@ def main(argv: list[str]) -> int:
     try:
         device = resolve_device(args.device)
         check_args(args)
+        with constants_set(args.constant) as constants:
+            return _measure_and_write(args, argv, device, constants)
     except BenchError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _measure_and_write(args: argparse.Namespace, argv: list[str], device: torch.device, constants: dict) -> int:
     rows = attach_full_ratios(sweep(args, device))
     if not any(row["status"] == "ok" for row in rows):
         print(f"{PROG}: error: every model case failed; no files written", file=sys.stderr)
@@ -406,6 +414,7 @@ def main(argv: list[str]) -> int:
     payload = run_metadata(["--model", *argv], device) | {
         "config": config | {"optimizer": "AdamW", "activation": "gelu"},
         "full_baseline": [{"n": n, "mode": mode} | baseline[(n, mode)] for n, mode in sorted(baseline)],
+        "constants": constants,
         "results": rows,
     }
     write_json_atomic(args.out, payload)

@@ -19,12 +19,16 @@ is written), 2 for a bad command line.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +45,52 @@ PROG = "sparsefocus bench"
 
 class BenchError(Exception):
     """A problem with the command line or the machine, reported as one line on stderr."""
+
+
+def parse_constant(assignment: str) -> tuple[object, str, object]:
+    """``sparsefocus.MODULE.NAME=VALUE`` (VALUE a Python literal, else a string) -> (the module, the
+    name, the value), for a module constant that exists. BenchError otherwise."""
+    target, sep, text = assignment.partition("=")
+    module_name, _, name = target.rpartition(".")
+    if not sep or not module_name.startswith("sparsefocus") or not name:
+        raise BenchError(f"--constant takes sparsefocus.MODULE.NAME=VALUE, got {assignment!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise BenchError(f"--constant {assignment!r}: no module {module_name}") from None
+    if not hasattr(module, name):
+        raise BenchError(f"--constant {assignment!r}: {module_name} has no constant {name}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    return module, name, value
+
+
+@contextmanager
+def constants_set(assignments: list[str]) -> Iterator[dict[str, object]]:
+    """Set module constants (``--constant``; an implementation choice to A/B, e.g.
+    ``sparsefocus.kernels.indexed.KEY_GRADS=inverse``) for the duration of a run, then restore
+    them. Yields {dotted name: value}; BenchError for a bad one, before any is set."""
+    parsed = [parse_constant(assignment) for assignment in assignments]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in parsed]
+    try:
+        for module, name, value in parsed:
+            setattr(module, name, value)
+        yield {f"{module.__name__}.{name}": value for module, name, value in parsed}  # type: ignore[attr-defined]
+    finally:
+        for module, name, value in reversed(saved):
+            setattr(module, name, value)
+
+
+def add_constant_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--constant",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="set a sparsefocus module constant for this run (repeatable), e.g. sparsefocus.attention.zeta.CURVE_TILES=True",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; the PNG goes beside it")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    add_constant_argument(parser)
     return parser
 
 
@@ -185,9 +236,16 @@ def main(argv: list[str]) -> int:
         cases = expand_cases(list(args.baselines) + requested)
         if not cases:
             raise BenchError("nothing to time: give cases or --baselines")
+        with constants_set(args.constant) as constants:
+            return _measure_and_write(args, argv, device, cases, requested, constants)
     except BenchError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _measure_and_write(
+    args: argparse.Namespace, argv: list[str], device: torch.device, cases: list[str], requested: list[str], constants: dict
+) -> int:
     ceilings = ceilings_for(device_name(device)) if device.type == "cuda" else None
     rows = attach_dense_ratios(sweep(args, cases, device, ceilings))
     if not any_ok(rows, requested):
@@ -200,6 +258,7 @@ def main(argv: list[str]) -> int:
         "ceilings": ceilings,
         "dense": dense_table(rows),
         "kernel_tiles": _kernel_tiles(),
+        "constants": constants,
         "results": rows,
     }
     write_json_atomic(args.out, payload)

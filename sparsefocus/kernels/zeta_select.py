@@ -415,6 +415,10 @@ def _prefix_filter_kernel(
         tl.store(COUNT + p * B + row // HK, kept)
 
 
+PACKED_KEYS = True
+"""Whether ZETA's selection reads 16-bit keys of at most 4 components as one packed 8-byte word
+each (``packed_keys``; the same keys bit for bit) instead of one 2-byte load per component."""
+
 SORTED_WORDS = False
 """Whether ZETA's selection copies the keys' packed words (16-bit keys) into each prefix's sorted
 order beside the positions, so that a query's window of candidates is one contiguous read instead
@@ -737,8 +741,8 @@ def _zeta_select_op(
 
 def packable(k: Tensor) -> bool:
     """Whether the selection reads the keys [B, Hk, M, D] as packed words: 16-bit, D <= 4, and not
-    switched off (``SELECT_OVERRIDES["packed_keys"] = False``)."""
-    return k.dtype in (torch.float16, torch.bfloat16) and k.shape[-1] <= 4 and SELECT_OVERRIDES.get("packed_keys", True)
+    switched off (``PACKED_KEYS``)."""
+    return k.dtype in (torch.float16, torch.bfloat16) and k.shape[-1] <= 4 and PACKED_KEYS
 
 
 def packed_keys(k: Tensor) -> Tensor:

@@ -522,9 +522,9 @@ def test_fused_selection_reads_16bit_keys_packed_or_not_alike(monkeypatch, patte
     for dims in (3, 4):
         q, k, _ = _qkv(55, batch=1, dim=dims, seed=23 + dims, dtype=torch.float16)
         packed = _fused(spec, q, k, causal, padding)
-        monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "packed_keys", False)
+        monkeypatch.setattr(zeta_select, "PACKED_KEYS", False)
         plain = _fused(spec, q, k, causal, padding)
-        monkeypatch.delitem(zeta_select.SELECT_OVERRIDES, "packed_keys")
+        monkeypatch.setattr(zeta_select, "PACKED_KEYS", True)
         monkeypatch.setattr(zeta_select, "SORTED_WORDS", True)
         for split in (True, False):  # the band in its own tile, or in the window's (loaded by position)
             monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", split)

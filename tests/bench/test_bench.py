@@ -142,3 +142,44 @@ def test_zeta_case_reports_candidate_recall(tmp_path):
     assert wide["recall"] == pytest.approx(1.0)  # one chunk and a window wider than N sees every key
     with pytest.raises(ValueError, match="wider than"):
         registry.parse_case("zeta:dk=16", BenchShape(1, 1, 1, 8, 8, torch.float32, False, torch.device("cpu")))
+
+
+@pytest.mark.parametrize("model", [False, True])
+def test_constants_apply_during_the_run_are_recorded_and_restored(tmp_path, monkeypatch, model):
+    """``--constant`` sets a module constant while the cases run (seen by the timed code), records
+    it in the JSON and puts the old value back afterwards."""
+    import sparsefocus.kernels.indexed as indexed
+    from sparsefocus.bench import run
+
+    seen = []
+    measure = run.measure if not model else None
+    if model:
+        import sparsefocus.bench.model as model_bench
+
+        real_step = model_bench.make_step
+
+        def spying_step(*args, **kwargs):
+            seen.append(indexed.KEY_GRADS)
+            return real_step(*args, **kwargs)
+
+        monkeypatch.setattr(model_bench, "make_step", spying_step)
+        argv = ["--model", "--blocks", "1", "--dim", "16", "--heads", "2", "--mlp", "16", "--lengths", "16"]
+        argv += ["--steps", "1", "--warmup", "1", "--patterns", "BAND:4", "--compile", "off"]
+    else:
+
+        def spying_measure(*args, **kwargs):
+            seen.append(indexed.KEY_GRADS)
+            return measure(*args, **kwargs)
+
+        monkeypatch.setattr(run, "measure", spying_measure)
+        argv = ["TOPK:4", "--n", "8", "--batch", "1", "--heads", "1", "--head-dim", "4", "--dtype", "fp32"]
+        argv += ["--warmup", "0", "--repeats", "1", "--no-plot"]
+    out = tmp_path / "b.json"
+    before = indexed.KEY_GRADS
+    argv += ["--device", "cpu", "--constant", "sparsefocus.kernels.indexed.KEY_GRADS=inverse", "--out", str(out)]
+    assert run.main(argv) == 0
+    assert seen and set(seen) == {"inverse"}
+    assert indexed.KEY_GRADS == before
+    record = json.loads(out.read_text())
+    assert record["constants"] == {"sparsefocus.kernels.indexed.KEY_GRADS": "inverse"}
+    assert "--constant sparsefocus.kernels.indexed.KEY_GRADS=inverse" in record["command"]

@@ -111,3 +111,19 @@ def test_every_option_has_help_with_its_default(parser):
             "--dtype",
         ):
             assert option in text
+
+
+@pytest.mark.parametrize(
+    "assignment, text",
+    [
+        ("KEY_GRADS=inverse", "MODULE.NAME=VALUE"),
+        ("sparsefocus.kernels.indexed.NO_SUCH_THING=1", "has no constant NO_SUCH_THING"),
+        ("sparsefocus.no_such_module.X=1", "no module sparsefocus.no_such_module"),
+        ("sparsefocus.kernels.indexed.KEY_GRADS", "MODULE.NAME=VALUE"),
+    ],
+)
+@pytest.mark.parametrize("extra", [["TOPK:4", *SMALL], [*TINY_MODEL, "--patterns", "BAND:4", "--compile", "off"]])
+def test_bad_constants_are_one_line_errors(tmp_path, capsys, assignment, text, extra):
+    assert main([*extra, "--device", "cpu", "--constant", assignment, "--out", str(tmp_path / "b.json")]) == 2
+    assert_one_line_error(capsys, text)
+    assert list(tmp_path.iterdir()) == []
