@@ -441,10 +441,11 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
     ):
         assert torch.equal(x, y), f"{name} without a mask"
     rows = torch.arange(curves * 2 * 3, device=TRITON_DEVICE).view(curves, 2, 3, 1)
+    every = zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62, words=words)
     for fused in (True, False):  # rows tagged above bit 6 (codes < 50): one flat sort, the same runs
         monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", fused)
-        tagged = zeta_select.sorted_prefixes(codes | (rows << 6), None, step, prefixes, 1 << 62, tag_shift=6)
-        for name, x, y in zip(("codes", "positions", "count"), tagged, every):
+        tagged = zeta_select.sorted_prefixes(codes | (rows << 6), None, step, prefixes, 1 << 62, tag_shift=6, words=words)
+        for name, x, y in zip(("codes", "positions", "count", "words"), tagged, every):
             assert torch.equal(x, y), f"{name} from tagged codes, fused filter {fused}"
     with pytest.raises(ValueError, match="tagged"):
         zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62, tag_shift=6)
