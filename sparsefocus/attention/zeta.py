@@ -453,7 +453,7 @@ def fused_selection(
     spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, with_row_key: bool
 ) -> tuple[Tensor, Tensor | None]:
     """(``select_keys_fused``'s lists, ``curve_row_key`` of the queries when ``with_row_key``, else None)."""
-    from sparsefocus.kernels import zeta_select as fused
+    from sparsefocus.kernels.zeta_select import key_prefixes, zeta_select
 
     with torch.no_grad():
         bits = code_bits(spec.bits, q.shape[-1], spec.curves)
@@ -465,12 +465,10 @@ def fused_selection(
             key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS
         )  # one flat sort (no sentinels to keep last)
         codes_k = _codes(spec, upcast(k), bits, True, tagged)  # [S, B, Hk, M]
-        # the keys' words sorted along with their codes: each query's window is then one read
-        words = fused.packed_keys(k)[..., 0] if fused.SORTED_WORDS and fused.packable(k) else None  # [B, Hk, M]
-        prefixes = fused.key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None, words)
+        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
-        index = fused.zeta_select(
+        index = zeta_select(
             q,
             k,
             codes_q,

@@ -30,7 +30,7 @@ opaque call and never traces the kernels; neither synchronises with the host.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -38,18 +38,6 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-
-
-class Prefixes(NamedTuple):
-    """The sorted keys of each causal prefix (``sorted_prefixes``): codes [P, S, B, Hk, M] int64,
-    positions [P, S, B, Hk, M] int32, counts [P, B] int32 and the keys' packed words in the same
-    order [P, S, B, Hk, M] int64, or None."""
-
-    codes: Tensor
-    positions: Tensor
-    count: Tensor
-    words: Tensor | None = None
-
 
 PACKED_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # packed value of an empty candidate slot
 SELECT_OVERRIDES: dict = {}  # tile and variant overrides for tuning runs (benchmarks/zeta_profile.py)
@@ -220,18 +208,15 @@ def _key_component(word, d: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def _distances(
-    q_base, k_base, cand, words, row_ok, D: tl.constexpr, PACKED: tl.constexpr, GIVEN: tl.constexpr, BF16: tl.constexpr
-):
+def _distances(q_base, k_base, cand, row_ok, D: tl.constexpr, PACKED: tl.constexpr, BF16: tl.constexpr):
     """[BM, BC] fp32 squared distances of each row's query to its candidate keys (a key at 0
     where cand < 0: callers mask those entries). PACKED: k_base points at int64 words, one per
     key, holding its D <= 4 16-bit components from the low bits up (``packed_keys``): one
-    8-byte load per candidate instead of D scattered 2-byte ones. GIVEN (with PACKED): the
-    candidates' words [BM, BC] are already loaded."""
+    8-byte load per candidate instead of D scattered 2-byte ones."""
     valid = cand >= 0
     distance = tl.zeros(cand.shape, tl.float32)
     if PACKED:
-        word = words if GIVEN else tl.load(k_base + cand.to(tl.int64), mask=valid, other=0)  # [BM, BC] int64
+        word = tl.load(k_base + cand.to(tl.int64), mask=valid, other=0)  # [BM, BC] int64
     for d in tl.static_range(D):
         q_d = tl.load(q_base + d, mask=row_ok, other=0.0).to(tl.float32)
         if PACKED:
@@ -249,7 +234,6 @@ def _zeta_select_kernel(
     K,
     INSERT,
     SPOS,
-    SWORDS,
     NVALID,
     REAL,
     OUT,
@@ -277,13 +261,11 @@ def _zeta_select_kernel(
     GUESSES: tl.constexpr,
     PADDED: tl.constexpr,
     PACKED_KEYS: tl.constexpr,
-    SORTED_WORDS: tl.constexpr,
     BF16: tl.constexpr,
 ):
     """SPLIT (distinct only): the window candidates in [BM, BLOCK_C] and the band in its own
     [BM, BLOCK_B] tile instead of both in one padded tile. PACKED_KEYS: K holds one int64 word
-    per key (``packed_keys``); BF16 says how to decode its halves. SORTED_WORDS (with PACKED_KEYS):
-    SWORDS holds them in each sorted run's order, so a window's keys are one contiguous read."""
+    per key (``packed_keys``); BF16 says how to decode its halves."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, hq = bh // HQ, bh % HQ
     hk = hq // GROUP
@@ -304,7 +286,6 @@ def _zeta_select_kernel(
     prefix = tl.maximum(prefix, 0)
     count = tl.load(NVALID + prefix * B + b, mask=searching, other=0)  # [BM] searchable keys
     cand = tl.full([BLOCK_M, BLOCK_C], -1, tl.int32)
-    words = tl.zeros([BLOCK_M, BLOCK_C], tl.int64)  # the window's keys (SORTED_WORDS)
     for s in tl.static_range(CURVES):
         run = ((prefix * CURVES + s) * B + b) * HK + hk  # [BM] the sorted run each row searched
         insert = tl.load(INSERT + run.to(tl.int64) * (GROUP * span) + (hq % GROUP) * span + at, mask=searching, other=0)
@@ -315,8 +296,6 @@ def _zeta_select_kernel(
         ok = mine & searching[:, None] & (slot < count[:, None])
         found = tl.load(SPOS + base[:, None] + slot, mask=ok, other=-1)
         cand = tl.where(mine, found, cand)
-        if SORTED_WORDS:
-            words = tl.where(mine, tl.load(SWORDS + base[:, None] + slot, mask=ok, other=0), words)
     cand_b = tl.full([BLOCK_M, BLOCK_B], -1, tl.int32)  # the band's own tile (SPLIT), else unused
     if CAUSAL and LOCAL > 0:
         if SPLIT:
@@ -325,15 +304,13 @@ def _zeta_select_kernel(
             cand = _band(cand, cols, CURVES * WINDOW, LOCAL, rows, row_ok, chunk_start, REAL, b, M, PADDED)
     valid = cand >= 0
     k_base = K + (b * HK + hk).to(tl.int64) * M * (1 if PACKED_KEYS else D)
-    if SORTED_WORDS and CAUSAL and LOCAL > 0 and not SPLIT:  # the band's columns of the shared tile
-        band = (cols >= CURVES * WINDOW)[None, :]
-        words = tl.where(band, tl.load(k_base + cand.to(tl.int64), mask=band & valid, other=0), words)
     q_base = Q + (bh.to(tl.int64) * N + rows) * D
-    distance = _distances(q_base, k_base, cand, words, row_ok, D, PACKED_KEYS, SORTED_WORDS, BF16)
+    distance = _distances(q_base, k_base, cand, row_ok, D, PACKED_KEYS, BF16)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
-        # a [BM, 1] placeholder without SPLIT: all masked
-        distance_b = _distances(q_base, k_base, cand_b, cand_b.to(tl.int64), row_ok, D, PACKED_KEYS, False, BF16)
+        distance_b = _distances(
+            q_base, k_base, cand_b, row_ok, D, PACKED_KEYS, BF16
+        )  # a [BM, 1] placeholder without SPLIT: all masked
         _store_nearest_distinct(
             distance,
             cand,
@@ -362,34 +339,16 @@ def _zeta_select_kernel(
 
 @triton.jit
 def _prefix_filter_kernel(
-    SCODES,
-    ORDER,
-    WORDS,
-    OUT_CODES,
-    OUT_POS,
-    OUT_WORDS,
-    COUNT,
-    M,
-    ROWS,
-    B,
-    HK,
-    step,
-    sentinel,
-    code_mask,
-    BLOCK: tl.constexpr,
-    TAGGED: tl.constexpr,
-    HAS_WORDS: tl.constexpr,
+    SCODES, ORDER, OUT_CODES, OUT_POS, COUNT, M, ROWS, B, HK, step, sentinel, code_mask, BLOCK: tl.constexpr, TAGGED: tl.constexpr
 ):
     """One program per (prefix p, sorted row): keep the entries with position < min((p + 1) * step,
     M) and a real code, compacted in order (a running count carried over BLOCK-wide tiles), then
-    fill the tail with sentinel / -1 (and 0 words). TAGGED: the codes carry their row number above
-    code_mask and ORDER holds flat indices (one flat sort), both taken off here. HAS_WORDS: WORDS
-    [B, HK, M] int64 holds each key's packed components, copied to OUT_WORDS in sorted order."""
+    fill the tail with sentinel / -1. TAGGED: the codes carry their row number above code_mask and
+    ORDER holds flat indices (one flat sort), both taken off here."""
     pid = tl.program_id(0)
     p, row = pid // ROWS, pid % ROWS  # row = (curve * B + b) * HK + head
     limit = tl.minimum((p + 1) * step, M)
     src, dst = row.to(tl.int64) * M, pid.to(tl.int64) * M
-    keys = (row % (B * HK)).to(tl.int64) * M  # the row's (b, head) in WORDS
     kept = 0
     for start in range(0, M, BLOCK):
         at = start + tl.arange(0, BLOCK)
@@ -401,16 +360,12 @@ def _prefix_filter_kernel(
         dest = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(OUT_CODES + dst + dest, code, mask=keep)
         tl.store(OUT_POS + dst + dest, position.to(tl.int32), mask=keep)
-        if HAS_WORDS:
-            tl.store(OUT_WORDS + dst + dest, tl.load(WORDS + keys + position, mask=keep, other=0), mask=keep)
         kept += tl.sum(keep.to(tl.int32), axis=0)
     for start in range((kept // BLOCK) * BLOCK, M, BLOCK):
         at = start + tl.arange(0, BLOCK)
         tail = (at >= kept) & (at < M)
         tl.store(OUT_CODES + dst + at, tl.full([BLOCK], sentinel, tl.int64), mask=tail)
         tl.store(OUT_POS + dst + at, tl.full([BLOCK], -1, tl.int32), mask=tail)
-        if HAS_WORDS:
-            tl.store(OUT_WORDS + dst + at, tl.zeros([BLOCK], tl.int64), mask=tail)
     if row < B * HK and row % HK == 0:  # curve 0, head 0: the count is the same for every curve and head
         tl.store(COUNT + p * B + row // HK, kept)
 
@@ -419,23 +374,12 @@ PACKED_KEYS = True
 """Whether ZETA's selection reads 16-bit keys of at most 4 components as one packed 8-byte word
 each (``packed_keys``; the same keys bit for bit) instead of one 2-byte load per component."""
 
-SORTED_WORDS = False
-"""Whether ZETA's selection copies the keys' packed words (16-bit keys) into each prefix's sorted
-order beside the positions, so that a query's window of candidates is one contiguous read instead
-of a gather of scattered keys (at the cost of the copy: [P, S, B, Hk, M] int64). Benchmark A/B."""
-
 FUSED_PREFIXES = True  # filter the prefixes in one Triton kernel: same outputs; H200, 64K fwd+bwd 31.7 -> 30.3 ms
 
 
 def sorted_prefixes(
-    codes_k: Tensor,
-    real: Tensor | None,
-    step: int,
-    prefixes: int,
-    sentinel: int,
-    tag_shift: int | None = None,
-    words: Tensor | None = None,
-) -> Prefixes:
+    codes_k: Tensor, real: Tensor | None, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
 
@@ -447,13 +391,10 @@ def sorted_prefixes(
         of (curve, b, head)) from this bit up (``morton_codes_triton``'s tag, only without
         padding): one flat stable sort then orders every row at once (H200, 64K: 0.56 against
         0.64 ms for the rows' sort, benchmarks/results/zeta_sort_probe.json). Default: untagged.
-        words: [B, Hk, M] int64 packed keys (``packed_keys``) to copy in each prefix's sorted
-        order, or None (default).
     Returns:
-        ``Prefixes``: codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions
-        [P, S, B, Hk, M] int32 (-1 there), the number of valid keys [P, B] int32 and, given
-        ``words``, the words [P, S, B, Hk, M] int64 of those positions (0 there). Stable: equal
-        codes keep position order, as one stable sort of the prefix alone would.
+        codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
+        int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
+        position order, as one stable sort of the prefix alone would.
     """
     if tag_shift is not None and real is not None:
         raise ValueError("sorted_prefixes: tagged codes need every key real (no padding mask)")
@@ -463,7 +404,7 @@ def sorted_prefixes(
     else:  # each row's keys stay a contiguous block of the flat order, in the row's own order
         sorted_codes, order = (x.view(codes_k.shape) for x in torch.sort(codes_k.reshape(-1), stable=True))
     if FUSED_PREFIXES:
-        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel, tag_shift, words)
+        return _filter_prefixes_fused(sorted_codes, order, step, prefixes, sentinel, tag_shift)
     if tag_shift is not None:
         rows = torch.arange(order[..., 0].numel(), device=order.device).view(*order.shape[:-1], 1)  # [S, B, Hk, 1]
         sorted_codes, order = sorted_codes & ((1 << tag_shift) - 1), order - rows * order.shape[-1]
@@ -480,57 +421,33 @@ def sorted_prefixes(
     out_pos = torch.full(shape, -1, dtype=torch.int32, device=codes_k.device)
     out_pos.scatter_(-1, dest, order[None].expand_as(keep).to(torch.int32))
     count = keep[:, 0, :, 0].sum(-1).to(torch.int32)  # [P, B]: the same for every curve and head
-    out_words = None
-    if words is not None:
-        sorted_words = torch.gather(words.expand(order.shape), -1, order)  # [S, B, Hk, M]
-        out_words = torch.zeros(shape, dtype=torch.int64, device=codes_k.device)
-        out_words.scatter_(-1, dest, sorted_words[None].expand_as(keep))
-        out_words = out_words[..., :n_keys].contiguous()
-    return Prefixes(out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous(), out_words)
+    return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
 
 
 def _filter_prefixes_fused(
-    sorted_codes: Tensor,
-    order: Tensor,
-    step: int,
-    prefixes: int,
-    sentinel: int,
-    tag_shift: int | None = None,
-    words: Tensor | None = None,
-) -> Prefixes:
+    sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
     code_mask = (1 << (tag_shift or 0)) - 1
-    codes, positions, count, out_words = torch.ops.sparsefocus.zeta_prefix_filter(
-        sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None, words
+    return torch.ops.sparsefocus.zeta_prefix_filter(
+        sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None
     )
-    return Prefixes(codes, positions, count, None if words is None else out_words)
 
 
 @torch.library.custom_op("sparsefocus::zeta_prefix_filter", mutates_args=())
 def _prefix_filter_op(
-    sorted_codes: Tensor,
-    order: Tensor,
-    step: int,
-    prefixes: int,
-    sentinel: int,
-    code_mask: int,
-    tagged: bool,
-    words: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """sorted_codes [S, B, Hk, M] int64, order [S, B, Hk, M] int64, words [B, Hk, M] int64 or None
-    -> codes [P, S, B, Hk, M] int64, positions [P, S, B, Hk, M] int32, counts [P, B] int32 and
-    the sorted words [P, S, B, Hk, M] int64 (a (0,) placeholder without ``words``)
-    (``sorted_prefixes``' outputs)."""
+    sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, code_mask: int, tagged: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """sorted_codes [S, B, Hk, M] int64, order [S, B, Hk, M] int64 -> codes [P, S, B, Hk, M] int64,
+    positions [P, S, B, Hk, M] int32, counts [P, B] int32 (``sorted_prefixes``' outputs)."""
     curves, batch, kv_heads, n_keys = sorted_codes.shape
     rows = curves * batch * kv_heads
-    out_codes, out_pos, count, out_words = _prefix_filter_outputs(sorted_codes, prefixes, words is not None)
+    out_codes, out_pos, count = _prefix_filter_outputs(sorted_codes, prefixes)
     _prefix_filter_kernel[(prefixes * rows,)](
         sorted_codes.contiguous(),
         order.contiguous(),
-        out_pos if words is None else words.contiguous(),  # a dummy pointer without words
         out_codes,
         out_pos,
-        out_words,
         count,
         n_keys,
         rows,
@@ -541,24 +458,22 @@ def _prefix_filter_op(
         code_mask,
         BLOCK=1024,
         TAGGED=tagged,
-        HAS_WORDS=words is not None,
     )
-    return out_codes, out_pos, count, out_words
+    return out_codes, out_pos, count
 
 
 @_prefix_filter_op.register_fake
-def _prefix_filter_fake(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged, words):
-    return _prefix_filter_outputs(sorted_codes, prefixes, words is not None)
+def _prefix_filter_fake(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged):
+    return _prefix_filter_outputs(sorted_codes, prefixes)
 
 
-def _prefix_filter_outputs(sorted_codes: Tensor, prefixes: int, with_words: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prefix_filter_outputs(sorted_codes: Tensor, prefixes: int) -> tuple[Tensor, Tensor, Tensor]:
     curves, batch, kv_heads, n_keys = sorted_codes.shape
     shape = (prefixes, curves, batch, kv_heads, n_keys)
     return (
         sorted_codes.new_empty(shape, dtype=torch.int64),
         sorted_codes.new_empty(shape, dtype=torch.int32),
         sorted_codes.new_empty((prefixes, batch), dtype=torch.int32),
-        sorted_codes.new_empty(shape if with_words else (0,), dtype=torch.int64),
     )
 
 
@@ -569,24 +484,21 @@ def key_prefixes(
     chunk: int | None,
     sentinel: int,
     tag_shift: int | None = None,
-    words: Tensor | None = None,
-) -> Prefixes:
+) -> tuple[Tensor, Tensor, Tensor]:
     """The sorted keys every query may search: all real keys (``chunk`` None, not causal) or, per
     causal chunk boundary p * chunk, the real keys before it (``sorted_prefixes``).
 
     Args:
         codes_k: [S, B, Hk, M] int64 Morton codes per curve; key_padding_mask: [B, M] bool, True
         = real key, or None; n_queries: N; chunk: causal chunk length or None; sentinel: a code
-        above every real code; tag_shift: as ``sorted_prefixes``' (rows tagged above this bit);
-        words: [B, Hk, M] int64 packed keys to sort along (``packed_keys``), or None.
+        above every real code; tag_shift: as ``sorted_prefixes``' (rows tagged above this bit).
     Returns:
-        ``sorted_prefixes``' ``Prefixes``.
+        ``sorted_prefixes``' (codes [P, S, B, Hk, M], positions [P, S, B, Hk, M], counts [P, B]).
     """
     n_keys = codes_k.shape[-1]
     if chunk is None:
-        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel, tag_shift, words)
-    prefixes = max(1, math.ceil(n_queries / chunk) - 1)
-    return sorted_prefixes(codes_k, key_padding_mask, chunk, prefixes, sentinel, tag_shift, words)
+        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel, tag_shift)
+    return sorted_prefixes(codes_k, key_padding_mask, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel, tag_shift)
 
 
 def _insertion_points(codes_q: Tensor, scodes: Tensor, chunk: int | None, kv_heads: int) -> Tensor:
@@ -641,20 +553,8 @@ def zeta_select(
         order with one curve, nearest first with several. Ties at the cut go to the smaller
         positions.
     """
-    return torch.ops.sparsefocus.zeta_select(
-        q,
-        k,
-        codes_q,
-        prefixes.codes,
-        prefixes.positions,
-        prefixes.count,
-        prefixes.words,
-        key_padding_mask,
-        width,
-        window,
-        local,
-        chunk,
-    )
+    scodes, spos, count = prefixes
+    return torch.ops.sparsefocus.zeta_select(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk)
 
 
 @torch.library.custom_op("sparsefocus::zeta_select", mutates_args=())
@@ -665,7 +565,6 @@ def _zeta_select_op(
     scodes: Tensor,
     spos: Tensor,
     count: Tensor,
-    swords: Optional[Tensor],
     key_padding_mask: Optional[Tensor],
     width: int,
     window: int,
@@ -674,9 +573,8 @@ def _zeta_select_op(
 ) -> Tensor:
     """``zeta_select`` as one op: the queries' search (``_insertion_points``, inside the op so that
     its layout is the one searchsorted wants under Inductor too) and the kernel. codes_q [S, B,
-    Hq, N] int64; scodes [P, S, B, Hk, M] int64, spos [P, S, B, Hk, M] int32, count [P, B] int32
-    and swords [P, S, B, Hk, M] int64 or None from ``key_prefixes`` -> [B, Hq, N, width] int32.
-    With ``swords`` (16-bit keys only) each window's keys are one contiguous read of words."""
+    Hq, N] int64; scodes [P, S, B, Hk, M] int64, spos [P, S, B, Hk, M] int32 and count [P, B]
+    int32 from ``key_prefixes`` -> [B, Hq, N, width] int32."""
     curves, batch, q_heads, n_queries = codes_q.shape
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     insert = _insertion_points(codes_q.contiguous(), scodes.contiguous(), chunk, kv_heads)
@@ -697,14 +595,11 @@ def _zeta_select_op(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     packed = packable(k)
-    if swords is not None and not packed:
-        raise ValueError("zeta_select: sorted key words need 16-bit keys of at most 4 components")
     _zeta_select_kernel[grid](
         q.contiguous(),
         packed_keys(k) if packed else k.contiguous(),
         insert,
         spos.contiguous(),
-        spos if swords is None else swords.contiguous(),  # a dummy pointer without words
         count.contiguous(),
         out if key_padding_mask is None else key_padding_mask.to(torch.int8).contiguous(),
         out,  # out: a dummy pointer without a mask
@@ -732,7 +627,6 @@ def _zeta_select_op(
         GUESSES=SELECT_OVERRIDES.get("guesses", 8),
         PADDED=key_padding_mask is not None,
         PACKED_KEYS=packed,
-        SORTED_WORDS=swords is not None,
         BF16=k.dtype == torch.bfloat16,
         num_warps=SELECT_OVERRIDES.get("num_warps", 1 if distinct else 4),
     )
@@ -753,5 +647,5 @@ def packed_keys(k: Tensor) -> Tensor:
 
 
 @_zeta_select_op.register_fake
-def _zeta_select_fake(q, k, codes_q, scodes, spos, count, swords, key_padding_mask, width, window, local, chunk):
+def _zeta_select_fake(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], width, dtype=torch.int32)

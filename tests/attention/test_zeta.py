@@ -423,29 +423,22 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
 
     codes = torch.randint(0, 50, (curves, 2, 3, n)).to(TRITON_DEVICE)  # many equal codes: order must stay stable
     real = (torch.rand(2, n) > 0.2).to(TRITON_DEVICE)
-    words = torch.randint(-(1 << 62), 1 << 62, (2, 3, n)).to(TRITON_DEVICE)  # any int64 payload per key
     monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", False)
-    want = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62, words=words)
+    want = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
     monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", True)
-    got = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62, words=words)
-    for name, x, y in zip(("codes", "positions", "count", "words"), got, want):
+    got = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
+    for name, x, y in zip(("codes", "positions", "count"), got, want):
         assert torch.equal(x, y), name
-    # each sorted slot carries its own key's word, unused slots 0
-    expected = torch.gather(words.expand(got.positions.shape), -1, got.positions.clamp_min(0).long())
-    assert torch.equal(got.words, torch.where(got.positions >= 0, expected, 0))
-    without = zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62)
-    assert without.words is None and torch.equal(without.positions, got.positions)
     every = zeta_select.sorted_prefixes(codes, torch.ones_like(real), step, prefixes, 1 << 62)
     for name, x, y in zip(
         ("codes", "positions", "count"), zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62), every
     ):
         assert torch.equal(x, y), f"{name} without a mask"
     rows = torch.arange(curves * 2 * 3, device=TRITON_DEVICE).view(curves, 2, 3, 1)
-    every = zeta_select.sorted_prefixes(codes, None, step, prefixes, 1 << 62, words=words)
     for fused in (True, False):  # rows tagged above bit 6 (codes < 50): one flat sort, the same runs
         monkeypatch.setattr(zeta_select, "FUSED_PREFIXES", fused)
-        tagged = zeta_select.sorted_prefixes(codes | (rows << 6), None, step, prefixes, 1 << 62, tag_shift=6, words=words)
-        for name, x, y in zip(("codes", "positions", "count", "words"), tagged, every):
+        tagged = zeta_select.sorted_prefixes(codes | (rows << 6), None, step, prefixes, 1 << 62, tag_shift=6)
+        for name, x, y in zip(("codes", "positions", "count"), tagged, every):
             assert torch.equal(x, y), f"{name} from tagged codes, fused filter {fused}"
     with pytest.raises(ValueError, match="tagged"):
         zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62, tag_shift=6)
@@ -470,10 +463,8 @@ def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch
 
 
 def test_zeta_selection_ops_pass_opcheck():
-    """Schema, fake implementations and dispatch of the two selection ops (causal, padded), with
-    and without the keys' sorted words."""
+    """Schema, fake implementations and dispatch of the two selection ops (causal, padded)."""
     from sparsefocus.attention.zeta import SENTINEL, _codes, code_bits
-    from sparsefocus.kernels import zeta_select
 
     q, k, _ = (x.to(TRITON_DEVICE) for x in _qkv(11, batch=1, seed=5))
     padding = (torch.rand(1, 11, generator=torch.Generator().manual_seed(6)) > 0.2).to(TRITON_DEVICE)
@@ -482,16 +473,10 @@ def test_zeta_selection_ops_pass_opcheck():
     codes_k = _codes(spec, k, bits).masked_fill(~padding[None, :, None, :], SENTINEL)
     sorted_codes, order = torch.sort(codes_k, dim=-1, stable=True)
     chunk = spec.chunk_size(11)
-    filter_args = (sorted_codes, order, chunk, 2, SENTINEL, 0, False, None)
+    filter_args = (sorted_codes, order, chunk, 2, SENTINEL, 0, False)
     torch.library.opcheck(torch.ops.sparsefocus.zeta_prefix_filter.default, filter_args)
-    scodes, spos, count, _ = torch.ops.sparsefocus.zeta_prefix_filter(*filter_args)
-    select_args = (q, k, _codes(spec, q, bits), scodes, spos, count, None, padding, 4, 6, 3, chunk)
-    torch.library.opcheck(torch.ops.sparsefocus.zeta_select.default, select_args)
-    k16 = k.half()  # with the keys' words sorted along
-    words = zeta_select.packed_keys(k16)[..., 0]
-    torch.library.opcheck(torch.ops.sparsefocus.zeta_prefix_filter.default, filter_args[:-1] + (words,))
-    scodes, spos, count, swords = torch.ops.sparsefocus.zeta_prefix_filter(*filter_args[:-1], words)
-    select_args = (q.half(), k16, _codes(spec, q, bits), scodes, spos, count, swords, padding, 4, 6, 3, chunk)
+    scodes, spos, count = torch.ops.sparsefocus.zeta_prefix_filter(*filter_args)
+    select_args = (q, k, _codes(spec, q, bits), scodes, spos, count, padding, 4, 6, 3, chunk)
     torch.library.opcheck(torch.ops.sparsefocus.zeta_select.default, select_args)
 
 
@@ -513,9 +498,8 @@ def test_curve_row_key_orders_each_chunk_by_its_codes(n, chunk):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("pattern", ["zeta:k=8,window=16,chunks=3,local=6", "zeta:k=6,window=6,curves=2,chunks=3,local=4"])
 def test_fused_selection_reads_16bit_keys_packed_or_not_alike(monkeypatch, pattern, causal):
-    """fp16 keys (bf16 has no CPU interpreter) of widths 3 and 4 read as packed words, gathered by
-    position or sorted along with the codes, keep the same keys in the same order as the keys read
-    component by component, and the reference's."""
+    """fp16 keys (bf16 has no CPU interpreter) of widths 3 and 4 read as packed words keep the
+    same keys in the same order as the keys read component by component, and the reference's."""
     from sparsefocus.kernels import zeta_select
 
     spec = sf.parse_pattern(pattern)
@@ -526,25 +510,6 @@ def test_fused_selection_reads_16bit_keys_packed_or_not_alike(monkeypatch, patte
         monkeypatch.setattr(zeta_select, "PACKED_KEYS", False)
         plain = _fused(spec, q, k, causal, padding)
         monkeypatch.setattr(zeta_select, "PACKED_KEYS", True)
-        monkeypatch.setattr(zeta_select, "SORTED_WORDS", True)
-        for split in (True, False):  # the band in its own tile, or in the window's (loaded by position)
-            monkeypatch.setitem(zeta_select.SELECT_OVERRIDES, "split", split)
-            assert torch.equal(_fused(spec, q, k, causal, padding), plain), f"sorted words, dims {dims}, split {split}"
-        monkeypatch.setattr(zeta_select, "SORTED_WORDS", False)
-        monkeypatch.delitem(zeta_select.SELECT_OVERRIDES, "split")
         assert torch.equal(packed, plain), dims
         want = select_keys(spec, q.float(), k.float(), causal, padding)
         assert torch.equal(mask_from_indices(packed, 55), mask_from_indices(want, 55)), dims
-
-
-def test_selection_with_sorted_key_words_compiles_fullgraph(monkeypatch):
-    """The packed keys, their copy in sorted order and both ops trace into one graph (Inductor)
-    and select what the eager call selects."""
-    from sparsefocus.kernels import zeta_select
-
-    monkeypatch.setattr(zeta_select, "SORTED_WORDS", True)
-    torch._dynamo.reset()
-    q, k, _ = (x.to(TRITON_DEVICE) for x in _qkv(55, batch=1, seed=31, dtype=torch.float16))
-    spec = sf.parse_pattern("zeta:k=8,window=16,chunks=3,local=6")
-    compiled = torch.compile(lambda q, k: select_keys_fused(spec, q, k, True, None), fullgraph=True, backend="inductor")
-    assert torch.equal(compiled(q, k), select_keys_fused(spec, q, k, True, None))
