@@ -41,11 +41,6 @@ GAMMA_MIN = 1e-3
 SINK_INIT = 1.0  # sink keys start at (1, ..., 1): far from q, k near 0 at init, so nearly weightless
 ROW_BUDGET = 1 << 24  # candidate entries materialised at once by the lean selection
 FUSED_MEAN = True  # triton, causal, N = M: the mean token inside the indexed kernel's function (False: benchmarks' A/B)
-CURVE_TILES = False
-"""Triton path: the indexed kernels take each chunk's queries in the order of their first curve
-(``curve_row_key``), so that a tile's queries, near each other on the curve, gather largely the
-same keys; False takes them by position. The same result up to the summation order of dk and dv.
-Off until it is timed on a GPU; an A/B of the benchmarks sets it."""
 
 # Bit-spreading steps for 3-D codes (libmorton-style): x = (x | x << shift) & mask.
 _SPREAD3 = (
@@ -338,7 +333,7 @@ class Zeta(Pattern):
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.indexed import indexed_attention, indexed_attention_causal_mean
 
-        index, row_key = fused_selection(self, q, k, causal, key_padding_mask, CURVE_TILES)
+        index = select_keys_fused(self, q, k, causal, key_padding_mask)
         if (
             FUSED_MEAN and causal and q.shape[2] == k.shape[2] and index.shape[-1] > 0
         ):  # the mean token fused into the kernel's extra slot
@@ -351,9 +346,8 @@ class Zeta(Pattern):
                 gamma=self.gamma_of(params),
                 key_padding_mask=key_padding_mask,
                 sink_key=self.sink_of(params, q.shape[1], q.shape[-1], q.device),
-                row_key=row_key,
             )
-        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True, row_key=row_key)
+        return self._attend(q, k, v, index, causal, key_padding_mask, params, indexed_attention, fused=True)
 
     def start_cache(self, k: Tensor, v: Tensor):
         """The decoding cache after a causal call over k, v (``zeta_decode.ZetaCache``)."""
@@ -368,9 +362,7 @@ class Zeta(Pattern):
 
         return decode_step(self, q, k_new, v_new, cache, params)
 
-    def _attend(
-        self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool, row_key: Tensor | None = None
-    ) -> Tensor:
+    def _attend(self, q, k, v, index, causal, key_padding_mask, params, kernel, fused: bool) -> Tensor:
         """Selected keys (index [B, Hq, N, K]) plus the mean token through an indexed Cauchy kernel.
 
         The mean token is the kernel's extra slot: per query its own mean key and value
@@ -385,7 +377,6 @@ class Zeta(Pattern):
             mean_k, mean_v = mean_k.expand(-1, -1, n_queries, -1), mean_v.expand(-1, -1, n_queries, -1)
             present = present.expand(-1, -1, n_queries)
         sink = self.sink_of(params, q.shape[1], q.shape[-1], q.device)  # [Hq, D] or None: a zero-value key in every list
-        order = {} if row_key is None else {"row_key": row_key}  # the reference kernel has no row order
         return kernel(
             q,
             k,
@@ -397,7 +388,6 @@ class Zeta(Pattern):
             extra_value=mean_v,
             extra_mask=present,
             sink_key=sink,
-            **order,
         )
 
 
@@ -446,13 +436,6 @@ def select_keys(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask
 def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
     """``select_keys`` through the fused Triton kernel (``sparsefocus/kernels/zeta_select.py``):
     the same keys (ties to the smaller position), [B, Hq, N, K] int32, -1 for unused slots."""
-    return fused_selection(spec, q, k, causal, key_padding_mask, False)[0]
-
-
-def fused_selection(
-    spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_padding_mask: Tensor | None, with_row_key: bool
-) -> tuple[Tensor, Tensor | None]:
-    """(``select_keys_fused``'s lists, ``curve_row_key`` of the queries when ``with_row_key``, else None)."""
     from sparsefocus.kernels.zeta_select import key_prefixes, zeta_select
 
     with torch.no_grad():
@@ -468,7 +451,7 @@ def fused_selection(
         prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
-        index = zeta_select(
+        return zeta_select(
             q,
             k,
             codes_q,
@@ -479,21 +462,6 @@ def fused_selection(
             local=local,
             chunk=chunk,
         )
-        return index, curve_row_key(codes_q[0], width, chunk) if with_row_key else None
-
-
-def curve_row_key(codes: Tensor, width: int, chunk: int | None) -> Tensor:
-    """The queries' tile order: [B, Hq, N] int32, each query's causal chunk above the leading bits
-    of its code (codes [B, Hq, N] of ``width`` bits, one curve; chunk: rows per chunk, None when
-    not causal). Queries of one chunk search the same sorted keys, so neighbours on the curve
-    keep largely the same ones; the low code bits do not matter for tiles of a few queries."""
-    n = codes.shape[-1]
-    chunk_bits = 0 if chunk is None else (max(1, -(-n // chunk)) - 1).bit_length()
-    keep = min(width, 31 - chunk_bits)
-    key = codes >> (width - keep)
-    if chunk is not None:
-        key = key | (torch.arange(n, device=codes.device) // chunk << keep)
-    return key.to(torch.int32)
 
 
 def _real_keys(k: Tensor, key_padding_mask: Tensor | None) -> Tensor:

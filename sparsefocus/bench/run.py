@@ -89,7 +89,7 @@ def add_constant_argument(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="MODULE.NAME=VALUE",
-        help="set a sparsefocus module constant for this run (repeatable), e.g. sparsefocus.attention.zeta.CURVE_TILES=True",
+        help="set a sparsefocus module constant for this run (repeatable), e.g. sparsefocus.kernels.zeta_select.PACKED_KEYS=False",
     )
 
 

@@ -3,10 +3,9 @@
 The slow twin that defines the result is ``sparsefocus.attention.common.indexed_attention_ref``;
 this file computes the same thing without gathering [B, H, N, K, D] tensors:
 
-* forward: one program per (BLOCK_M queries, batch x head): consecutive positions, or
-  consecutive entries of a row order (``row_key``: queries whose lists share keys gather them in
-  one program); it loads BLOCK_K slots of the key lists at a time, gathers those keys and values
-  as [BLOCK_M, BLOCK_K, D] tiles, and keeps an online softmax (running max and sum, fp32) over the slots. Cauchy weights need no max.
+* forward: one program per (BLOCK_M queries, batch x head); it loads BLOCK_K slots of the key
+  lists at a time, gathers those keys and values as [BLOCK_M, BLOCK_K, D] tiles, and keeps an
+  online softmax (running max and sum, fp32) over the slots. Cauchy weights need no max.
 * backward: the same programs recompute the weights from the saved log-sum-exp (or Cauchy sum),
   accumulate dq in registers, and scatter dk and dv with fp32 atomic adds (the lists are
   arbitrary, so a key's contributions come from unknown programs).
@@ -158,16 +157,13 @@ def _extra_offsets(bh, rows, HQ, EGROUP, SB, SH, SN):
 
 
 @triton.jit
-def _query_tile(Q, ORDER, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ORDER: tl.constexpr):
+def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
-    row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head, or with
-    HAS_ORDER the BLOCK_M consecutive entries of that head's row order ORDER [B * Hq, N] int32."""
+    row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    if HAS_ORDER:
-        rows = tl.load(ORDER + bh.to(tl.int64) * N + rows, mask=row_ok, other=0)
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(
@@ -190,7 +186,6 @@ def _indexed_fwd_kernel(
     EMASK,
     SINK,
     SW,
-    ORDER,
     N,
     M,
     NUM_SLOTS,
@@ -216,9 +211,8 @@ def _indexed_fwd_kernel(
     BLOCK_DV: tl.constexpr,
     HAS_SINK: tl.constexpr,
     HAS_SW: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
 ):
-    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, ORDER, N, HQ, GROUP, D, BLOCK_M, BLOCK_D, HAS_ORDER)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     gamma_sq = tl.load(GAMMA_SQ + (bh // HQ) * G_SB + bh % HQ)  # G_SB: 0 (per head) or HQ (per batch row)
     k_base, v_base = K + kv_bh.to(tl.int64) * M * D, V + kv_bh.to(tl.int64) * M * DV
@@ -298,7 +292,6 @@ def _indexed_bwd_kernel(
     SW,
     PCOEF,
     PPROB,
-    ORDER,
     N,
     M,
     NUM_SLOTS,
@@ -326,9 +319,8 @@ def _indexed_bwd_kernel(
     HAS_SINK: tl.constexpr,
     DK_ROW: tl.constexpr,
     HAS_SW: tl.constexpr,
-    HAS_ORDER: tl.constexpr,
 ):
-    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, ORDER, N, HQ, GROUP, D, BLOCK_M, BLOCK_D, HAS_ORDER)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = offs_d < D, offs_dv < DV
     o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
@@ -450,10 +442,10 @@ def _row_strides(gamma_sq: Tensor, sink: Tensor | None) -> dict[str, int]:
 
 
 def _indexed_forward(
-    q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None, slot_weight=None, row_order=None
+    q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None, slot_weight=None
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel (gamma_sq [Hq] or [B, Hq]; sink: [Hq, D], [B, Hq, D] or None;
-    slot_weight: [B, Hq, N, K] or None; row_order: [B, Hq, N] int32 or None).
+    slot_weight: [B, Hq, N, K] or None).
     Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
@@ -471,7 +463,6 @@ def _indexed_forward(
         *pointers,
         q if sink is None else sink,
         q if slot_weight is None else slot_weight,
-        q if row_order is None else row_order,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -481,7 +472,6 @@ def _indexed_forward(
         HAS_EXTRA=extra_kw["HAS_EXTRA"],
         HAS_SINK=sink is not None,
         HAS_SW=slot_weight is not None,
-        HAS_ORDER=row_order is not None,
         **_row_strides(gamma_sq, sink),
         **blocks,
     )
@@ -500,11 +490,6 @@ with or without slot weights, and is tested against the reference. On the H200 a
 bf16, 5 keys a row) "short" took 2.5 ms a call for dk and dv alone, where the atomic kernel's
 whole forward and backward took 1.5 ms (``h200_lab_fast_attention_cc65061.json``,
 ``h200_lab_band_bloc_5580fed.json``): the atomics stay the default."""
-
-ROW_ORDER_BACKWARD = True
-"""Whether the backward takes the queries in the forward's row order too (``row_key``), or by
-position: a tile of queries that list the same keys gathers them once but also adds into the
-same dk, dv rows, so the backward may prefer either (benchmark A/B; read when the backward runs)."""
 
 SHORT_KEY_GRADS_MAX_KEYS = 1024
 """Longest key rows (M) that ``KEY_GRADS`` "short" sums by one-hot tiles; longer rows use the
@@ -570,15 +555,13 @@ def _grad_buffers(
 
 
 def _indexed_backward(
-    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads, row_order=None
+    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads
 ):
     """Launch the backward kernel(s), dk and dv summed as ``key_grads`` says ("" = ``KEY_GRADS``).
     Returns dq, dk, dv (input dtypes; with ``cast`` False dk and dv in fp32 as summed), d gamma^2
     per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
-    without extra) and the sink's d key fp32 shaped as the sink (None without sink). The
-    programs take the queries in ``row_order`` when ``ROW_ORDER_BACKWARD``, else by position."""
+    without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
-    row_order = row_order if ROW_ORDER_BACKWARD else None
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
@@ -601,7 +584,6 @@ def _indexed_backward(
         q if slot_weight is None else slot_weight,
         g.pair_coef,
         g.pair_prob,
-        q if row_order is None else row_order,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -613,7 +595,6 @@ def _indexed_backward(
         HAS_SINK=sink is not None,
         DK_ROW=dk_row(q.shape[-1]),
         HAS_SW=slot_weight is not None,
-        HAS_ORDER=row_order is not None,
         **_row_strides(gamma_sq, sink),
         **blocks,
     )
@@ -677,7 +658,6 @@ def indexed_fwd(
     score_code: int,
     slot_weight: Tensor | None = None,
     key_grads: str = "",
-    row_order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``sparsefocus::indexed_fwd``: out [B, Hq, N, Dv] (q.dtype) and the row statistic stat
     [B, Hq, N] fp32 (softmax kinds: base-2 log-sum-exp, +inf for a row with no key; Cauchy: the
@@ -685,31 +665,16 @@ def indexed_fwd(
     [B, Hq] fp32, extra key/value [B, He, N, *] (any strides), extra_mask int8 [B, Hq, N], sink
     [Hq, D] or [B, Hq, D] fp32,
     slot_weight fp32 [B, Hq, N, K] (factors on the listed slots' normalised weights), key_grads:
-    how the backward sums dk and dv ("" = ``KEY_GRADS``), row_order int32 [B, Hq, N] (each
-    head's rows, a permutation, in the order the programs take them in tiles; None: 0..N-1).
-    Differentiable in q, k, v, gamma_sq, extra key/value and sink (backward: ``indexed_bwd``);
-    stat and slot_weight get no gradient."""
-    q, k, v, index, gamma_sq, sink, slot_weight, row_order = _dense(q, k, v, index, gamma_sq, sink, slot_weight, row_order)
+    how the backward sums dk and dv ("" = ``KEY_GRADS``). Differentiable in q, k, v, gamma_sq,
+    extra key/value and sink (backward: ``indexed_bwd``); stat and slot_weight get no gradient."""
+    q, k, v, index, gamma_sq, sink, slot_weight = _dense(q, k, v, index, gamma_sq, sink, slot_weight)
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
-    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, slot_weight, row_order)
+    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, slot_weight)
 
 
 @indexed_fwd.register_fake
 def _indexed_fwd_fake(
-    q,
-    k,
-    v,
-    index,
-    gamma_sq,
-    extra_key,
-    extra_value,
-    extra_mask,
-    sink,
-    scale,
-    score_code,
-    slot_weight=None,
-    key_grads="",
-    row_order=None,
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight=None, key_grads=""
 ):
     return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
@@ -733,19 +698,18 @@ def indexed_bwd(
     cast: bool,
     slot_weight: Tensor | None = None,
     key_grads: str = "",
-    row_order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_bwd``: (dq, dk, dv, d gamma_sq fp32 shaped as gamma_sq, d extra_key,
     d extra_value, d sink fp32 shaped as sink), extra and sink gradients [0] when absent. With ``cast`` dk, dv and d
     extra_key come in their inputs' dtypes, else fp32 as summed (for a caller that adds more
     into them); d extra_value is always in its input's dtype. ``key_grads``: how dk and dv are
-    summed ("" = the module setting ``KEY_GRADS``); ``row_order``: as ``indexed_fwd``'s."""
-    q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight, row_order = _dense(
-        q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight, row_order
+    summed ("" = the module setting ``KEY_GRADS``)."""
+    q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight = _dense(
+        q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight
     )
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads, row_order
+        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads
     )
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     dk, dv = dk.to(key_dtypes[0]).contiguous(), dv.to(key_dtypes[1]).contiguous()
@@ -776,7 +740,6 @@ def _indexed_bwd_fake(
     cast,
     slot_weight=None,
     key_grads="",
-    row_order=None,
 ):
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     grads = [q.new_empty(q.shape), k.new_empty(k.shape, dtype=key_dtypes[0]), v.new_empty(v.shape, dtype=key_dtypes[1])]
@@ -791,18 +754,16 @@ def _indexed_bwd_fake(
 
 
 def _indexed_setup(ctx, inputs, output) -> None:
-    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight, key_grads, row_order = (
-        inputs
-    )
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight, key_grads = inputs
     out, stat = output
-    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight, row_order)
+    ctx.save_for_backward(q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight)
     ctx.scale, ctx.score_code, ctx.key_grads = scale, score_code, key_grads
     ctx.set_materialize_grads(False)  # no zero gradient for stat
 
 
 def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     """Gradients of every differentiable input; stat is not differentiated (``grad_stat`` unused)."""
-    q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight, row_order = ctx.saved_tensors
+    q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight = ctx.saved_tensors
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = indexed_bwd(
         q,
@@ -822,11 +783,10 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
         True,
         slot_weight,
         ctx.key_grads,
-        row_order,
     )
     has_extra = extra_key is not None
     extra_grads = (d_extra_k, d_extra_v) if has_extra else (None, None)
-    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None, None, None
+    return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None, None
 
 
 indexed_fwd.register_autograd(_indexed_grads, setup_context=_indexed_setup)
@@ -843,67 +803,51 @@ def indexed_causal_mean_fwd(
     sink: Tensor | None,
     scale: float,
     score_code: int,
-    row_order: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_causal_mean_fwd``: ``indexed_fwd`` whose extra slot is the causal
     mean of the real keys and values (``scan.scaled_scan``). Returns (out, stat, mean_k
     [B, Hk, N, D], mean_v [B, Hk, N, Dv], and the means' row scales real fp32 [B, N], 1 / count
     fp32 [B, N] and the extra slot's mask int8 [B, Hq, N]); the means and the scales are saved
     for the backward (so it need not recompute the scales) and get no gradient of their own.
-    row_order: as ``indexed_fwd``'s. Differentiable in q, k, v, gamma_sq and sink.
+    Differentiable in q, k, v, gamma_sq and sink.
 
     The backward adds the means' gradient scan straight into the fp32 dk, dv of the atomics and
     stores k's and v's dtype once, instead of a separate mean gradient, a cast and an add (a
     separate mean would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16;
     this, 1.5 GB)."""
-    q, k, v, index, gamma_sq, sink, row_order = _dense(q, k, v, index, gamma_sq, sink, row_order)
+    q, k, v, index, gamma_sq, sink = _dense(q, k, v, index, gamma_sq, sink)
     realf, inverse, mask = mean_rows(real, q.shape[1])  # a row has a mean once a real key has been seen
     mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, N, D], [B, Hk, N, Dv]
     extra = Extra(mean_k, mean_v, mask)
-    out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, row_order=row_order)
+    out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink)
     return out, stat, mean_k, mean_v, realf, inverse, mask
 
 
 @indexed_causal_mean_fwd.register_fake
-def _causal_mean_fake(q, k, v, index, gamma_sq, real, sink, scale, score_code, row_order=None):
+def _causal_mean_fake(q, k, v, index, gamma_sq, real, sink, scale, score_code):
     out, stat = _indexed_fwd_fake(q, k, v, index, gamma_sq, None, None, None, sink, scale, score_code)
     scales = [q.new_empty(real.shape, dtype=torch.float32) for _ in range(2)]
     return out, stat, k.new_empty(k.shape), v.new_empty(v.shape), *scales, q.new_empty(q.shape[:3], dtype=torch.int8)
 
 
 def _causal_mean_setup(ctx, inputs, output) -> None:
-    q, k, v, index, gamma_sq, real, sink, scale, score_code, row_order = inputs
-    ctx.save_for_backward(q, k, v, index, gamma_sq, *output, sink, row_order)
+    q, k, v, index, gamma_sq, real, sink, scale, score_code = inputs
+    ctx.save_for_backward(q, k, v, index, gamma_sq, *output, sink)
     ctx.set_materialize_grads(False)  # no zero gradients for stat, the means and their scales
     ctx.scale, ctx.score_code = scale, score_code
 
 
 def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
     """Gradients of q, k, v, gamma_sq and sink; stat, the means and their scales are not differentiated."""
-    q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, realf, inverse, mask, sink, row_order = ctx.saved_tensors
+    q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, realf, inverse, mask, sink = ctx.saved_tensors
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = indexed_bwd(
-        q,
-        k,
-        v,
-        index,
-        gamma_sq,
-        out,
-        grad_out,
-        stat,
-        mean_k,
-        mean_v,
-        mask,
-        sink,
-        ctx.scale,
-        ctx.score_code,
-        False,
-        row_order=row_order,
+        q, k, v, index, gamma_sq, out, grad_out, stat, mean_k, mean_v, mask, sink, ctx.scale, ctx.score_code, False
     )
     # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
     dk = scaled_scan(d_mean_k, inverse, realf, reverse=True, base=dk, dtype=k.dtype)
     dv = scaled_scan(d_mean_v, inverse, realf, reverse=True, base=dv, dtype=v.dtype)
-    return dq, dk, dv, None, dgamma_sq, None, None if sink is None else d_sink, None, None, None
+    return dq, dk, dv, None, dgamma_sq, None, None if sink is None else d_sink, None, None
 
 
 indexed_causal_mean_fwd.register_autograd(_causal_mean_grads, setup_context=_causal_mean_setup)
@@ -927,7 +871,6 @@ def indexed_attention_causal_mean(
     sink_key: Tensor | None = None,
     scale: float | None = None,
     return_lse: bool = False,
-    row_key: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """``indexed_attention`` with one extra slot per query: the mean key and value of the real
     keys 0..i (ZETA's causal mean token), fused (op ``sparsefocus::indexed_causal_mean_fwd``).
@@ -943,7 +886,6 @@ def indexed_attention_causal_mean(
         score, gamma, sink_key, scale, return_lse: as ``indexed_attention``.
         key_padding_mask: [B, N] bool, True = real key; padded keys are left out of the means.
             Default: every key is real.
-        row_key: as ``indexed_attention``.
     Returns:
         [B, Hq, N, Dv] in q.dtype; with ``return_lse`` (out, lse [B, Hq, N] fp32), the mean
         token counted in lse like a listed key.
@@ -958,9 +900,8 @@ def indexed_attention_causal_mean(
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_sq = _gamma_per_head(gamma, q.shape[0], q.shape[1], q.device).float().pow(2)  # [Hq] or [B, Hq]
-    row_order = _row_order(q, row_key)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat, *_ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score], row_order)
+    out, stat, *_ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 
@@ -1007,7 +948,6 @@ def indexed_attention(
     slot_weight: Tensor | None = None,
     return_lse: bool = False,
     key_grads: str | None = None,
-    row_key: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention of each query over an explicit list of keys, fused in Triton (forward and backward).
 
@@ -1039,10 +979,6 @@ def indexed_attention(
         return_lse: also return each row's log-sum-exp. Default: False.
         key_grads: how the backward sums dk and dv: "atomic", "inverse" or "short" (see
             ``KEY_GRADS``). Default: None, the module setting ``KEY_GRADS``.
-        row_key: optional integer [B, 1 or Hq, N]: the kernels take each head's queries in
-            tiles of consecutive row_key order instead of consecutive positions, so that queries
-            whose lists share keys (ZETA's, near on its curve) gather them in one program. Only
-            the speed and the summation order of dk, dv depend on it. Default: positions.
     Returns:
         out [B, Hq, N, Dv] in q.dtype; rows with no valid key are zero. With ``return_lse``,
         (out, lse): lse [B, Hq, N] fp32 = log sum_j exp(s_ij) over the row's valid slots (the
@@ -1077,25 +1013,9 @@ def indexed_attention(
         slot_weight = slot_weight.detach().float().contiguous() if index.shape[-1] > 0 else None
     k, v, index = _nonempty_lists(k, v, index)
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
-    row_order = _row_order(q, row_key)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat = indexed_fwd(
-        q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight, key_grads or "", row_order
-    )
+    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight, key_grads or "")
     return (out, _natural_lse(stat, score)) if return_lse else out
-
-
-def _row_order(q: Tensor, row_key: Tensor | None) -> Tensor | None:
-    """The programs' row order int32 [B, Hq, N] (each head's positions sorted by ``row_key``), or None."""
-    if row_key is None:
-        return None
-    shape_ok = row_key.dim() == 3 and row_key.shape[0] == q.shape[0] and row_key.shape[2] == q.shape[2]
-    if row_key.is_floating_point() or not shape_ok or row_key.shape[1] not in (1, q.shape[1]):
-        raise ValueError(
-            f"row_key must be an integer tensor [B, 1 or Hq, N] = [{q.shape[0]}, 1 or {q.shape[1]}, {q.shape[2]}], "
-            f"got {row_key.dtype} {tuple(row_key.shape)}"
-        )
-    return torch.argsort(row_key.expand(*q.shape[:3]), dim=-1).to(torch.int32)
 
 
 def _nonempty_lists(k: Tensor, v: Tensor, index: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -420,59 +420,6 @@ def test_slot_weights_op_passes_opcheck():
     torch.library.opcheck(torch.ops.sparsefocus.indexed_fwd.default, args)
 
 
-@pytest.mark.parametrize("key_grads,order_backward", [("atomic", True), ("inverse", True), ("short", True), ("atomic", False)])
-@pytest.mark.parametrize("key_heads", [1, 4])
-def test_row_key_only_reorders_the_tiles(monkeypatch, key_grads, order_backward, key_heads):
-    """Queries taken in row_key order (ties included, a per-head or a broadcast key; in the
-    backward too, or not): every row written, outputs and dq bitwise those of position order, dk,
-    dv, d gamma, the extra slot's and the sink's gradients as the reference; the causal-mean form
-    too."""
-    import sparsefocus.kernels.indexed as indexed_module
-
-    monkeypatch.setattr(indexed_module, "KEY_GRADS", key_grads)
-    monkeypatch.setattr(indexed_module, "ROW_ORDER_BACKWARD", order_backward)
-    q, k, v, index, gamma = make_case(37, 37, "cauchy", torch.float32, slots=6, dim=3, dim_v=5)
-    row_key = torch.randint(0, 5, (2, key_heads, 37), device=DEVICE)  # many ties
-    extra_k, extra_v = torch.randn(2, 2, 37, 3, device=DEVICE), torch.randn(2, 2, 37, 5, device=DEVICE)
-    sink = torch.randn(4, 3, device=DEVICE)
-    grad_out = torch.randn(2, 4, 37, 5, device=DEVICE)
-    names = ["out", "dq", "dk", "dv", "d extra k", "d extra v", "d sink", "d gamma"]
-    results = []
-    for fn, order in ((indexed_attention, {}), (indexed_attention, {"row_key": row_key}), (indexed_attention_ref, {})):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v, extra_k, extra_v, sink, gamma)]
-        extras = dict(extra_key=leaves[3], extra_value=leaves[4], sink_key=leaves[5])
-        out = fn(*leaves[:3], index, score="cauchy", gamma=leaves[6], **extras, **order)
-        results.append([out, *torch.autograd.grad(out, leaves, grad_out)])
-    positions, ordered, reference = results
-    for name, x, want in zip(names, ordered, reference):
-        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
-        assert rel_err(x, want) < 1e-5, f"{key_grads} {name}: relative error {rel_err(x, want):.2e}"
-    assert torch.equal(ordered[0], positions[0]) and torch.equal(ordered[1], positions[1])
-    padding = torch.rand(2, 37, device=DEVICE) > 0.2
-    means = []
-    for order in ({}, {"row_key": row_key}):
-        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-        out = indexed_attention_causal_mean(*leaves, index, gamma=gamma, key_padding_mask=padding, **order)
-        means.append([out, *torch.autograd.grad(out, leaves, grad_out)])
-    for name, x, y in zip(["mean out", "mean dq", "mean dk", "mean dv"], *means):
-        assert torch.isfinite(x).all() and rel_err(x, y) < 1e-6, f"{name}: relative error {rel_err(x, y):.2e}"
-
-
-def test_row_key_is_checked_and_its_op_passes_opcheck():
-    q, k, v, index, _ = make_case(9, 7, "dot", torch.float32, slots=3)
-    for bad in (torch.zeros(2, 4, 8, dtype=torch.long), torch.zeros(2, 3, 9, dtype=torch.long), torch.zeros(2, 4, 9)):
-        with pytest.raises(ValueError, match="row_key must be an integer tensor"):
-            indexed_attention(q, k, v, index, row_key=bad.to(DEVICE))
-    order = torch.stack([torch.randperm(9, device=DEVICE) for _ in range(8)]).view(2, 4, 9).to(torch.int32)
-    fwd_args = (q, k, v, index.to(torch.int32), torch.ones(4, device=DEVICE), None, None, None, None, 0.4, 0, None, "", order)
-    torch.library.opcheck(torch.ops.sparsefocus.indexed_fwd.default, fwd_args)
-    real = torch.rand(2, 9, device=DEVICE) > 0.2
-    k9, v9 = torch.randn(2, 2, 9, 6, device=DEVICE), torch.randn(2, 2, 9, 3, device=DEVICE)
-    gamma_sq = torch.ones(4, device=DEVICE)
-    mean_args = (q, k9, v9, index.clamp_max(8).to(torch.int32), gamma_sq, real, None, 1.0, 2, order)
-    torch.library.opcheck(torch.ops.sparsefocus.indexed_causal_mean_fwd.default, mean_args)
-
-
 def test_causal_mean_backward_reuses_the_forward_scales_and_fills_no_zero_gradients():
     """The backward outside the ops launches nothing of its own: the row scales come saved from
     the forward (no cumsum again) and the outputs without a gradient get no zero tensors."""

@@ -116,7 +116,7 @@ def every_kernel(q, k, v, index, start, gamma, extra_key, extra_value, sink, rea
     out_c, lse_c = indexed_attention(
         q, k, v, index, score="cauchy", gamma=gamma, extra_key=extra_key, extra_value=extra_value, sink_key=sink, return_lse=True
     )
-    out_d = indexed_attention(q, k, v, index, scale=0.3, score="dot", row_key=index[..., 0])  # rows grouped by first key
+    out_d = indexed_attention(q, k, v, index, scale=0.3, score="dot")
     out_m, lse_m = indexed_attention_causal_mean(q, k, v, index, gamma=gamma, key_padding_mask=real, return_lse=True)
     out_r, lse_r = run_attention(q, k, v, start, 5, causal=True, return_lse=True)
     mean = CausalMeanScan.apply(x, real, real.float().cumsum(-1))
