@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -47,7 +48,7 @@ class BenchError(Exception):
     """A problem with the command line or the machine, reported as one line on stderr."""
 
 
-def parse_constant(assignment: str) -> tuple[object, str, object]:
+def parse_constant(assignment: str) -> tuple[ModuleType, str, object]:
     """``sparsefocus.MODULE.NAME=VALUE`` (VALUE a Python literal, else a string) -> (the module, the
     name, the value), for a module constant that exists. BenchError otherwise."""
     target, sep, text = assignment.partition("=")
@@ -77,7 +78,7 @@ def constants_set(assignments: list[str]) -> Iterator[dict[str, object]]:
     try:
         for module, name, value in parsed:
             setattr(module, name, value)
-        yield {f"{module.__name__}.{name}": value for module, name, value in parsed}  # type: ignore[attr-defined]
+        yield {f"{module.__name__}.{name}": value for module, name, value in parsed}
     finally:
         for module, name, value in reversed(saved):
             setattr(module, name, value)
