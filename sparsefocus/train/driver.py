@@ -703,6 +703,7 @@ class _Lane:
 
     def __init__(self, make: Callable[[], PartRun], device: torch.device, on_epoch: Callable[[int], None] | None) -> None:
         self.device, self.on_epoch = device, on_epoch
+        self.timed_steps = 0  # of FIRST_STEPS_TIMED
         generator = default_generator(device)
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
@@ -742,6 +743,18 @@ class _Lane:
             self.stream.synchronize()
 
 
+FIRST_STEPS_TIMED = 3
+"""Concurrent groups: each lane's first steps are waited for one by one and logged in
+``SETUP_LOG`` (a few synchronisations per process), so that a call whose first epoch does not end
+still shows what one step of each group costs."""
+
+
+def _time_first_steps(lane: _Lane, began: float) -> None:
+    if lane.timed_steps < FIRST_STEPS_TIMED:
+        lane.timed_steps += 1
+        _log_setup(lane.part.trainer.label, f"concurrent step {lane.timed_steps}", began, lane.device)
+
+
 def _epoch_in_turns(lanes: list[_Lane]) -> dict[int, Exception]:
     """One epoch of every lane, a training step of each in turn, then every lane's evaluation
     queued before any is read. A lane whose step raises (its model fails to compile or capture,
@@ -757,7 +770,9 @@ def _epoch_in_turns(lanes: list[_Lane]) -> dict[int, Exception]:
                 try:
                     if epochs[index] is None:
                         epochs[index] = lanes[index].part.steps()
+                    step_began = time.perf_counter()
                     next(epochs[index])
+                    _time_first_steps(lanes[index], step_began)
                 except StopIteration as stop:
                     running[index] = stop.value
                     pending.remove(index)

@@ -158,6 +158,19 @@ def test_setup_log_names_each_groups_first_evaluation_once(tmp_path, monkeypatch
     assert all(entry["seconds"] >= 0 for entry in driver.SETUP_LOG)
 
 
+def test_setup_log_times_each_concurrent_groups_first_steps(tmp_path, monkeypatch):
+    """Groups trained at once log their first FIRST_STEPS_TIMED steps one by one (a stalled
+    first epoch then still shows each group's step time), and their first evaluations."""
+    from sparsefocus.train import driver
+
+    monkeypatch.setattr(driver, "SETUP_LOG", [])
+    monkeypatch.setattr(driver, "FIRST_STEPS_TIMED", 2)
+    assert train(tmp_path, "train.batched=true", "train.batched_mode=fast", "train.concurrent_groups=2") == 0
+    for group in ("FULL", "TOPK:3"):
+        whats = [entry["what"] for entry in driver.SETUP_LOG if entry["group"] == group]
+        assert whats == ["concurrent step 1", "concurrent step 2", "first evaluation"], whats
+
+
 def test_blocks_compiled_one_by_one_train_as_the_eager_fast_step(tmp_path, monkeypatch):
     from sparsefocus.train import driver
 
