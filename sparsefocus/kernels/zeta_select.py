@@ -308,9 +308,8 @@ def _zeta_select_kernel(
     distance = _distances(q_base, k_base, cand, row_ok, D, PACKED_KEYS, BF16)
     out_rows = OUT + (bh.to(tl.int64) * N + rows) * WIDTH  # [BM] row pointers
     if DISTINCT:
-        distance_b = _distances(
-            q_base, k_base, cand_b, row_ok, D, PACKED_KEYS, BF16
-        )  # a [BM, 1] placeholder without SPLIT: all masked
+        # a [BM, 1] placeholder without SPLIT: all masked
+        distance_b = _distances(q_base, k_base, cand_b, row_ok, D, PACKED_KEYS, BF16)
         _store_nearest_distinct(
             distance,
             cand,

@@ -151,27 +151,21 @@ def test_constants_apply_during_the_run_are_recorded_and_restored(tmp_path, monk
     import sparsefocus.kernels.indexed as indexed
     from sparsefocus.bench import run
 
+    import sparsefocus.bench.model as model_bench
+
     seen = []
-    measure = run.measure if not model else None
+    owner, name = (model_bench, "make_step") if model else (run, "measure")
+    timed = getattr(owner, name)
+
+    def spy(*args, **kwargs):  # the code under time sees the constant
+        seen.append(indexed.KEY_GRADS)
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, spy)
     if model:
-        import sparsefocus.bench.model as model_bench
-
-        real_step = model_bench.make_step
-
-        def spying_step(*args, **kwargs):
-            seen.append(indexed.KEY_GRADS)
-            return real_step(*args, **kwargs)
-
-        monkeypatch.setattr(model_bench, "make_step", spying_step)
         argv = ["--model", "--blocks", "1", "--dim", "16", "--heads", "2", "--mlp", "16", "--lengths", "16"]
         argv += ["--steps", "1", "--warmup", "1", "--patterns", "BAND:4", "--compile", "off"]
     else:
-
-        def spying_measure(*args, **kwargs):
-            seen.append(indexed.KEY_GRADS)
-            return measure(*args, **kwargs)
-
-        monkeypatch.setattr(run, "measure", spying_measure)
         argv = ["TOPK:4", "--n", "8", "--batch", "1", "--heads", "1", "--head-dim", "4", "--dtype", "fp32"]
         argv += ["--warmup", "0", "--repeats", "1", "--no-plot"]
     out = tmp_path / "b.json"
