@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from sparsefocus.attention.common import causal_row_mask
 from sparsefocus.attention.patterns import Pattern, register
@@ -15,7 +16,8 @@ from sparsefocus.attention.patterns import Pattern, register
 @register
 @dataclass(frozen=True)
 class Full(Pattern):
-    """``FULL``: dense softmax attention. The lean path is PyTorch SDPA (flash/memory-efficient)."""
+    """``FULL``: dense softmax attention. The lean path is PyTorch SDPA (flash/memory-efficient; with
+    padded keys a boolean mask, which the memory-efficient backend fuses)."""
 
     examples: ClassVar[tuple[str, ...]] = ("FULL",)
     name: ClassVar[str] = "full"
@@ -31,7 +33,7 @@ class Full(Pattern):
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
         if key_padding_mask is not None:
-            return super().lean(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
+            return _padded_sdpa(q, k, v, causal, scale, key_padding_mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
     def packed_runs(self, local, length, causal):
@@ -40,3 +42,18 @@ class Full(Pattern):
 
     def label(self) -> str:
         return "FULL"
+
+
+def _padded_sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, key_padding_mask: Tensor) -> Tensor:
+    """SDPA with a boolean mask of the real (and, causal, earlier) keys: q [B, H, N, D], k [B, H, M, D],
+    v [B, H, M, Dv], key_padding_mask [B, M] -> [B, H, N, Dv], no N x M score tensor where the backend
+    fuses masks (memory-efficient attention). SDPA gives NaN on a row with no allowed key, so such a
+    row attends to key 0 instead and its output is zeroed: zero, with zero gradients, as every path."""
+    allowed = key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
+    if causal:
+        allowed = allowed & causal_row_mask(slice(0, q.shape[-2]), k.shape[-2], q.device)[None, None]  # [B, 1, N, M]
+    has_key = allowed.any(dim=-1, keepdim=True)  # [B, 1, N or 1, 1]
+    first_key = torch.arange(k.shape[-2], device=q.device) == 0  # [M]
+    allowed = allowed | (~has_key & first_key)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    return out.masked_fill(~has_key, 0.0)

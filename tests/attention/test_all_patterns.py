@@ -160,3 +160,25 @@ def test_an_empty_batch_gives_an_empty_output_on_every_path(pattern):
             assert out.shape == (0, q.shape[1], n, v.shape[-1]), (impl, causal, out.shape)
             out.sum().backward()
             assert q_.grad.shape == q.shape and k_.grad.shape == k.shape, (impl, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_with_padded_keys_matches_reference_outputs_and_gradients(causal):
+    """FULL's lean path takes SDPA with a boolean mask: odd sizes, left and right padding (causal
+    left padding leaves the first rows without a key) and one sequence with no real key at all."""
+    n = 37
+    q, k, v = _inputs(n, batch=4, seed=5)
+    padding = torch.ones(4, n, dtype=torch.bool)
+    padding[1, 29:] = False
+    padding[2, :5] = False
+    padding[3] = False
+    outs = []
+    for impl in ("reference", "lean"):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = sf.sparse_attention(*leaves, "FULL", causal=causal, key_padding_mask=padding, impl=impl)
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=out.dtype)).reshape(out.shape))
+        outs.append((out.detach(), *(x.grad for x in leaves)))
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *outs):
+        assert torch.isfinite(b).all(), name
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=name)
+    assert torch.equal(outs[1][0][3], torch.zeros_like(outs[1][0][3]))
