@@ -40,7 +40,7 @@ class _Sparsemax(torch.autograd.Function):
 class _Entmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: Tensor, alpha: float) -> Tensor:
-        probs = _entmax_bisect_forward(scores, alpha)
+        probs = _entmax15_forward(scores) if alpha == 1.5 else _entmax_bisect_forward(scores, alpha)
         ctx.save_for_backward(probs)
         ctx.alpha = alpha
         return probs
@@ -72,6 +72,24 @@ def _sparsemax_forward(scores: Tensor) -> Tensor:
     return (z - tau).clamp_min(0)
 
 
+def _entmax15_forward(scores: Tensor) -> Tensor:
+    """1.5-entmax over the last dim, exact by sorting (Peters et al. 2019, Algorithm 2):
+    p = [z/2 - tau]_+^2. Along the scores sorted in descending order, the threshold of the k
+    largest is tau_k = mean_k - sqrt((1 - k * var_k) / k) (mean and variance of the k largest
+    halves); the support is the k with tau_k <= the k-th largest. -inf entries get 0: outside the
+    support, tau >= max - 1. About a dozen tensor ops instead of the bisection's 50 rounds."""
+    z = _finite_below_support(scores, 3.0) / 2  # margin 3 in the scores is 1.5 > 1 in the halves
+    z = z - z.max(dim=-1, keepdim=True).values
+    z_sorted = z.sort(dim=-1, descending=True).values
+    rank = torch.arange(1, z.shape[-1] + 1, device=z.device, dtype=z.dtype)
+    mean = z_sorted.cumsum(-1) / rank
+    mean_square = z_sorted.square().cumsum(-1) / rank
+    spread = (1 - rank * (mean_square - mean.square())) / rank
+    tau = mean - spread.clamp_min(0).sqrt()
+    support_size = (tau <= z_sorted).sum(-1, keepdim=True)
+    return (z - tau.gather(-1, support_size - 1)).clamp_min(0).square()
+
+
 def _entmax_bisect_forward(scores: Tensor, alpha: float) -> Tensor:
     """alpha-entmax over the last dim: p = [(alpha-1) z - tau]_+^(1/(alpha-1)), tau by bisection."""
     z = (alpha - 1.0) * _finite_below_support(scores, 1.0 / (alpha - 1.0) + 1.0)
@@ -93,7 +111,8 @@ def sparsemax(scores: Tensor, dim: int = -1) -> Tensor:
 
 
 def entmax(scores: Tensor, alpha: float = 1.5, dim: int = -1) -> Tensor:
-    """alpha-entmax of ``scores`` along ``dim`` (bisection, 1 < alpha <= 2; 2 = sparsemax)."""
+    """alpha-entmax of ``scores`` along ``dim`` (1 < alpha <= 2; 2 = sparsemax): exact by sorting
+    at alpha = 1.5, by bisection otherwise."""
     return _Entmax.apply(scores.transpose(dim, -1), alpha).transpose(dim, -1)
 
 

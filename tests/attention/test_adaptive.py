@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import sparsefocus as sf
-from sparsefocus.attention.adaptive import entmax, sparsemax
+from sparsefocus.attention.adaptive import _entmax15_forward, _entmax_bisect_forward, entmax, sparsemax
 
 
 def test_sparsemax_known_values_and_masked_entries():
@@ -19,6 +19,22 @@ def test_entmax_15_matches_its_closed_form():
     tau = (0.5 - (1.75) ** 0.5) / 2
     expected = torch.tensor([(0.5 - tau) ** 2, tau**2], dtype=torch.float64)
     torch.testing.assert_close(entmax(torch.tensor([1.0, 0.0], dtype=torch.float64), 1.5), expected)
+
+
+@pytest.mark.parametrize("spread", [0.1, 1.0, 30.0])
+def test_entmax_15_by_sorting_equals_bisection_with_masked_entries(spread):
+    """1.5-entmax takes the exact sort; the bisection, run to float64 resolution, is its slow twin:
+    rows of odd lengths, wide and narrow score spreads, -inf entries, a row of one finite entry."""
+    gen = torch.Generator().manual_seed(int(spread * 10))
+    x = torch.randn(6, 37, generator=gen, dtype=torch.float64) * spread
+    x[1, 5:] = float("-inf")
+    x[2, ::3] = float("-inf")
+    x[3, 1:] = float("-inf")
+    exact = _entmax15_forward(x)
+    torch.testing.assert_close(exact, _entmax_bisect_forward(x, 1.5), atol=1e-12, rtol=0)
+    torch.testing.assert_close(exact.sum(-1), torch.ones(6, dtype=torch.float64))
+    assert torch.equal(exact[torch.isinf(x)], torch.zeros_like(exact[torch.isinf(x)]))
+    assert exact[3, 0] == 1.0
 
 
 def test_entmax_alpha_two_is_sparsemax_and_near_one_is_softmax():
