@@ -11,7 +11,10 @@ the ``kk`` best keys (2048 in DeepSeek-V3.2), far more than the per-row register
    over the order-preserving bits of the fp32 scores (8 bits a pass, a 256-bin histogram of the
    row's keys that match the bits found so far), then one pass that writes the positions of the
    keys above it and of the first ties at it, in position order (ties go to the smaller
-   position, as in ``top_positions``).
+   position, as in ``top_positions``). Short rows choosing few keys (M <= ``SHORT_MAX_M``,
+   kk <= ``SHORT_MAX_K``: a small model's indexer, as in the laboratory) take
+   ``_short_select_kernel`` instead: a program holds BLOCK_R rows' scores in registers as packed
+   (score, position) keys and takes kk rounds of row maxima, one read of the scores per row.
 
 Output: [B, N, kk] int32 key positions in increasing position order, -1 past the row's allowed
 keys; no host synchronisation, fixed shapes (``sparsefocus::indexer_topk`` is a custom op).
@@ -30,12 +33,20 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.topk_select import _ordered_bits
+from sparsefocus.kernels.topk_select import _ordered_bits, _pack
 
 CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {BLOCK_M, BLOCK_N, num_warps, SELECT_BLOCK, select_warps} replacing the launcher's choice."""
 INT32_MIN = tl.constexpr(-(2**31))
+INT32_MAX = tl.constexpr(2**31 - 1)
+INT64_MIN = tl.constexpr(-(2**63))
+SHORT_MAX_M = 1024
+SHORT_MAX_K = 16
+"""Rows of at most SHORT_MAX_M keys choosing at most SHORT_MAX_K take ``_short_select_kernel``:
+the row's scores held in registers once and kk rounds of row maxima, instead of the radix
+select's five sweeps and four histograms per row."""
+SHORT_TILE_KEYS = 4096  # packed keys of one short-select program: rows per program = this // keys per row
 
 
 @triton.jit
@@ -177,6 +188,54 @@ def _collect_row(
         tl.store(out + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= taken) & (slot < KK))
 
 
+@triton.jit
+def _short_select_kernel(
+    S,
+    PAD,
+    OUT,
+    row0,
+    R,
+    N,
+    M,
+    KK: tl.constexpr,
+    KP: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The kk best keys of BLOCK_R rows of one batch whose M <= BLOCK keys fit in registers: each
+    score packed with its position (ties to the smaller position, as the radix select), kk rounds
+    of row maxima, then each pick written at its rank by position. -1 past the allowed keys."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    local = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR] rows of the chunk
+    row = row0 + local
+    live = (local < R) & (row < N)
+    pos = tl.arange(0, BLOCK)  # [BLOCK] keys
+    limit = tl.minimum(M, row + 1) if CAUSAL else tl.zeros([BLOCK_R], tl.int32) + M
+    valid = live[:, None] & (pos[None, :] < limit[:, None])  # [BR, BLOCK]
+    if HAS_PAD:
+        valid = valid & (tl.load(PAD + b.to(tl.int64) * M + pos, mask=pos < M, other=0) != 0)[None, :]
+    ptrs = S + (b * R + local[:, None]).to(tl.int64) * M + pos[None, :]
+    score = tl.load(ptrs, mask=live[:, None] & (pos[None, :] < M), other=0.0)
+    score = tl.where(valid & (score != 0.0), score, 0.0)  # -0.0 ties with 0.0, as the radix select
+    key = tl.where(valid, _pack(score, pos[None, :]), INT64_MIN)  # [BR, BLOCK] int64
+    slots = tl.arange(0, KP)
+    picked = tl.full([BLOCK_R, KP], INT32_MAX, tl.int32)  # [BR, KP] positions; INT32_MAX = none
+    for r in tl.static_range(KK):
+        best = tl.max(key, axis=1)  # [BR]
+        position = INT32_MAX - (best & 0xFFFFFFFF).to(tl.int32)
+        picked = tl.where((slots[None, :] == r) & (best != INT64_MIN)[:, None], position[:, None], picked)
+        key = tl.where(key == best[:, None], INT64_MIN, key)  # positions are unique: one key per row
+    # rank by position (slot breaks the ties of the empty picks): [BR, KP, KP] -> [BR, KP]
+    before = (picked[:, None, :] < picked[:, :, None]) | (
+        (picked[:, None, :] == picked[:, :, None]) & (slots[None, None, :] < slots[None, :, None])
+    )
+    rank = tl.sum(before.to(tl.int32), axis=2)
+    out = OUT + (b * N + row[:, None]).to(tl.int64) * KK + rank
+    tl.store(out, tl.where(picked == INT32_MAX, -1, picked), mask=live[:, None] & (slots[None, :] < KK))
+
+
 def _tiles(iq: Tensor) -> dict:
     if iq.is_cuda:
         tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SELECT_BLOCK=1024, select_warps=4)
@@ -206,11 +265,28 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
             H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3",
             BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
         )  # fmt: skip
-        _select_kernel[(rows, batch)](
-            scores, pad, out, row0, chunk, n_queries, n_keys,
-            KK=kk, CAUSAL=causal, HAS_PAD=key_padding_mask is not None, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
-        )  # fmt: skip
+        _select(scores, pad, out, row0, rows, chunk, kk, causal, key_padding_mask is not None, tiles)
     return out
+
+
+def _select(
+    scores: Tensor, pad: Tensor, out: Tensor, row0: int, rows: int, chunk: int, kk: int, causal: bool, has_pad: bool, tiles: dict
+) -> None:
+    """The kk best of each of ``rows`` score rows of the [B, chunk, M] fp32 chunk into ``out`` [B, N, kk]."""
+    batch, n_queries, n_keys = scores.shape[0], out.shape[1], scores.shape[2]
+    if n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K:
+        block = max(16, triton.next_power_of_2(n_keys))
+        block_r = max(1, min(32, SHORT_TILE_KEYS // block))
+        _short_select_kernel[(triton.cdiv(rows, block_r), batch)](
+            scores, pad, out, row0, chunk, n_queries, n_keys,
+            KK=kk, KP=max(2, triton.next_power_of_2(kk)), CAUSAL=causal, HAS_PAD=has_pad, BLOCK_R=block_r, BLOCK=block,
+            num_warps=4 if scores.is_cuda else 1,
+        )  # fmt: skip
+        return
+    _select_kernel[(rows, batch)](
+        scores, pad, out, row0, chunk, n_queries, n_keys,
+        KK=kk, CAUSAL=causal, HAS_PAD=has_pad, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
+    )  # fmt: skip
 
 
 @_indexer_topk_op.register_fake

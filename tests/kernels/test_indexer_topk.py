@@ -1,6 +1,7 @@
-"""The lightning-indexer radix selection against DSA's PyTorch selection: the same key sets (tie
-rule included) at odd sizes, causal and padded keys never chosen, -1 fill, ties, the chunked rows,
-the op's registration (opcheck) and compilation."""
+"""The lightning-indexer selection against DSA's PyTorch selection, with the radix select and with
+the short-row select (each test runs both): the same key sets (tie rule included) at odd sizes,
+causal and padded keys never chosen, -1 fill, ties, the chunked rows, the op's registration
+(opcheck) and compilation."""
 
 import pytest
 import torch
@@ -11,6 +12,13 @@ from sparsefocus.kernels._ops import top_positions
 from sparsefocus.kernels.indexer_topk import indexer_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, params=["short", "radix"])
+def select_kernel(request, monkeypatch):
+    """Every case through the short-row select (rows in registers, up to 64 picks here) or the radix select."""
+    monkeypatch.setattr(indexer_topk_module, "SHORT_MAX_K", 64 if request.param == "short" else 0)
+    return request.param
 
 
 def torch_selection(iq, ik, w, kk, causal, key_padding_mask):
