@@ -16,8 +16,8 @@ from sparsefocus.attention.patterns import Pattern, register
 @register
 @dataclass(frozen=True)
 class Full(Pattern):
-    """``FULL``: dense softmax attention. The lean path is PyTorch SDPA (flash/memory-efficient; with
-    padded keys a boolean mask, which the memory-efficient backend fuses)."""
+    """``FULL``: dense softmax attention. The lean path is PyTorch SDPA (with padded keys, SDPA with a
+    boolean mask: cuDNN or memory-efficient attention on CUDA)."""
 
     examples: ClassVar[tuple[str, ...]] = ("FULL",)
     name: ClassVar[str] = "full"
@@ -46,9 +46,10 @@ class Full(Pattern):
 
 def _padded_sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, key_padding_mask: Tensor) -> Tensor:
     """SDPA with a boolean mask of the real (and, causal, earlier) keys: q [B, H, N, D], k [B, H, M, D],
-    v [B, H, M, Dv], key_padding_mask [B, M] -> [B, H, N, Dv], no N x M score tensor where the backend
-    fuses masks (memory-efficient attention). SDPA gives NaN on a row with no allowed key, so such a
-    row attends to key 0 instead and its output is zeroed: zero, with zero gradients, as every path."""
+    v [B, H, M, Dv], key_padding_mask [B, M] -> [B, H, N, Dv]. The backends that take a mask (cuDNN,
+    memory-efficient) hold no N x M scores; the mask itself is [B, 1, 1, M], or one [B, 1, N, M] bool
+    tensor when causal. SDPA gives NaN on a row with no allowed key, so such a row attends to key 0
+    instead and its output is zeroed: zero, with zero gradients, as on every path."""
     allowed = key_padding_mask[:, None, None, :]  # [B, 1, 1, M]
     if causal:
         allowed = allowed & causal_row_mask(slice(0, q.shape[-2]), k.shape[-2], q.device)[None, None]  # [B, 1, N, M]
