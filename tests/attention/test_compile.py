@@ -132,6 +132,12 @@ def test_representative_patterns_compile_with_inductor(example, impl, causal):
     assert_compiled_equals_eager(example, impl, causal, "inductor")
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_with_key_padding_compiles_with_inductor(causal):
+    """FULL's padded keys go through SDPA with a boolean mask: one graph, eager's outputs and gradients."""
+    assert_compiled_equals_eager("FULL", "lean", causal, "inductor", key_padding=True)
+
+
 def test_nsa_compression_compiles_with_inductor_and_key_padding():
     """NSA's padded compression under Inductor's own code, at a batch and width where the CPU
     backward of a product of two unfolded tensors once wrote out of bounds (torch 2.13; the
