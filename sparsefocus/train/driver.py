@@ -704,6 +704,7 @@ class _Lane:
     def __init__(self, make: Callable[[], PartRun], device: torch.device, on_epoch: Callable[[int], None] | None) -> None:
         self.device, self.on_epoch = device, on_epoch
         self.timed_steps = 0  # of FIRST_STEPS_TIMED
+        self.steps_taken, self.started = 0, 0.0  # in this process, since the lane's first step began
         generator = default_generator(device)
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
@@ -747,12 +748,23 @@ FIRST_STEPS_TIMED = 3
 """Concurrent groups: each lane's first steps are waited for one by one and logged in
 ``SETUP_LOG`` (a few synchronisations per process), so that a call whose first epoch does not end
 still shows what one step of each group costs."""
+PROGRESS_STEPS = (16, 64, 128)
+"""Concurrent groups: at these counts of a lane's steps in the process, the seconds since its first
+step began are logged in ``SETUP_LOG`` too (one synchronisation each), so that a call stopped
+before any epoch ends shows whether the steps went on slowly or stopped."""
 
 
 def _time_first_steps(lane: _Lane, began: float) -> None:
+    """Log the lane's step that began at ``began`` if it is one of the first or a progress mark."""
+    lane.steps_taken += 1
+    if lane.steps_taken == 1:
+        lane.started = began
     if lane.timed_steps < FIRST_STEPS_TIMED:
         lane.timed_steps += 1
         _log_setup(lane.part.trainer.label, f"concurrent step {lane.timed_steps}", began, lane.device)
+    elif lane.steps_taken in PROGRESS_STEPS:
+        what = f"concurrent steps 1-{lane.steps_taken}, since the first began"
+        _log_setup(lane.part.trainer.label, what, lane.started, lane.device)
 
 
 def _epoch_in_turns(lanes: list[_Lane]) -> dict[int, Exception]:

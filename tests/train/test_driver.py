@@ -165,10 +165,19 @@ def test_setup_log_times_each_concurrent_groups_first_steps(tmp_path, monkeypatc
 
     monkeypatch.setattr(driver, "SETUP_LOG", [])
     monkeypatch.setattr(driver, "FIRST_STEPS_TIMED", 2)
+    monkeypatch.setattr(driver, "PROGRESS_STEPS", (2, 3, 5))  # two steps an epoch: 3 and 5 fall in epochs 2 and 3
     assert train(tmp_path, "train.batched=true", "train.batched_mode=fast", "train.concurrent_groups=2") == 0
     for group in ("FULL", "TOPK:3"):
-        whats = [entry["what"] for entry in driver.SETUP_LOG if entry["group"] == group]
-        assert whats == ["concurrent step 1", "concurrent step 2", "first evaluation"], whats
+        entries = [entry for entry in driver.SETUP_LOG if entry["group"] == group]
+        whats = [entry["what"] for entry in entries]
+        assert whats == [
+            "concurrent step 1",
+            "concurrent step 2",
+            "first evaluation",
+            "concurrent steps 1-3, since the first began",
+            "concurrent steps 1-5, since the first began",
+        ], whats
+        assert entries[3]["seconds"] <= entries[4]["seconds"]
 
 
 def test_blocks_compiled_one_by_one_train_as_the_eager_fast_step(tmp_path, monkeypatch):
