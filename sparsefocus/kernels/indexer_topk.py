@@ -33,14 +33,11 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.topk_select import _ordered_bits, _pack
+from sparsefocus.kernels.topk_select import INT32_MAX, INT32_MIN, INT64_MIN, _ordered_bits, _pack
 
 CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {BLOCK_M, BLOCK_N, num_warps, SELECT_BLOCK, select_warps} replacing the launcher's choice."""
-INT32_MIN = tl.constexpr(-(2**31))
-INT32_MAX = tl.constexpr(2**31 - 1)
-INT64_MIN = tl.constexpr(-(2**63))
 SHORT_MAX_M = 1024
 SHORT_MAX_K = 16
 """Rows of at most SHORT_MAX_M keys choosing at most SHORT_MAX_K take ``_short_select_kernel``:

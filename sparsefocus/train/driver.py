@@ -703,8 +703,7 @@ class _Lane:
 
     def __init__(self, make: Callable[[], PartRun], device: torch.device, on_epoch: Callable[[int], None] | None) -> None:
         self.device, self.on_epoch = device, on_epoch
-        self.timed_steps = 0  # of FIRST_STEPS_TIMED
-        self.steps_taken, self.started = 0, 0.0  # in this process, since the lane's first step began
+        self.steps_taken, self.started = 0, 0.0  # in this process, and when the first of them began
         generator = default_generator(device)
         cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
@@ -754,14 +753,13 @@ step began are logged in ``SETUP_LOG`` too (one synchronisation each), so that a
 before any epoch ends shows whether the steps went on slowly or stopped."""
 
 
-def _time_first_steps(lane: _Lane, began: float) -> None:
+def _log_concurrent_step(lane: _Lane, began: float) -> None:
     """Log the lane's step that began at ``began`` if it is one of the first or a progress mark."""
     lane.steps_taken += 1
     if lane.steps_taken == 1:
         lane.started = began
-    if lane.timed_steps < FIRST_STEPS_TIMED:
-        lane.timed_steps += 1
-        _log_setup(lane.part.trainer.label, f"concurrent step {lane.timed_steps}", began, lane.device)
+    if lane.steps_taken <= FIRST_STEPS_TIMED:
+        _log_setup(lane.part.trainer.label, f"concurrent step {lane.steps_taken}", began, lane.device)
     elif lane.steps_taken in PROGRESS_STEPS:
         what = f"concurrent steps 1-{lane.steps_taken}, since the first began"
         _log_setup(lane.part.trainer.label, what, lane.started, lane.device)
@@ -784,7 +782,7 @@ def _epoch_in_turns(lanes: list[_Lane]) -> dict[int, Exception]:
                         epochs[index] = lanes[index].part.steps()
                     step_began = time.perf_counter()
                     next(epochs[index])
-                    _time_first_steps(lanes[index], step_began)
+                    _log_concurrent_step(lanes[index], step_began)
                 except StopIteration as stop:
                     running[index] = stop.value
                     pending.remove(index)
