@@ -37,6 +37,34 @@ def row_slice(n: int, start: int = 0, stop: int | None = None) -> slice:
     return slice(start, n if stop is None else min(stop, n))
 
 
+def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [B, ..., I] @ weight + bias: weight [I, O] and bias [O] shared by every batch row, or
+    weight [G, I, O] and bias [G, O] with G dividing B, batch row b taking group b // (B / G)
+    (G = B: one weight per row; G = the runs of a folded batch, run-major: one per run) -> [B, ..., O].
+
+    A group's rows run as one product (``bmm`` over [G, B / G * ..., I]): per-row weights that
+    repeat a run's would make B small products, which CUDA runs far slower."""
+    if weight.dim() == 2:
+        return torch.nn.functional.linear(x, weight.t(), bias)
+    groups, batch = weight.shape[0], x.shape[0]
+    if weight.dim() != 3 or x.dim() < 2 or batch % groups or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"grouped_linear: weight {tuple(weight.shape)} needs [I, O] or [G, I, O] with G dividing the batch "
+            f"of x {tuple(x.shape)} and I its last dim"
+        )
+    flat = x.reshape(groups, -1, x.shape[-1])  # [G, B / G * ..., I]
+    out = torch.bmm(flat, weight) if bias is None else torch.baddbmm(bias[:, None], flat, weight)
+    return out.view(*x.shape[:-1], weight.shape[-1])
+
+
+def rows_of_groups(value: Tensor, batch: int) -> Tensor:
+    """A value [G, ...] of G groups of rows (G dividing ``batch``, as ``grouped_linear``) as one
+    copy per batch row [B, ...]."""
+    if batch % value.shape[0]:
+        raise ValueError(f"rows_of_groups: {value.shape[0]} groups do not split a batch of {batch}")
+    return value.repeat_interleave(batch // value.shape[0], dim=0)
+
+
 def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
     """Softmax over the last dim restricted to ``mask``; rows with no kept entry give zeros.
 

@@ -28,6 +28,7 @@ from sparsefocus.attention.common import (
     dense_masked_attention,
     expand_kv,
     gather_keys,
+    grouped_linear,
     indexed_attention_ref,
     mask_from_indices,
     row_slice,
@@ -76,6 +77,7 @@ class DSA(Pattern):
     needs_hidden: ClassVar[bool] = True
     expands_kv: ClassVar[bool] = False
     has_aux_loss: ClassVar[bool] = True
+    run_params: ClassVar[bool] = True
     examples: ClassVar[tuple[str, ...]] = ("dsa:k=5,heads=2,dim=4",)
     cost: ClassVar[tuple[str, str]] = ("O(N M heads dim) indexer + O(N k D) attend", "O(N k) lists")
 
@@ -98,8 +100,8 @@ class DSA(Pattern):
 
     @property
     def folds_params(self) -> bool:
-        """The indexer's weights may come per batch row ([B, dim, h d] @ x [B, N, dim] is a batched
-        product); the KL loss is summed over params[RUNS_KEY] slices (``run_means``)."""
+        """The indexer's weights may come per batch row or per run ([G, dim, h d], ``grouped_linear``);
+        the KL loss is summed over params[RUNS_KEY] slices (``run_means``)."""
         return True
 
     def indexer(self, q: Tensor, k: Tensor, params: dict | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -117,8 +119,9 @@ class DSA(Pattern):
             )
         x = upcast(hidden.detach())  # the indexer's loss must not train the main model
         batch, n, _ = x.shape
-        iq = (x @ params["dsa_wq"].float()).view(batch, n, self.heads, self.dim).transpose(1, 2)  # [B, h, N, d]
-        return iq, x @ params["dsa_wk"].float(), x @ params["dsa_ww"].float()
+        wq, wk, ww = (params[name].float() for name in WEIGHTS)  # [dim, out], or per row or run [G, dim, out]
+        iq = grouped_linear(x, wq).view(batch, n, self.heads, self.dim).transpose(1, 2)  # [B, h, N, d]
+        return iq, grouped_linear(x, wk), grouped_linear(x, ww)
 
     def select(
         self, iq: Tensor, ik: Tensor, w: Tensor, causal: bool, key_padding_mask: Tensor | None, fused: bool = False

@@ -31,7 +31,9 @@ from sparsefocus.attention.common import (
     causal_row_mask,
     dense_masked_attention,
     expand_kv,
+    grouped_linear,
     row_slice,
+    rows_of_groups,
     upcast,
 )
 from sparsefocus.attention.patterns import HIDDEN_KEY, Pattern, register, require
@@ -56,7 +58,8 @@ def compress(
     """Summaries of x [B, Hk, N, X] over windows of cmp positions every stride -> ([B, Hk, Nc, X], real [B, Nc] or None).
 
     Mean pooling averages the real positions of a window. With ``mlp = (pos [cmp, X], w1
-    [cmp X, X], b1 [X], w2 [X, X])`` the summary is the mean plus W2 gelu(W1 flatten(x + pos)) over
+    [cmp X, X], b1 [X], w2 [X, X])`` (or each with a leading dim of groups of batch rows, as
+    ``grouped_linear`` takes them) the summary is the mean plus W2 gelu(W1 flatten(x + pos)) over
     the window (padded positions zeroed), so a zero W2 starts from mean pooling."""
     n_cmp = compressed_count(x.shape[2], cmp, stride)
     if n_cmp == 0:
@@ -77,21 +80,9 @@ def compress(
     if mlp is None:
         return mean, cmp_real
     pos, w1, b1, w2 = (t.to(x.dtype) for t in mlp)
-    pos = pos if pos.dim() == 2 else pos[:, None, None]  # [cmp, X], or per batch row [B, 1, 1, cmp, X]
+    pos = pos if pos.dim() == 2 else rows_of_groups(pos, x.shape[0])[:, None, None]  # [cmp, X] or [B, 1, 1, cmp, X]
     flat = (windows + pos).flatten(-2)  # [B, Hk, Nc, cmp * X]
-    return mean + row_linear(F.gelu(row_linear(flat, w1, b1)), w2), cmp_real
-
-
-def row_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [B, ..., I] @ weight + bias with weight [I, O] and bias [O] shared by every batch row,
-    or weight [B, I, O] and bias [B, O] per batch row (``folds_params``) -> [B, ..., O]."""
-    if weight.dim() == 2:
-        return F.linear(x, weight.t(), bias)
-    if x.dim() < 3:
-        raise ValueError(f"per-row weights need x [B, ..., I] with at least one dim between, got {tuple(x.shape)}")
-    ones = [1] * (x.dim() - 3)  # weight [B, 1.., I, O] against x [B, .., N, I]
-    out = x @ weight.view(weight.shape[0], *ones, *weight.shape[1:])
-    return out if bias is None else out + bias.view(bias.shape[0], *ones, 1, bias.shape[-1])
+    return mean + grouped_linear(F.gelu(grouped_linear(flat, w1, b1)), w2), cmp_real
 
 
 def group_probabilities(q, ck, lse, cmp_real, rows, cmp, stride, causal, scale) -> Tensor:
@@ -149,6 +140,7 @@ class NSA(Pattern):
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
     needs_hidden: ClassVar[bool] = True
     expands_kv: ClassVar[bool] = False
+    run_params: ClassVar[bool] = True
     examples: ClassVar[tuple[str, ...]] = (
         "nsa:block=8,top=3,cmp=4,stride=2,window=6",
         "nsa:block=8,top=2,cmp=8,stride=8,window=0,local=1",
@@ -190,7 +182,7 @@ class NSA(Pattern):
 
     @property
     def folds_params(self) -> bool:
-        """The gates and the compression MLP take per-row weights (``row_linear``)."""
+        """The gates and the compression MLP take per-row or per-run weights (``grouped_linear``)."""
         return True
 
     def _mlp(self, params: dict | None, name: str) -> tuple[Tensor, ...] | None:
@@ -216,7 +208,8 @@ class NSA(Pattern):
         hidden = params.get(HIDDEN_KEY)
         if hidden is None:
             raise ValueError(f"nsa gates need the layer's input x as params[{HIDDEN_KEY!r}] [B, N, dim]")
-        logits = row_linear(hidden, params["nsa_gate_weight"].to(hidden.dtype), params["nsa_gate_bias"].to(hidden.dtype))
+        weight, bias = (params[name].to(hidden.dtype) for name in ("nsa_gate_weight", "nsa_gate_bias"))
+        logits = grouped_linear(hidden, weight, bias)
         gates = torch.sigmoid(logits.float()).view(*hidden.shape[:2], BRANCHES, q.shape[1])  # [B, N, 3, Hq]
         return gates.permute(0, 3, 1, 2)  # [B, Hq, N, 3]
 

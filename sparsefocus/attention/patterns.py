@@ -80,6 +80,9 @@ class Pattern:
     expands_kv: ClassVar[bool] = True
     # True: the mechanism writes named auxiliary losses into params[AUX_KEY] (a dict the caller passes).
     has_aux_loss: ClassVar[bool] = False
+    # True (with folds_params): each parameter may also come once per group of batch rows, [G, ...]
+    # with G dividing B (``common.grouped_linear``), so folded runs pass theirs [R, ...] unrepeated.
+    run_params: ClassVar[bool] = False
 
     @property
     def folds_params(self) -> bool:

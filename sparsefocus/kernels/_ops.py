@@ -63,8 +63,15 @@ def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
     (common for ReLU scores or repeated tokens) could depend on how many future positions a
     call holds. Here each fp32 score and its position form one int64 key (the float's order in
     the high half, minus the position in the low half), so the choice is that of the row alone.
+    On CUDA, rows of at most 1024 keys choosing at most 16 take a Triton kernel with the same
+    result (``row_topk``): ``torch.topk`` is slow on many short rows.
     """
     n_keys = scores.shape[-1]
+    if scores.is_cuda:
+        from sparsefocus.kernels import row_topk  # here: row_topk imports modules that import this one
+
+        if row_topk.fits(n_keys, count):
+            return row_topk.row_top_positions(scores, count, allowed)
     bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 ties with 0.0
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed ints in the floats' order
     position = torch.arange(n_keys, device=scores.device)

@@ -47,6 +47,11 @@ from sparsefocus.kernels._ops import row_dot
 GROUP_TILE = 0
 LOG2E = 1.4426950408889634
 ENTRY_ROWS = 8192
+IMPORTANCE_ROWS = 64
+"""Query rows of an NSA importance tile on CUDA when a kv group has fewer than 16 query heads:
+64 / G consecutive positions of the group's heads (one head: 64 positions), where one position a
+tile (as for wider groups) left 15 of the 16 tensor-core rows empty; 150,000 one-position tiles
+of the laboratory's one-head model took 0.5 ms a call on the H200."""
 
 
 def block_sparse_attention_ref(
@@ -965,15 +970,23 @@ def _importance_kernel(
     CAUSAL: tl.constexpr,
     HAS_REAL: tl.constexpr,
     D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    GP: tl.constexpr,
+    PM: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    r_out, bhk = tl.program_id(0), tl.program_id(1)
+    """A tile of PM consecutive positions x GP (the group's G heads, padded) query rows, row
+    r = (position r // GP, head r % GP), against the compressed keys in blocks of BLOCK_C; each
+    position's probabilities summed over its group's heads. PM = 1 for wide groups (the heads fill
+    the tile); small groups tile positions so that the tensor-core rows are not mostly padding."""
+    tile, bhk = tl.program_id(0), tl.program_id(1)
     b, kv = bhk // HK, bhk % HK
-    t = row_start + r_out
-    head, pos, row_ok = _tile_rows(t, kv, N, G, BLOCK_M, True)
+    first = row_start + tile * PM  # first position of the tile
+    r = tl.arange(0, PM * GP)
+    pos = first + r // GP  # [PM GP]
+    head = kv * G + r % GP
+    row_ok = (r % GP < G) & (pos < row_start + n_rows) & (pos < N)
     offs_d, offs_c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_C)
     q = tl.load(
         (Q + b * sqb + head * sqh + pos * sqn)[:, None] + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0
@@ -981,28 +994,33 @@ def _importance_kernel(
     lse = tl.load(LSE + (b * HQ + head) * N + pos, mask=row_ok, other=float("-inf"))
     row_ok = row_ok & (lse > float("-inf"))
     lse2 = tl.where(row_ok, lse * 1.4426950408889634, 0.0)
-    n_visible = NC
+    n_visible = tl.zeros([PM * GP], tl.int32) + NC  # compressed keys each row sees
+    last = tl.minimum(first + PM - 1, tl.minimum(row_start + n_rows, N) - 1)  # the tile's last position
+    tile_visible = NC
     if CAUSAL:
-        n_visible = tl.minimum(tl.maximum((t - cmp + 1) // stride + 1, 0), NC)
-        n_visible = tl.where(t - cmp + 1 >= 0, n_visible, 0)
-    out_row = OUT + (bhk * n_rows + r_out) * NC
+        # key j ends at j * stride + cmp - 1: position t sees (t - cmp + 1) // stride + 1 of them (none before cmp - 1)
+        n_visible = tl.where(pos - cmp + 1 >= 0, tl.minimum((pos - cmp + 1) // stride + 1, NC), 0)
+        tile_visible = tl.where(last - cmp + 1 >= 0, tl.minimum((last - cmp + 1) // stride + 1, NC), 0)
+    places = first - row_start + tl.arange(0, PM)  # [PM] output rows
+    out_rows = OUT + (bhk * n_rows + places).to(tl.int64) * NC
     for c0 in range(0, NC, BLOCK_C):
         cidx = c0 + offs_c
-        col_ok = cidx < n_visible
+        col_ok = cidx[None, :] < n_visible[:, None]  # [PM GP, BC]
         if HAS_REAL:
-            col_ok = col_ok & (tl.load(REAL + b * NC + cidx, mask=cidx < NC, other=0) != 0)
-        if c0 < n_visible:
+            col_ok = col_ok & (tl.load(REAL + b * NC + cidx, mask=cidx < NC, other=0) != 0)[None, :]
+        if c0 < tile_visible:
             ct = tl.load(
                 C + b * scb + kv * sch + cidx[:, None] * scn + offs_d[None, :],
                 mask=(cidx[:, None] < NC) & (offs_d[None, :] < D),
                 other=0.0,
             )
             s = tl.dot(q, tl.trans(ct), input_precision=PRECISION) * (scale * 1.4426950408889634)
-            p = tl.exp2(tl.where(row_ok[:, None] & col_ok[None, :], s - lse2[:, None], float("-inf")))
-            total = tl.sum(p, axis=0)
+            p = tl.exp2(tl.where(row_ok[:, None] & col_ok, s - lse2[:, None], float("-inf")))
+            total = tl.sum(tl.reshape(p, [PM, GP, BLOCK_C]), axis=1)  # [PM, BC] summed over the heads
         else:
-            total = tl.zeros([BLOCK_C], tl.float32)
-        tl.store(out_row + cidx, total, mask=cidx < NC)
+            total = tl.zeros([PM, BLOCK_C], tl.float32)
+        keep = (places < n_rows)[:, None] & (cidx < NC)[None, :]
+        tl.store(out_rows[:, None] + cidx[None, :], total, mask=keep)
 
 
 def compressed_importance(
@@ -1047,7 +1065,10 @@ def nsa_importance(
     kv_heads, n_cmp = ck.shape[1], ck.shape[2]
     out = torch.empty(batch, kv_heads, n_rows, n_cmp, dtype=torch.float32, device=q.device)
     group = q_heads // kv_heads
-    _importance_kernel[(n_rows, batch * kv_heads)](
+    padded = triton.next_power_of_2(group)
+    rows_wanted = IMPORTANCE_ROWS if q.is_cuda else 16  # the interpreter: several tiles at test sizes
+    positions = 1 if padded >= 16 else rows_wanted // padded  # groups of 16 or more heads fill a tile alone
+    _importance_kernel[(triton.cdiv(n_rows, positions), batch * kv_heads)](
         q,
         ck,
         lse,
@@ -1067,7 +1088,8 @@ def nsa_importance(
         CAUSAL=causal,
         HAS_REAL=cmp_real is not None,
         D=d,
-        BLOCK_M=max(16, triton.next_power_of_2(group)),
+        GP=padded,
+        PM=positions,
         BLOCK_C=64,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

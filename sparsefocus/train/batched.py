@@ -287,18 +287,27 @@ class RunAttention(nn.Module):
 
     def folded_core(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
         """A mechanism with its own parameters that ``folds_params``: one ``sparse_attention`` call
-        on the folded batch, each parameter [R, ...] repeated to the rows of its run [R*B, ...],
+        on the folded batch, each parameter [R, ...] as it is where the pattern takes ``run_params``
+        (one product per run, not per row), else repeated to the rows of its run [R*B, ...],
         and each auxiliary loss the sum of the runs' (params[RUNS_KEY]). One call instead of R:
         R times fewer launches, and a graph that does not grow with the runs."""
         batch = x.shape[0] // self.runs
-        values = {name: _per_row(value, batch) for name, value in self.mechanism.items()}
-        params = attention_params(self.pattern, values, x) or {}
+        values = {name: value if self.pattern.run_params else _per_row(value, batch) for name, value in self.mechanism.items()}
+        params = self._params(values, x)
         params[RUNS_KEY] = self.runs
         out = sparse_attention(
             q, k, v, self.pattern, causal=self.causal, key_padding_mask=key_padding_mask, impl=self.impl, params=params
         )
         self.aux_loss = sum(params.get(AUX_KEY, {}).values(), x.new_zeros((), dtype=torch.float32))
         return out
+
+    def _params(self, values: dict[str, Tensor], x: Tensor) -> dict:
+        """``sparse_attention``'s params; in evaluation without the auxiliary losses' dict, so that
+        the mechanism skips them (DSA's KL): the trainer reads them only to train."""
+        params = attention_params(self.pattern, values, x) or {}
+        if not self.training:
+            params.pop(AUX_KEY, None)
+        return params
 
     def per_run_core(self, x: Tensor, q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None) -> Tensor:
         """A mechanism with its own parameters in exact mode (or one that does not fold them): one
@@ -310,7 +319,7 @@ class RunAttention(nn.Module):
         outs, aux = [], []
         for run, (x_r, q_r, k_r, v_r, mask_r) in enumerate(parts):
             values = {name: value[run] for name, value in self.mechanism.items()}
-            params = attention_params(self.pattern, values, x_r) or {}
+            params = self._params(values, x_r)
             out = sparse_attention(
                 q_r, k_r, v_r, self.pattern, causal=self.causal, key_padding_mask=mask_r, impl=self.impl, params=params
             )

@@ -9,6 +9,7 @@ import torch
 from block_sparse_checks import impl_device
 
 import sparsefocus as sf
+from sparsefocus.attention.common import grouped_linear, rows_of_groups
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY, RUNS_KEY
 from sparsefocus.kernels import indexed
 
@@ -30,15 +31,18 @@ def call(spec, impl, q, k, v, x, padding, params, runs=None):
     return out, sum(args[AUX_KEY].values(), out.new_zeros(()))
 
 
-CASES = [(mechanism, impl, "atomic") for mechanism in FOLDING for impl in ("reference", "lean", "triton")]
-CASES += [(FOLDING[3], "triton", "inverse"), (FOLDING[3], "triton", "short")]  # ZETA's other key-gradient sums
+CASES = [(mechanism, impl, "atomic", "rows") for mechanism in FOLDING for impl in ("reference", "lean", "triton")]
+CASES += [(FOLDING[3], "triton", "inverse", "rows"), (FOLDING[3], "triton", "short", "rows")]  # ZETA's other key-gradient sums
+# NSA and DSA also take each parameter once per run ([R, ...], run_params), as the batched trainer passes them
+CASES += [(mechanism, impl, "atomic", "runs") for mechanism in FOLDING[:3] for impl in ("reference", "lean", "triton")]
 
 
-@pytest.mark.parametrize("mechanism, impl, key_grads", CASES)
-def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl, key_grads, monkeypatch):
+@pytest.mark.parametrize("mechanism, impl, key_grads, layout", CASES)
+def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl, key_grads, layout, monkeypatch):
     monkeypatch.setattr(indexed, "KEY_GRADS", key_grads)
     spec = sf.parse_pattern(mechanism)
     assert spec.folds_params
+    assert spec.run_params == (mechanism in FOLDING[:3])
     device = impl_device(impl)
     torch.manual_seed(0)
     width = spec.qk_dim(HEAD_DIM)  # ZETA's q and k are dk wide
@@ -62,7 +66,7 @@ def test_one_call_over_folded_runs_equals_the_runs_one_by_one(mechanism, impl, k
             per_row = {
                 name: p[:, None].expand(RUNS, BATCH, *p.shape[1:]).reshape(rows, *p.shape[1:]) for name, p in params.items()
             }
-            out, aux = call(spec, impl, *leaves, x, padding, per_row, runs=RUNS)
+            out, aux = call(spec, impl, *leaves, x, padding, per_row if layout == "rows" else params, runs=RUNS)
         else:
             parts = [
                 call(
@@ -91,3 +95,24 @@ def test_runs_that_do_not_split_the_batch_fail_by_name():
     k = torch.randn(5, KV_HEADS, N, HEAD_DIM)
     with pytest.raises(ValueError, match="does not split a batch of 5 into equal runs"):
         call(spec, "lean", q, k, k, torch.randn(5, N, DIM), None, params, runs=2)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_grouped_linear_gives_each_group_of_rows_its_weight(groups):
+    torch.manual_seed(1)
+    x = torch.randn(6, 3, 5, 7, dtype=torch.float64)
+    weight, bias = torch.randn(groups, 7, 4, dtype=torch.float64), torch.randn(groups, 4, dtype=torch.float64)
+    rows = 6 // groups
+    want = torch.stack([x[b] @ weight[b // rows] + bias[b // rows] for b in range(6)])
+    torch.testing.assert_close(grouped_linear(x, weight, bias), want)
+    torch.testing.assert_close(grouped_linear(x, weight), torch.stack([x[b] @ weight[b // rows] for b in range(6)]))
+    torch.testing.assert_close(rows_of_groups(bias, 6), torch.stack([bias[b // rows] for b in range(6)]))
+
+
+def test_grouped_linear_shares_a_two_dim_weight_and_refuses_groups_that_do_not_split_the_batch():
+    x, weight = torch.randn(4, 3, 5), torch.randn(5, 2)
+    torch.testing.assert_close(grouped_linear(x, weight), x @ weight)
+    with pytest.raises(ValueError, match="G dividing the batch"):
+        grouped_linear(x, torch.randn(3, 5, 2))
+    with pytest.raises(ValueError, match="do not split a batch of 4"):
+        rows_of_groups(torch.randn(3, 2), 4)

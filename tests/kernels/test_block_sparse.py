@@ -189,19 +189,25 @@ def test_compiles_with_fullgraph_forward_and_backward():
     torch.testing.assert_close(grad, torch.autograd.grad(step(q, k, v, blocks), q)[0])
 
 
-def test_compressed_importance_matches_its_torch_twin():
+@pytest.mark.parametrize(
+    "q_heads,kv_heads,n,n_cmp,stride,cmp,rows,causal",
+    [
+        (4, 2, 29, 12, 2, 6, slice(5, 26), True),  # groups of 2 heads: 8 positions a tile
+        (1, 1, 70, 30, 2, 4, slice(3, 70), True),  # one head: 16 positions a tile, the last one short
+        (3, 1, 23, 7, 3, 3, slice(2, 21), False),  # a group padded to 4 heads
+        (16, 1, 9, 4, 2, 2, slice(0, 9), True),  # a group that fills a tile alone
+    ],
+)
+def test_compressed_importance_matches_its_torch_twin(q_heads, kv_heads, n, n_cmp, stride, cmp, rows, causal):
     from sparsefocus.attention.nsa import group_probabilities
-    from sparsefocus.kernels.block_sparse import compressed_importance
+    from sparsefocus.kernels.block_sparse import compressed_importance, nsa_importance
 
-    n, n_cmp, stride, cmp = 29, 12, 2, 6
-    q, ck = torch.randn(1, 4, n, 16, device=DEVICE), torch.randn(1, 2, n_cmp, 16, device=DEVICE)
-    lse = torch.randn(1, 4, n, device=DEVICE) + 3
-    lse[0, 1, 3] = float("-inf")  # a row without visible keys
-    real = torch.rand(1, n_cmp, device=DEVICE) > 0.3
-    rows = slice(5, 26)
-    got = compressed_importance(q, ck, lse, real, rows, scale=0.3, stride=stride, cmp=cmp, causal=True)
-    want = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], real, rows, cmp, stride, True, 0.3)
+    q, ck = torch.randn(2, q_heads, n, 16, device=DEVICE), torch.randn(2, kv_heads, n_cmp, 16, device=DEVICE)
+    lse = torch.randn(2, q_heads, n, device=DEVICE) + 3
+    lse[0, q_heads - 1, rows.start + 3] = float("-inf")  # a row without visible keys
+    real = torch.rand(2, n_cmp, device=DEVICE) > 0.3
+    got = compressed_importance(q, ck, lse, real, rows, scale=0.3, stride=stride, cmp=cmp, causal=causal)
+    want = group_probabilities(q[:, :, rows], ck, lse[:, :, rows], real, rows, cmp, stride, causal, 0.3)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    from sparsefocus.kernels.block_sparse import nsa_importance
-
-    torch.library.opcheck(nsa_importance, (q, ck, lse, real, 5, 21, 0.3, stride, cmp, True))
+    count = rows.stop - rows.start
+    torch.library.opcheck(nsa_importance, (q, ck, lse, real, rows.start, count, 0.3, stride, cmp, causal))

@@ -291,6 +291,29 @@ def test_batched_mechanisms_with_their_own_parameters_equal_single_runs(mechanis
     assert names, "the mechanism's parameters are in each run's checkpoint"
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_folded_dsa_computes_its_indexer_loss_in_training_only(mode):
+    """Evaluation reads the logits alone, so the folded layers skip DSA's KL there: the same
+    logits, a zero auxiliary loss; in training the loss is there."""
+    from sparsefocus.train.batched import RunAttention
+
+    cfg = config(Path("unused"), "model.dropout=0.0", "model.paper_mode=false", f"mechanisms=['{PER_RUN[1]}']")
+    data = build_data(cfg, 1, torch.device("cpu"))
+    models = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        models.append(build_model(cfg.model, PER_RUN[1], data))
+    folded = fold_models(models, mode=mode)
+    inputs = data.valid_inputs[:4].repeat(len(models), 1)
+    layers = [m for m in folded.modules() if isinstance(m, RunAttention)]
+    trained = folded.train()(inputs)
+    assert all(layer.aux_loss > 0 for layer in layers)
+    with torch.no_grad():
+        evaluated = folded.eval()(inputs)
+    assert all(layer.aux_loss == 0 for layer in layers)
+    torch.testing.assert_close(evaluated, trained.detach(), rtol=1e-6, atol=1e-6)
+
+
 def _has_parameters(spec: str) -> bool:
     try:
         return bool(parse_pattern(spec).make_parameters(1))
