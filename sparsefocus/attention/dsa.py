@@ -48,6 +48,10 @@ SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hk, rows, k, D] chunk of the KL loss (the gathered keys)
 WEIGHTS = ("dsa_wq", "dsa_wk", "dsa_ww")
 EXPANDED_INDEX_BYTES = 2**30  # largest per-head copy of the shared key lists one kernel call gets
+KL_KERNEL = "auto"
+"""The indexer's KL loss: "auto" (the fused Triton kernel ``kernels.indexer_kl`` on CUDA, the chunked
+PyTorch computation elsewhere), "triton" (the kernel everywhere; the CPU through Triton's
+interpreter, for tests) or "torch"."""
 GROUP_KERNEL_MIN_HEADS = 4
 """Query heads per kv head from which the Triton path attends with ``group_indexed`` (a kv group's
 heads as the rows of one tensor-core tile, each listed key gathered once for the group) instead
@@ -320,12 +324,13 @@ class IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool, runs: int):  # type: ignore[override]
         with torch.no_grad():
-            grads = (torch.zeros_like(iq), torch.zeros_like(ik), torch.zeros_like(w)) if needed else None
-            total, rows = iq.new_zeros(iq.shape[0]), iq.new_zeros(iq.shape[0])  # [B] each
-            for start in range(0, q.shape[2], chunk):
-                part = row_slice(q.shape[2], start, start + chunk)
-                chunk_total, chunk_rows = _kl_chunk(q[:, :, part], k, index[:, :, part], iq, ik, w, part, scale, grads)
-                total, rows = total + chunk_total, rows + chunk_rows
+            if fused_kl(q):
+                from sparsefocus.kernels.indexer_kl import indexer_kl
+
+                kl, has, *fused = indexer_kl(q, k, index[:, 0], iq, ik, w, scale, needed)
+                total, rows, grads = kl.sum(1), has.sum(1), (tuple(fused) if needed else None)
+            else:
+                total, rows, grads = _chunked_kl(iq, ik, w, q, k, index, scale, chunk, needed)
             loss, factor = run_means(total, rows, runs)
             ctx.save_for_backward(*(() if grads is None else (g * factor.view(-1, *[1] * (g.dim() - 1)) for g in grads)))
         return loss
@@ -334,6 +339,22 @@ class IndexerKL(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         d_iq, d_ik, d_w = ctx.saved_tensors
         return grad * d_iq, grad * d_ik, grad * d_w, None, None, None, None, None, None, None
+
+
+def fused_kl(q: Tensor) -> bool:
+    """Whether the KL loss takes the Triton kernel (``KL_KERNEL``)."""
+    return KL_KERNEL == "triton" or (KL_KERNEL == "auto" and q.is_cuda)
+
+
+def _chunked_kl(iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool):
+    """(KL sums [B], rows with a key [B], unnormalised gradients or None) chunk by chunk in PyTorch."""
+    grads = (torch.zeros_like(iq), torch.zeros_like(ik), torch.zeros_like(w)) if needed else None
+    total, rows = iq.new_zeros(iq.shape[0]), iq.new_zeros(iq.shape[0])  # [B] each
+    for start in range(0, q.shape[2], chunk):
+        part = row_slice(q.shape[2], start, start + chunk)
+        chunk_total, chunk_rows = _kl_chunk(q[:, :, part], k, index[:, :, part], iq, ik, w, part, scale, grads)
+        total, rows = total + chunk_total, rows + chunk_rows
+    return total, rows, grads
 
 
 def _kl_chunk(

@@ -1,7 +1,8 @@
-"""DSA: the Triton path (chunked indexer + indexed kernel, per head or per kv group, + chunked KL) against the dense
-reference in the output, the KL loss and every gradient (q, k, v, indexer weights), GQA and
-padding; no causal leak; row chunking changes nothing; the KL trains the indexer only; the layer
-exposes the loss as ``aux_loss``."""
+"""DSA: the Triton path (chunked indexer + indexed kernel, per head or per kv group, + the KL
+chunked in PyTorch or fused in Triton) against the dense reference in the output, the KL loss and
+every gradient (q, k, v, indexer weights), GQA and padding; no causal leak; row chunking changes
+nothing; the KL trains the indexer only; the layer exposes the loss as ``aux_loss``; the fused KL
+op against the chunked one on lists with unused slots and rows without keys."""
 
 import pytest
 import torch
@@ -23,8 +24,10 @@ def dsa_case(spec, n, heads=4, kv_heads=2, dim=12, head_dim=8, batch=2):
     return x, q, torch.randn(batch, kv_heads, n, head_dim), torch.randn(batch, kv_heads, n, head_dim + 3), weights
 
 
+@pytest.mark.parametrize("kl_kernel", ["torch", "triton"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (8, 2)])  # the per-head kernel; the group kernel
-def test_dsa_kernel_matches_reference_in_output_loss_and_every_gradient(heads, kv_heads):
+def test_dsa_kernel_matches_reference_in_output_loss_and_every_gradient(heads, kv_heads, kl_kernel, monkeypatch):
+    monkeypatch.setattr(dsa, "KL_KERNEL", kl_kernel)
     assert (heads // kv_heads >= dsa.GROUP_KERNEL_MIN_HEADS) == (heads == 8)
     spec = sf.parse_pattern("dsa:k=9,heads=2,dim=8")
     x, q, k, v, weights = dsa_case(spec, n=41, heads=heads, kv_heads=kv_heads)
@@ -86,7 +89,9 @@ def test_decoder_with_dsa_reports_the_summed_aux_loss():
     torch.testing.assert_close(total_aux_loss(model), layers[0].aux_loss + layers[1].aux_loss)
 
 
-def test_kl_on_every_third_row_matches_the_dense_definition():
+@pytest.mark.parametrize("kl_kernel", ["torch", "triton"])
+def test_kl_on_every_third_row_matches_the_dense_definition(kl_kernel, monkeypatch):
+    monkeypatch.setattr(dsa, "KL_KERNEL", kl_kernel)
     spec = sf.parse_pattern("dsa:k=6,heads=2,dim=4,kl_every=3")
     x, q, k, v, weights = dsa_case(spec, n=29)
     ref = run_with_grads(spec, "reference", x, q, k, v, weights, aux_key="dsa_indexer_kl")
@@ -117,3 +122,40 @@ def test_dsa_per_group_calls_equal_one_call(monkeypatch):
     assert calls == [(2, 2), (2, 2)]  # one call per kv group, lists expanded over its 2 query heads
     for name, a, b in zip(NAMES + list(weights), one, grouped):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("q_heads, kv_heads, dtype", [(4, 2, torch.float32), (16, 1, torch.float16), (3, 3, torch.float32)])
+def test_fused_kl_op_equals_the_chunked_loss_and_gradients(q_heads, kv_heads, dtype):
+    from sparsefocus.kernels.indexer_kl import indexer_kl
+
+    batch, n, slots, heads, idim = 2, 37, 21, 3, 8
+    q, k = torch.randn(batch, q_heads, n, 16, dtype=dtype), torch.randn(batch, kv_heads, n, 16, dtype=dtype)
+    iq, ik, w = torch.randn(batch, heads, n, idim), torch.randn(batch, n, idim), torch.randn(batch, n, heads)
+    index = torch.full((batch, 1, n, slots), -1, dtype=torch.int32)
+    for b in range(batch):
+        for t in range(1, n):  # row 0 lists no key; others up to ``slots`` distinct earlier keys
+            chosen = torch.randperm(t)[:slots]
+            index[b, 0, t, : len(chosen)] = chosen.int()
+    grads = (torch.zeros_like(iq), torch.zeros_like(ik), torch.zeros_like(w))
+    total, rows = dsa._kl_chunk(q.float(), k.float(), index, iq, ik, w, slice(0, n), 0.3, grads)
+    kl, has, d_iq, d_ik, d_w = indexer_kl(q, k, index[:, 0], iq, ik, w, 0.3)
+    assert has[:, 0].eq(0).all() and kl[:, 0].eq(0).all()
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(kl.sum(1), total, **tolerance)
+    torch.testing.assert_close(has.sum(1), rows.float())
+    for name, got, want in zip(["d_iq", "d_ik", "d_w"], (d_iq, d_ik, d_w), grads):
+        torch.testing.assert_close(got, want, **tolerance, msg=name)
+    without = indexer_kl(q, k, index[:, 0], iq, ik, w, 0.3, grads=False)
+    torch.testing.assert_close(without[0], kl)
+    assert all(g.eq(0).all() for g in without[2:])
+
+
+def test_fused_kl_op_passes_opcheck_and_compiles():
+    from sparsefocus.kernels.indexer_kl import indexer_kl
+
+    q, k = torch.randn(1, 2, 9, 16), torch.randn(1, 1, 9, 16)
+    iq, ik, w = torch.randn(1, 2, 9, 4), torch.randn(1, 9, 4), torch.randn(1, 9, 2)
+    index = torch.stack([torch.arange(5) - 4 + t for t in range(9)]).clamp_min(-1).int()[None]  # [1, 9, 5]
+    torch.library.opcheck(torch.ops.sparsefocus.indexer_kl.default, (q, k, index, iq, ik, w, 0.5, True))
+    compiled = torch.compile(lambda *a: indexer_kl(*a, 0.5)[0], fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, index, iq, ik, w), indexer_kl(q, k, index, iq, ik, w, 0.5)[0])
