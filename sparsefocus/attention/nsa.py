@@ -44,6 +44,11 @@ BRANCHES = 3  # compression, selection, sliding window
 QUERY_TILE = 64  # query tile of the compressed and window branches in the kernel
 KEY_TILE = 64  # compressed keys per listed block of the compressed branch; window branch block
 SCORE_ELEMENTS = 2**26  # largest [B, Hq, rows, Nc] chunk of the selection scores
+RECOMPUTE_MIN_BYTES = 2**25
+"""The compressed and window branches are recomputed in the backward (not saved) when q holds at
+least this many bytes (32 MiB: B=4, 16 heads, N=4096, D=64 in bf16); smaller calls, such as the
+laboratory's 600-token one-head model, save them: recomputing costs two more kernel calls and the
+checkpoint's bookkeeping a layer, to save little memory."""
 SELECTION_TILES = (0, 16, 32)  # the selection branch's kernel tiles: group tiles, or query tiles with row masks
 
 
@@ -321,11 +326,11 @@ class NSA(Pattern):
         return mask
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
-        """The three branches on the block-sparse kernel. Under autograd the compressed and window
-        branches run inside ``checkpoint``: their outputs are recomputed in the backward instead of
-        kept, so the layer saves q and the selection output like dense attention saves q and its
-        output (the two recomputed branches read N/stride and ``window`` keys a row, far fewer than
-        the selection's top * block)."""
+        """The three branches on the block-sparse kernel. Under autograd, for q of at least
+        ``RECOMPUTE_MIN_BYTES``, the compressed and window branches run inside ``checkpoint``: their
+        outputs are recomputed in the backward instead of kept, so the layer saves q and the
+        selection output like dense attention saves q and its output (the two recomputed branches
+        read N/stride and ``window`` keys a row, far fewer than the selection's top * block)."""
         from sparsefocus.kernels.block_sparse import GROUP_TILE, block_sparse_attention
 
         gates = self.gates(q, params)
@@ -447,8 +452,11 @@ def window_lists(batch: int, heads: int, n: int, n_keys: int, window: int, causa
 
 
 def _recomputed(fn, *args):
-    """``fn(*args)``; under autograd through ``checkpoint`` (its activations recomputed in the
-    backward, not saved)."""
-    if torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args):
+    """``fn(*args)`` for a branch whose output is shaped like the first argument (q); under
+    autograd through ``checkpoint`` (its activations recomputed in the backward, not saved) when
+    that output holds at least ``RECOMPUTE_MIN_BYTES``."""
+    grads = torch.is_grad_enabled() and any(isinstance(x, Tensor) and x.requires_grad for x in args)
+    query = args[0]
+    if grads and query.numel() * query.element_size() >= RECOMPUTE_MIN_BYTES:
         return checkpoint(fn, *args, use_reentrant=False)
     return fn(*args)

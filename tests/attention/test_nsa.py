@@ -1,13 +1,15 @@
 """NSA: the Triton path (three branches on the block-sparse kernel) against the dense reference in
-the output and every gradient (q, k, v, gates, compression MLP), GQA and padding at odd sizes; no
-causal leak; the selection keeps the forced blocks and ranks by group-summed probabilities; the
-layer owns and trains the gates."""
+the output and every gradient (q, k, v, gates, compression MLP), GQA and padding at odd sizes, with
+the compressed and window branches saved or recomputed in the backward; no causal leak; the
+selection keeps the forced blocks and ranks by group-summed probabilities; the layer owns and
+trains the gates."""
 
 import pytest
 import torch
 from block_sparse_checks import impl_device, perturbed_after, run_with_grads
 
 import sparsefocus as sf
+from sparsefocus.attention import nsa
 from sparsefocus.attention.nsa import NSA, compress
 from sparsefocus.layers import SparseAttention
 
@@ -34,7 +36,9 @@ def nsa_case(spec, group, n, kv_heads=1, dim=10, head_dim=16, batch=1):
         ("nsa:block=5,top=3,cmp=5,stride=5,window=5,tile=16", 3, False),
     ],
 )
-def test_nsa_kernel_matches_reference_in_output_and_every_gradient(pattern, group, padded):
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recomputed"])
+def test_nsa_kernel_matches_reference_in_output_and_every_gradient(pattern, group, padded, recompute, monkeypatch):
+    monkeypatch.setattr(nsa, "RECOMPUTE_MIN_BYTES", 0 if recompute else 2**62)  # branches checkpointed or kept
     spec = sf.parse_pattern(pattern)
     x, q, k, v, weights = nsa_case(spec, group, n=45)
     padding = (torch.rand(1, 45) > 0.2) if padded else None
