@@ -118,6 +118,11 @@ class TrainConfig:
             "blocks" compiled a folded ListOps model in less time on a CPU (38 against 90 s with
             an empty Inductor cache, 4.1 against 12.8 s with a warm one) and gives up the fusions
             across block boundaries; its effect on a GPU step is not measured yet. Default: "step".
+        compile_autotune: compile the fast step with Inductor's max-autotune (without its CUDA
+            graphs: "reduce-overhead" and "step-graph" keep theirs): it times Triton templates for
+            the folded products and fuses the elementwise work around them (LayerNorm, bias,
+            activation, dropout, residual) into them; compiling takes minutes longer. Needs a
+            compiling ``compile`` mode. Not yet measured on a GPU. Default: False.
         matmul_precision: ``torch.set_float32_matmul_precision`` while training: "highest" (fp32),
             "high" (TF32 on CUDA) or "medium". Default: "highest".
         autocast: "none" or "bf16" (autocast of the batched forward). Default: "none".
@@ -154,6 +159,7 @@ class TrainConfig:
     concurrent_groups: int = 1
     compile: str = "auto"
     compile_scope: str = "step"
+    compile_autotune: bool = False
     matmul_precision: str = "highest"
     autocast: str = "none"
     topk_select: str = "torch"
@@ -182,6 +188,8 @@ class TrainConfig:
         _choice("train.autocast", self.autocast, AUTOCASTS)
         _choice("train.topk_select", self.topk_select, TOPK_SELECTS)
         _choice("train.fast_attention", self.fast_attention, FAST_ATTENTIONS)
+        if self.compile_autotune and self.compile in ("eager", "eager-graph"):
+            raise ValueError(f"train.compile_autotune needs a compiling train.compile mode, got {self.compile!r}")
         if self.batched_max_runs < 0:
             raise ValueError(f"train.batched_max_runs must be >= 0, got {self.batched_max_runs}")
         _positive("train.concurrent_groups", self.concurrent_groups)

@@ -229,15 +229,21 @@ def compile_blocks(model: nn.Module, mode: str) -> int:
     return len(blocks)
 
 
+AUTOTUNED = {"default": "max-autotune-no-cudagraphs", "reduce-overhead": "max-autotune"}
+"""``train.compile_autotune``: the max-autotune form of each compiling mode."""
+
+
 def _compile_mode(train: TrainConfig, device: torch.device) -> str | None:
     """The torch.compile mode of the fast step, or None for eager."""
     if train.batched_mode != "fast" or train.compile in ("eager", "eager-graph"):
         return None
     if train.compile == "auto":
-        return "default" if device.type == "cuda" else None
-    if train.compile == "step-graph":
-        return "default"  # the step's own CUDA graph holds the compiled kernels
-    return train.compile
+        mode: str | None = "default" if device.type == "cuda" else None
+    elif train.compile == "step-graph":
+        mode = "default"  # the step's own CUDA graph holds the compiled kernels
+    else:
+        mode = train.compile
+    return AUTOTUNED[mode] if train.compile_autotune and mode is not None else mode
 
 
 STEP_GRAPH_MODES = ("step-graph", "eager-graph")

@@ -402,6 +402,30 @@ def test_eager_graph_records_the_step_without_compiling(mode, compiled, tmp_path
     assert driver._compile_mode(cfg.train, torch.device("cuda")) == compiled
 
 
+@pytest.mark.parametrize(
+    "mode, device, compiled",
+    [
+        ("step-graph", "cuda", "max-autotune-no-cudagraphs"),
+        ("default", "cpu", "max-autotune-no-cudagraphs"),
+        ("reduce-overhead", "cuda", "max-autotune"),
+        ("auto", "cuda", "max-autotune-no-cudagraphs"),
+        ("auto", "cpu", None),
+    ],
+)
+def test_compile_autotune_picks_each_modes_max_autotune_form(mode, device, compiled, tmp_path):
+    from sparsefocus.train import driver
+
+    cfg = config(
+        tmp_path, "train.batched=true", f"train.compile={mode}", "train.batched_mode=fast", "train.compile_autotune=true"
+    )
+    assert driver._compile_mode(cfg.train, torch.device(device)) == compiled
+
+
+def test_compile_autotune_needs_a_compiling_mode(tmp_path):
+    with pytest.raises(ValueError, match="train.compile_autotune needs a compiling train.compile mode, got 'eager-graph'"):
+        config(tmp_path, "train.batched=true", "train.compile=eager-graph", "train.compile_autotune=true")
+
+
 def test_step_graph_body_is_the_fast_step(tmp_path):
     """The step the CUDA graph records (rows, forward, backward, per-run clipping, p -= lr * g,
     running sums), run uncaptured on the CPU, equals the fast loop's step with torch.optim.SGD."""
