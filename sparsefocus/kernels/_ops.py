@@ -17,6 +17,9 @@ from torch import Tensor
 
 NAMESPACE = "sparsefocus"
 LN2 = math.log(2.0)
+ROW_TOPK = "auto"
+"""``top_positions`` on short rows: "auto" (the Triton kernel ``row_topk`` on CUDA), "triton" (the
+kernel everywhere; the CPU through Triton's interpreter, for tests) or "torch" (``torch.topk``)."""
 ROW_DOT_ELEMENTS = 2**24  # largest chunk of fp32 products ``row_dot`` makes at once (64 MiB)
 
 
@@ -64,10 +67,10 @@ def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
     call holds. Here each fp32 score and its position form one int64 key (the float's order in
     the high half, minus the position in the low half), so the choice is that of the row alone.
     On CUDA, rows of at most 1024 keys choosing at most 16 take a Triton kernel with the same
-    result (``row_topk``): ``torch.topk`` is slow on many short rows.
+    result (``row_topk``; ``ROW_TOPK``): ``torch.topk`` is slow on many short rows.
     """
     n_keys = scores.shape[-1]
-    if scores.is_cuda:
+    if ROW_TOPK == "triton" or (ROW_TOPK == "auto" and scores.is_cuda):
         from sparsefocus.kernels import row_topk  # here: row_topk imports modules that import this one
 
         if row_topk.fits(n_keys, count):

@@ -62,3 +62,38 @@ def test_row_top_positions_is_a_registered_op_that_compiles():
     torch.library.opcheck(torch.ops.sparsefocus.row_top_positions.default, (scores, allowed, 4))
     compiled = torch.compile(lambda s, a: row_topk.row_top_positions(s * 2.0, 4, a), fullgraph=True, backend="eager")
     assert torch.equal(compiled(scores, allowed.bool()), row_topk.row_top_positions(scores * 2.0, 4, allowed.bool()))
+
+
+@pytest.mark.parametrize(
+    "spec, impl",
+    [
+        ("TOPK:5", "lean"),
+        ("moba:block=4,top=2,tile=16", "triton"),
+        ("quest:block=4,top=2", "lean"),
+        ("nsa:block=4,top=3,cmp=4,stride=2,window=4,tile=16", "triton"),
+        ("dsa:k=5,heads=2,dim=4", "lean"),
+    ],
+)
+def test_mechanisms_choose_the_same_keys_through_the_kernel(spec, impl, monkeypatch):
+    """Every mechanism that ranks through ``top_positions`` gives the same output, bit for bit,
+    with its short rows ranked by the kernel as by ``torch.topk``."""
+    import sparsefocus as sf
+    from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY
+    from sparsefocus.kernels import _ops
+
+    pattern = sf.parse_pattern(spec)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 37, 8) for _ in range(3))
+    weights = pattern.make_layer_parameters(12, 2, 2, 8, 8)
+    params = {**weights, HIDDEN_KEY: torch.randn(2, 37, 12), AUX_KEY: {}} if weights else None
+
+    calls = []
+    kernel = row_topk.row_top_positions
+    monkeypatch.setattr(row_topk, "row_top_positions", lambda *args: calls.append(1) or kernel(*args))
+
+    def output(choice: str) -> torch.Tensor:
+        monkeypatch.setattr(_ops, "ROW_TOPK", choice)
+        return sf.sparse_attention(q, k, v, pattern, causal=True, impl=impl, params=params)
+
+    assert torch.equal(output("triton"), output("torch"))
+    assert calls, "the kernel ranked nothing"
