@@ -324,7 +324,7 @@ class IndexerKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool, runs: int):  # type: ignore[override]
         with torch.no_grad():
-            if fused_kl(q):
+            if fused_kl(q, iq):
                 from sparsefocus.kernels.indexer_kl import indexer_kl
 
                 kl, has, *fused = indexer_kl(q, k, index[:, 0], iq, ik, w, scale, needed)
@@ -341,9 +341,16 @@ class IndexerKL(torch.autograd.Function):
         return grad * d_iq, grad * d_ik, grad * d_w, None, None, None, None, None, None, None
 
 
-def fused_kl(q: Tensor) -> bool:
-    """Whether the KL loss takes the Triton kernel (``KL_KERNEL``)."""
-    return KL_KERNEL == "triton" or (KL_KERNEL == "auto" and q.is_cuda)
+def fused_kl(q: Tensor, iq: Tensor) -> bool:
+    """Whether the KL loss takes the Triton kernel (``KL_KERNEL``; "auto" only where a row's tiles
+    fit a program, see ``indexer_kl.slots_per_tile``)."""
+    if KL_KERNEL == "triton":
+        return True
+    if KL_KERNEL != "auto" or not q.is_cuda:
+        return False
+    from sparsefocus.kernels.indexer_kl import slots_per_tile
+
+    return slots_per_tile(q.shape[1], q.shape[3], iq.shape[1], iq.shape[3]) is not None
 
 
 def _chunked_kl(iq, ik, w, q, k, index, scale: float, chunk: int, needed: bool):

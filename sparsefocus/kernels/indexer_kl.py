@@ -196,6 +196,19 @@ def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
+def slots_per_tile(q_heads: int, dim: int, heads: int, idim: int) -> int | None:
+    """List slots a CUDA program takes at a time, or None where the row's tiles would not fit in
+    shared memory. Sized on sm_90 builds: up to 4096 (padded) query-head x dim and indexer-head x
+    dim elements, 64 slots (at most 104 KiB); up to 128 x 128 and 64 x 128, 16 slots (at most
+    176 KiB, the limit being 227 KiB)."""
+    main, indexer = _pow2(q_heads) * _pow2(dim), _pow2(heads) * _pow2(idim)
+    if main <= 4096 and indexer <= 4096:
+        return 64
+    if main <= 128 * 128 and indexer <= 64 * 128:
+        return 16
+    return None
+
+
 @torch.library.custom_op("sparsefocus::indexer_kl", mutates_args=())
 def _indexer_kl_op(
     q: Tensor, k: Tensor, index: Tensor, iq: Tensor, ik: Tensor, w: Tensor, scale: float, grads: bool
@@ -211,11 +224,16 @@ def _indexer_kl_op(
     d_ik = torch.zeros_like(ik)
     if n_rows == 0:
         return kl, has, d_iq, d_ik, d_w
+    slots = slots_per_tile(q_heads, dim, heads, idim) if q.is_cuda else 16  # the interpreter: several tiles at test sizes
+    if slots is None:
+        raise ValueError(
+            f"indexer_kl: {q_heads} query heads of {dim} and {heads} indexer heads of {idim} do not fit one program's tiles"
+        )
     _kl_kernel[(n_rows, batch)](
         q, k, index, iq, ik, w, kl, has, d_iq, d_w, d_ik,
         q_heads, kv_heads, n_rows, n_keys, index.shape[-1], heads, scale,
         D=dim, DI=idim, BLOCK_H=_pow2(q_heads), BLOCK_D=_pow2(dim), BLOCK_I=_pow2(heads), BLOCK_DI=_pow2(idim),
-        BLOCK_K=64 if q.is_cuda else 16, GRADS=grads,
+        BLOCK_K=slots, GRADS=grads,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", PRECISION_I="tf32x3",
         num_warps=4 if q.is_cuda else 1,
     )  # fmt: skip

@@ -159,3 +159,14 @@ def test_fused_kl_op_passes_opcheck_and_compiles():
     torch.library.opcheck(torch.ops.sparsefocus.indexer_kl.default, (q, k, index, iq, ik, w, 0.5, True))
     compiled = torch.compile(lambda *a: indexer_kl(*a, 0.5)[0], fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, index, iq, ik, w), indexer_kl(q, k, index, iq, ik, w, 0.5)[0])
+
+
+def test_fused_kl_tiles_shrink_with_the_heads_and_give_way_beyond_them():
+    """On CUDA a row's tiles must fit one program's shared memory: 64 list slots a tile for the
+    benchmark's and the laboratory's sizes, 16 for DeepSeek-V3.2's (128 heads of 128, 64 indexer
+    heads of 128), and the PyTorch path beyond."""
+    from sparsefocus.kernels.indexer_kl import slots_per_tile
+
+    assert slots_per_tile(16, 64, 4, 64) == 64 and slots_per_tile(1, 64, 4, 16) == 64
+    assert slots_per_tile(128, 128, 64, 128) == 16
+    assert slots_per_tile(128, 192, 64, 128) is None
