@@ -22,10 +22,31 @@ from sparsefocus.attention.topk import allowed_keys
 ENTMAX_BISECTION_STEPS = 50
 
 
+ROW_KERNEL = "auto"
+"""Sparsemax and 1.5-entmax forwards of fp32 rows of at most 4096 scores: "auto" (the Triton row
+kernel ``kernels.entmax_rows`` on CUDA, one read and one write instead of a sort and some fifteen
+passes), "triton" (everywhere; the CPU through Triton's interpreter, for tests) or "torch"."""
+
+
+def _row_kernel(scores: Tensor, alpha: float) -> bool:
+    """Whether this forward takes the Triton row kernel (``ROW_KERNEL``)."""
+    if ROW_KERNEL == "torch" or (ROW_KERNEL == "auto" and not scores.is_cuda) or scores.dtype != torch.float32:
+        return False
+    from sparsefocus.kernels.entmax_rows import fits
+
+    return fits(scores.shape[-1], alpha)
+
+
+def _rows(scores: Tensor, alpha: float) -> Tensor:
+    from sparsefocus.kernels.entmax_rows import entmax_rows
+
+    return entmax_rows(scores, alpha)
+
+
 class _Sparsemax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: Tensor) -> Tensor:
-        probs = _sparsemax_forward(scores)
+        probs = _rows(scores, 2.0) if _row_kernel(scores, 2.0) else _sparsemax_forward(scores)
         ctx.save_for_backward(probs)
         return probs
 
@@ -40,7 +61,10 @@ class _Sparsemax(torch.autograd.Function):
 class _Entmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: Tensor, alpha: float) -> Tensor:
-        probs = _entmax15_forward(scores) if alpha == 1.5 else _entmax_bisect_forward(scores, alpha)
+        if _row_kernel(scores, alpha):
+            probs = _rows(scores, alpha)
+        else:
+            probs = _entmax15_forward(scores) if alpha == 1.5 else _entmax_bisect_forward(scores, alpha)
         ctx.save_for_backward(probs)
         ctx.alpha = alpha
         return probs

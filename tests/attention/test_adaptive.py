@@ -1,10 +1,13 @@
-"""Sparsemax, entmax and the sigmoid gate: known values, gradients, limits."""
+"""Sparsemax, entmax and the sigmoid gate: known values, gradients, limits; the Triton row kernel
+of sparsemax and 1.5-entmax against the sorted forms, alone and inside the mechanisms."""
 
 import pytest
 import torch
 
 import sparsefocus as sf
-from sparsefocus.attention.adaptive import _entmax15_forward, _entmax_bisect_forward, entmax, sparsemax
+from sparsefocus.attention import adaptive
+from sparsefocus.attention.adaptive import _entmax15_forward, _entmax_bisect_forward, _sparsemax_forward, entmax, sparsemax
+from sparsefocus.kernels.entmax_rows import MAX_KEYS, entmax_rows, fits
 
 
 def test_sparsemax_known_values_and_masked_entries():
@@ -74,3 +77,54 @@ def test_gate_parameters_receive_gradients_and_change_the_output():
     torch.testing.assert_close(sf.sparse_attention(q, k, v, "gate", params=closed), full, atol=1e-5, rtol=1e-5)
     tilted = {"gate_weight": torch.full((2,), 4.0), "gate_bias": torch.zeros(2)}
     assert not torch.allclose(sf.sparse_attention(q, k, v, "gate", params=tilted), full, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "shape, spread", [((7, 37), 1.0), ((3, 5, 600), 3.0), ((40, 17), 30.0), ((2, 1000), 0.01), ((3, 4096), 2.0)]
+)
+@pytest.mark.parametrize("alpha, twin", [(1.5, _entmax15_forward), (2.0, _sparsemax_forward)])
+def test_row_kernel_equals_the_sorted_forms(shape, spread, alpha, twin):
+    """Odd lengths, narrow and wide spreads (tiny, few and many kept entries), -inf entries, the
+    longest rows: the same weights to fp32 rounding and the same support."""
+    torch.manual_seed(int(spread * 100))
+    x = torch.randn(shape) * spread
+    x[..., 3] = float("-inf")
+    got, want = entmax_rows(x, alpha), twin(x)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got.sum(-1), torch.ones(shape[:-1]))
+
+
+def test_row_kernel_ties_rows_of_minus_infinity_and_its_limits():
+    ties = torch.tensor([[1.0, 1.0, 1.0, 0.0], [5.0, 5.0, -3.0, 5.0]])
+    for alpha, twin in ((1.5, _entmax15_forward), (2.0, _sparsemax_forward)):
+        torch.testing.assert_close(entmax_rows(ties, alpha), twin(ties))
+    empty = torch.full((2, 9), float("-inf"))
+    empty[1, 2] = 1.0
+    assert torch.equal(entmax_rows(empty, 1.5), torch.eye(9)[[0, 2]] * torch.tensor([[0.0], [1.0]]))
+    assert not fits(MAX_KEYS + 1, 1.5) and not fits(10, 1.2) and fits(10, 2.0)
+    with pytest.raises(ValueError, match="alpha 1.2 over rows of 10"):
+        entmax_rows(torch.randn(2, 10), 1.2)
+    torch.library.opcheck(torch.ops.sparsefocus.entmax_rows.default, (torch.randn(5, 13), 1.5))
+
+
+@pytest.mark.parametrize("spec", ["entmax", "sparsemax"])
+def test_mechanisms_through_the_row_kernel_match_in_outputs_and_gradients(spec, monkeypatch):
+    torch.manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 29, 8) * 2 for _ in range(3))
+    padding = torch.rand(2, 29) > 0.2
+    padding[:, 0] = True
+
+    calls = []
+    monkeypatch.setattr(adaptive, "_rows", lambda *args: calls.append(1) or entmax_rows(*args))
+
+    def run(choice: str) -> list[torch.Tensor]:
+        monkeypatch.setattr(adaptive, "ROW_KERNEL", choice)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = sf.sparse_attention(*leaves, spec, causal=True, key_padding_mask=padding, impl="lean")
+        return [out, *torch.autograd.grad((out * torch.cos(out)).sum(), leaves)]
+
+    kernel = run("triton")
+    assert calls, "the row kernel normalised nothing"
+    for name, got, want in zip(["out", "dq", "dk", "dv"], kernel, run("torch")):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=name)
