@@ -23,24 +23,26 @@ ENTMAX_BISECTION_STEPS = 50
 
 
 ROW_KERNEL = "auto"
-"""Sparsemax and 1.5-entmax forwards of fp32 rows of at most 4096 scores: "auto" (the Triton row
-kernel ``kernels.entmax_rows`` on CUDA, one read and one write instead of a sort and some fifteen
-passes), "triton" (everywhere; the CPU through Triton's interpreter, for tests) or "torch"."""
+"""Sparsemax and 1.5-entmax forwards of rows of at most 4096 scores (fp32, or 16-bit ones, as
+autocast makes them, computed in fp32): "auto" (the Triton row kernel ``kernels.entmax_rows`` on
+CUDA, one read and one write instead of a sort and some fifteen passes), "triton" (everywhere;
+the CPU through Triton's interpreter, for tests) or "torch"."""
 
 
 def _row_kernel(scores: Tensor, alpha: float) -> bool:
     """Whether this forward takes the Triton row kernel (``ROW_KERNEL``)."""
-    if ROW_KERNEL == "torch" or (ROW_KERNEL == "auto" and not scores.is_cuda) or scores.dtype != torch.float32:
+    if ROW_KERNEL == "torch" or (ROW_KERNEL == "auto" and not scores.is_cuda):
         return False
     from sparsefocus.kernels.entmax_rows import fits
 
-    return fits(scores.shape[-1], alpha)
+    return scores.dtype in (torch.float32, torch.float16, torch.bfloat16) and fits(scores.shape[-1], alpha)
 
 
 def _rows(scores: Tensor, alpha: float) -> Tensor:
+    """The row kernel's weights in the scores' dtype."""
     from sparsefocus.kernels.entmax_rows import entmax_rows
 
-    return entmax_rows(scores, alpha)
+    return entmax_rows(scores, alpha).to(scores.dtype)
 
 
 class _Sparsemax(torch.autograd.Function):

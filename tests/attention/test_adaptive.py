@@ -95,6 +95,16 @@ def test_row_kernel_equals_the_sorted_forms(shape, spread, alpha, twin):
     torch.testing.assert_close(got.sum(-1), torch.ones(shape[:-1]))
 
 
+def test_row_kernel_takes_half_precision_scores_in_fp32_and_keeps_their_dtype(monkeypatch):
+    """Under autocast the scores arrive in 16 bits: the kernel normalises them in fp32 and the
+    weights keep the scores' dtype, as the sorted form's."""
+    monkeypatch.setattr(adaptive, "ROW_KERNEL", "triton")
+    x = (torch.randn(4, 50) * 3).half()
+    got = entmax(x, 1.5)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got, _entmax15_forward(x.float()).half())
+
+
 def test_row_kernel_ties_rows_of_minus_infinity_and_its_limits():
     ties = torch.tensor([[1.0, 1.0, 1.0, 0.0], [5.0, 5.0, -3.0, 5.0]])
     for alpha, twin in ((1.5, _entmax15_forward), (2.0, _sparsemax_forward)):
