@@ -22,6 +22,10 @@ from sparsefocus.attention.topk import allowed_keys
 ENTMAX_BISECTION_STEPS = 50
 
 
+RECOMPUTE_MIN_BYTES = 2**30
+"""The lean path recomputes its query chunks in the backward when the call's [B, H, N, M] fp32
+weights would take at least this much (1 GiB); below it they are kept, and the normaliser runs
+once: the laboratory's ListOps model (250 rows of 600 keys a layer, 360 MB) paid for it twice."""
 ROW_KERNEL = "auto"
 """Sparsemax and 1.5-entmax forwards of rows of at most 4096 scores (fp32, or 16-bit ones, as
 autocast makes them, computed in fp32): "auto" (the Triton row kernel ``kernels.entmax_rows`` on
@@ -174,10 +178,14 @@ class _AdaptivePattern(Pattern):
         return torch.matmul(self._weights(q, k, rows, causal, scale, key_padding_mask, params), upcast(v))
 
     def lean(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        """Query chunks of ``DEFAULT_ROW_CHUNK`` rows, each recomputed in the backward (so memory
+        stays O(chunk M)) when the whole call's fp32 weights would reach ``RECOMPUTE_MIN_BYTES``."""
+
         def one_chunk(rows: slice) -> Tensor:
             return torch.matmul(self._weights(q, k, rows, causal, scale, key_padding_mask, params), upcast(v))
 
-        return chunked_rows(one_chunk, q.shape[-2])
+        weights_bytes = 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        return chunked_rows(one_chunk, q.shape[-2], recompute=weights_bytes >= RECOMPUTE_MIN_BYTES)
 
 
 @register

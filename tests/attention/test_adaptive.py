@@ -118,8 +118,10 @@ def test_row_kernel_ties_rows_of_minus_infinity_and_its_limits():
     torch.library.opcheck(torch.ops.sparsefocus.entmax_rows.default, (torch.randn(5, 13), 1.5))
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 @pytest.mark.parametrize("spec", ["entmax", "sparsemax"])
-def test_mechanisms_through_the_row_kernel_match_in_outputs_and_gradients(spec, monkeypatch):
+def test_mechanisms_through_the_row_kernel_match_in_outputs_and_gradients(spec, recompute, monkeypatch):
+    monkeypatch.setattr(adaptive, "RECOMPUTE_MIN_BYTES", 0 if recompute else 2**62)  # chunks checkpointed or kept
     torch.manual_seed(5)
     q, k, v = (torch.randn(2, 2, 29, 8) * 2 for _ in range(3))
     padding = torch.rand(2, 29) > 0.2
@@ -128,13 +130,14 @@ def test_mechanisms_through_the_row_kernel_match_in_outputs_and_gradients(spec, 
     calls = []
     monkeypatch.setattr(adaptive, "_rows", lambda *args: calls.append(1) or entmax_rows(*args))
 
-    def run(choice: str) -> list[torch.Tensor]:
+    def run(choice: str, impl: str = "lean") -> list[torch.Tensor]:
         monkeypatch.setattr(adaptive, "ROW_KERNEL", choice)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = sf.sparse_attention(*leaves, spec, causal=True, key_padding_mask=padding, impl="lean")
+        out = sf.sparse_attention(*leaves, spec, causal=True, key_padding_mask=padding, impl=impl)
         return [out, *torch.autograd.grad((out * torch.cos(out)).sum(), leaves)]
 
     kernel = run("triton")
     assert calls, "the row kernel normalised nothing"
-    for name, got, want in zip(["out", "dq", "dk", "dv"], kernel, run("torch")):
-        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4, msg=name)
+    for want in (run("torch"), run("torch", impl="reference")):  # the sorted form, chunked and dense
+        for name, got, expected in zip(["out", "dq", "dk", "dv"], kernel, want):
+            torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4, msg=name)
