@@ -194,3 +194,26 @@ def test_functional_api_compiles_with_a_pattern_string(example):
         lambda q, k, v: sparse_attention(q, k, v, example, impl="reference"), backend="eager", fullgraph=True
     )
     torch.testing.assert_close(compiled(q, k, v), sparse_attention(q, k, v, example, impl="reference"))
+
+
+@pytest.mark.parametrize(
+    "example, impl",
+    [
+        ("entmax", "lean"),
+        ("sparsemax", "lean"),
+        ("TOPK:5", "lean"),
+        ("moba:block=4,top=2,tile=16", "triton"),
+        ("nsa:block=4,top=3,cmp=4,stride=2,window=4", "triton"),
+        ("dsa:k=5,heads=2,dim=4", "triton"),
+    ],
+)
+def test_row_kernels_and_the_fused_kl_compile_fullgraph(example, impl, monkeypatch):
+    """The short-row top-k, the entmax row kernel and DSA's fused KL, which run on CUDA only by
+    default, forced onto Triton's interpreter: compiled equals eager, one frame, no graph break."""
+    from sparsefocus.attention import adaptive, dsa
+    from sparsefocus.kernels import _ops
+
+    monkeypatch.setattr(_ops, "ROW_TOPK", "triton")
+    monkeypatch.setattr(adaptive, "ROW_KERNEL", "triton")
+    monkeypatch.setattr(dsa, "KL_KERNEL", "triton")
+    assert_compiled_equals_eager(example, impl, True, "aot_eager")
