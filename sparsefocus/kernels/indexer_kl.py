@@ -30,7 +30,7 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units for exp2
 
 
 @triton.jit
@@ -60,7 +60,7 @@ def _main_scores(
         keys = tl.load(K + rows[:, None] + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
         part = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BH, BK]
         scores += tl.where((heads // G == g)[:, None], part, 0.0)
-    return tl.where(valid[None, :], scores * (scale * 1.4426950408889634), float("-inf"))
+    return tl.where(valid[None, :], scores * (scale * LOG2E), float("-inf"))
 
 
 @triton.jit
