@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from sparsefocus.attention.common import chunked_rows, masked_softmax, row_slice, upcast
 from sparsefocus.attention.patterns import Pattern, register, require
 from sparsefocus.attention.topk import allowed_keys
+from sparsefocus.kernels._ops import kernel_chosen
 
 ENTMAX_BISECTION_STEPS = 50
 
@@ -35,7 +36,7 @@ the CPU through Triton's interpreter, for tests) or "torch"."""
 
 def _row_kernel(scores: Tensor, alpha: float) -> bool:
     """Whether this forward takes the Triton row kernel (``ROW_KERNEL``)."""
-    if ROW_KERNEL == "torch" or (ROW_KERNEL == "auto" and not scores.is_cuda):
+    if not kernel_chosen(ROW_KERNEL, scores):
         return False
     from sparsefocus.kernels.entmax_rows import fits
 

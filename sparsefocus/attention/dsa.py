@@ -42,7 +42,7 @@ from sparsefocus.attention.patterns import (
     register,
     require,
 )
-from sparsefocus.kernels._ops import top_positions
+from sparsefocus.kernels._ops import kernel_chosen, top_positions
 
 SCORE_ELEMENTS = 2**27  # largest [B, heads, rows, N] chunk of indexer scores
 KL_ELEMENTS = 2**26  # largest [B, Hk, rows, k, D] chunk of the KL loss (the gathered keys)
@@ -345,8 +345,8 @@ def fused_kl(q: Tensor, iq: Tensor) -> bool:
     """Whether the KL loss takes the Triton kernel (``KL_KERNEL``; "auto" only where a row's tiles
     fit a program, see ``indexer_kl.slots_per_tile``)."""
     if KL_KERNEL == "triton":
-        return True
-    if KL_KERNEL != "auto" or not q.is_cuda:
+        return True  # tests: wherever the tiles go
+    if not kernel_chosen(KL_KERNEL, q):
         return False
     from sparsefocus.kernels.indexer_kl import slots_per_tile
 

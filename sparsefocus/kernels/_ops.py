@@ -58,6 +58,12 @@ def row_dot(a: Tensor, b: Tensor) -> Tensor:
     return out.view(a.shape[:-1])
 
 
+def kernel_chosen(choice: str, like: Tensor) -> bool:
+    """Whether an implementation switch ("auto": the Triton kernel on CUDA, "triton": everywhere,
+    the CPU through Triton's interpreter, "torch": never) picks the kernel for a tensor like ``like``."""
+    return choice == "triton" or (choice == "auto" and like.is_cuda)
+
+
 def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
     """Positions [..., min(count, M)] int64 of the largest scores [..., M] among ``allowed``
     (broadcastable bool), best first, ties to the smaller position; -1 past a row's allowed keys.
@@ -70,7 +76,7 @@ def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
     result (``row_topk``; ``ROW_TOPK``): ``torch.topk`` is slow on many short rows.
     """
     n_keys = scores.shape[-1]
-    if ROW_TOPK == "triton" or (ROW_TOPK == "auto" and scores.is_cuda):
+    if kernel_chosen(ROW_TOPK, scores):
         from sparsefocus.kernels import row_topk  # here: row_topk imports modules that import this one
 
         if row_topk.fits(n_keys, count):

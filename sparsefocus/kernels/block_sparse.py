@@ -945,6 +945,13 @@ def block_sparse_attention(
 
 
 @triton.jit
+def _visible_compressed(t, cmp, stride, NC):
+    """Compressed keys a causal query at position t sees: key j ends at j * stride + cmp - 1, so
+    (t - cmp + 1) // stride + 1 of them, none before position cmp - 1."""
+    return tl.where(t - cmp + 1 >= 0, tl.minimum((t - cmp + 1) // stride + 1, NC), 0)
+
+
+@triton.jit
 def _importance_kernel(
     Q,
     C,
@@ -998,9 +1005,8 @@ def _importance_kernel(
     last = tl.minimum(first + PM - 1, tl.minimum(row_start + n_rows, N) - 1)  # the tile's last position
     tile_visible = NC
     if CAUSAL:
-        # key j ends at j * stride + cmp - 1: position t sees (t - cmp + 1) // stride + 1 of them (none before cmp - 1)
-        n_visible = tl.where(pos - cmp + 1 >= 0, tl.minimum((pos - cmp + 1) // stride + 1, NC), 0)
-        tile_visible = tl.where(last - cmp + 1 >= 0, tl.minimum((last - cmp + 1) // stride + 1, NC), 0)
+        n_visible = _visible_compressed(pos, cmp, stride, NC)
+        tile_visible = _visible_compressed(last, cmp, stride, NC)
     places = first - row_start + tl.arange(0, PM)  # [PM] output rows
     out_rows = OUT + (bhk * n_rows + places).to(tl.int64) * NC
     for c0 in range(0, NC, BLOCK_C):
