@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-ms", type=float, default=5000.0, help="skip the larger N of a case once one of its runs took longer (ms)"
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also time each run replayed from a CUDA graph (graph_ms: device time without host work), with its own dense ratio",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     parser.add_argument("--out", type=Path, default=Path("bench.json"), help="JSON path; the PNG goes beside it")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -193,7 +198,7 @@ def sweep(args: argparse.Namespace, cases: list[str], device: torch.device, ceil
             shape = BenchShape(
                 args.batch, args.heads, args.kv_heads or args.heads, n, args.head_dim, DTYPES[args.dtype], args.causal, device
             )
-            new = measure(case, shape, tuple(args.modes), args.warmup, args.repeats, ceilings)
+            new = measure(case, shape, tuple(args.modes), args.warmup, args.repeats, ceilings, args.cuda_graphs)
             for row in new:
                 print(format_row(row), file=sys.stdout if row["status"] == "ok" else sys.stderr, flush=True)
             too_slow = any(row.get("ms", 0) > args.max_ms for row in new)
@@ -208,7 +213,9 @@ def format_row(row: dict) -> str:
     peak = "" if row["peak_mb"] is None else f"{row['peak_mb']:9.0f} MB"
     launches = "" if row["launches"] is None else f"{row['launches']:5d} kernels"
     frac = f" ({100 * row['frac_peak_flops']:.1f}% of peak)" if "frac_peak_flops" in row else ""
-    return f"{head} {row['ms']:10.3f} ms {peak} {launches} {row['tflops']:7.1f} TFLOP/s{frac}"
+    graph = f", graph {row['graph_ms']:.3f} ms" if "graph_ms" in row else ""
+    graph += f", graph {row['graph_error']}" if "graph_error" in row else ""
+    return f"{head} {row['ms']:10.3f} ms {peak} {launches} {row['tflops']:7.1f} TFLOP/s{frac}{graph}"
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -233,6 +240,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         device = resolve_device(args.device)
+        if args.cuda_graphs and device.type != "cuda":
+            raise BenchError(f"--cuda-graphs needs a CUDA device, not {device}")
         requested = expand_cases(args.cases)
         cases = expand_cases(list(args.baselines) + requested)
         if not cases:
@@ -258,6 +267,7 @@ def _measure_and_write(
         },
         "ceilings": ceilings,
         "dense": dense_table(rows),
+        "graph_dense": dense_table(rows, "graph_ms") if args.cuda_graphs else None,
         "kernel_tiles": _kernel_tiles(),
         "constants": constants,
         "results": rows,

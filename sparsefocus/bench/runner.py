@@ -99,6 +99,29 @@ def pipelined_ms(fn: Callable[[], None], device: torch.device, warmup: int, repe
     return _elapsed_ms(runs, device) / repeats
 
 
+def graphed_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of one replay of a CUDA graph holding one run of ``fn``: the run's
+    device time with no host work between its kernels, as ``torch.compile(mode="reduce-overhead")``
+    or a hand-captured training step would run it. Raises on CPU, and wherever ``fn`` cannot be
+    captured (a host synchronisation, say); ``fn`` is warmed up on a side stream first, as
+    capturing autograd needs."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return median_ms(graph.replay, device, 1, repeats)
+    finally:
+        del graph
+
+
 def peak_memory_mb(fn: Callable[[], None], device: torch.device) -> float | None:
     """Peak allocated CUDA memory (inputs included) of one run of ``fn``; None on CPU."""
     if device.type != "cuda":
@@ -133,11 +156,19 @@ def release_memory(device: torch.device) -> None:
 
 
 def measure(
-    case: str, shape: BenchShape, modes: tuple[str, ...], warmup: int, repeats: int, ceilings: dict | None = None
+    case: str,
+    shape: BenchShape,
+    modes: tuple[str, ...],
+    warmup: int,
+    repeats: int,
+    ceilings: dict | None = None,
+    graphs: bool = False,
 ) -> list[dict]:
     """One result row per mode for ``case`` at ``shape``: ms, peak MB, launches, FLOPs, bytes.
 
-    ``ceilings`` ({"tflops", "tbps"}) adds the fractions of peak. Status "oom" for out of memory,
+    ``ceilings`` ({"tflops", "tbps"}) adds the fractions of peak. ``graphs`` (CUDA) adds
+    ``graph_ms``, one run replayed from a CUDA graph (``graphed_ms``), or ``graph_error`` where
+    the run cannot be captured. Status "oom" for out of memory,
     "unavailable" where an SDPA backend refuses the shape, else "error"; the message is in "error"."""
     base = {"case": case, "n": shape.n}
     try:
@@ -147,6 +178,8 @@ def measure(
         release_memory(shape.device)
         return [base | {"mode": mode} | failure(error) for mode in modes]
     rows = [base | {"mode": mode} | _measure_mode(workload, inputs, shape, mode, warmup, repeats, ceilings) for mode in modes]
+    if graphs:
+        rows = [row | _graph_columns(workload, inputs, shape, row, warmup, repeats) for row in rows]
     if workload.extra is not None and all(row["status"] == "ok" for row in rows):
         with torch.no_grad():
             extra = workload.extra(*inputs)
@@ -154,6 +187,18 @@ def measure(
     del workload, inputs
     release_memory(shape.device)
     return rows
+
+
+def _graph_columns(workload: Workload, inputs, shape: BenchShape, row: dict, warmup: int, repeats: int) -> dict:
+    """``graph_ms`` of a row that measured ok, or ``graph_error`` naming why capture failed."""
+    if row["status"] != "ok":
+        return {}
+    try:
+        return {"graph_ms": graphed_ms(step_fn(workload, inputs, row["mode"]), shape.device, warmup, repeats)}
+    except Exception as error:  # noqa: BLE001 - recorded in the results, the sweep goes on
+        return {"graph_error": error_message(error)}
+    finally:
+        release_memory(shape.device)
 
 
 def _measure_mode(

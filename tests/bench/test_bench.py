@@ -15,7 +15,8 @@ from sparsefocus.bench.registry import (
     mean_keys,
     register_case,
 )
-from sparsefocus.bench.run import main
+from sparsefocus.bench.run import format_row, main
+from sparsefocus.bench.runner import graphed_ms, measure
 
 SMALL = [
     "--batch",
@@ -177,3 +178,25 @@ def test_constants_apply_during_the_run_are_recorded_and_restored(tmp_path, monk
     record = json.loads(out.read_text())
     assert record["constants"] == {"sparsefocus.kernels.indexed.KEY_GRADS": "inverse"}
     assert "--constant sparsefocus.kernels.indexed.KEY_GRADS=inverse" in record["command"]
+
+
+def test_graph_timing_refuses_the_cpu():
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        graphed_ms(lambda: None, torch.device("cpu"), 1, 1)
+
+
+def test_rows_print_their_graph_timing_or_why_it_failed():
+    row = {"case": "zeta", "n": 4096, "mode": "fwd+bwd", "status": "ok", "ms": 4.3, "peak_mb": None, "launches": None}
+    row |= {"tflops": 1.0}
+    assert format_row(row | {"graph_ms": 1.25}).endswith("graph 1.250 ms")
+    assert format_row(row | {"graph_error": "RuntimeError: sync"}).endswith("graph RuntimeError: sync")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_timing_replays_a_captured_run_and_records_failures():
+    shape = BenchShape(1, 2, 2, 256, 64, torch.bfloat16, True, torch.device("cuda"))
+    rows = measure("TOPK:8", shape, ("fwd", "fwd+bwd"), 1, 3, graphs=True)
+    assert all(row["status"] == "ok" and isinstance(row["graph_ms"], float) for row in rows)
+    x = torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError):  # a host sync cannot be captured
+        graphed_ms(lambda: x.sum().item(), shape.device, 1, 1)

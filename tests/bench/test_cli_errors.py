@@ -46,6 +46,13 @@ def test_cuda_device_without_cuda_is_a_one_line_error(tmp_path, capsys, extra):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_cuda_graphs_on_the_cpu_is_a_one_line_error(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    assert main(["TOPK:4", "--cuda-graphs", *SMALL, "--device", "cpu", "--out", str(out)]) == 2
+    assert_one_line_error(capsys, "--cuda-graphs needs a CUDA device")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_every_case_failing_exits_1_and_writes_nothing(tmp_path, capsys):
     def broken(argument: str, shape: BenchShape) -> Workload:
         raise RuntimeError("this case always fails")

@@ -53,6 +53,25 @@ def test_speedup_is_dense_over_case_at_the_same_point():
     assert rows[3]["speedup_vs_dense"] is None  # the failed row has no ratio
 
 
+def test_graph_ratios_use_the_fastest_graph_dense_at_the_same_point():
+    rows = [
+        dense_row("flash", 4096, "fwd+bwd", 2.17) | {"graph_ms": 2.0},
+        dense_row("cudnn", 4096, "fwd+bwd", 1.36) | {"graph_ms": 1.30},
+        dense_row("efficient", 4096, "fwd+bwd", 3.1) | {"graph_error": "RuntimeError: not capturable"},
+        {"case": "zeta", "n": 4096, "mode": "fwd+bwd", "status": "ok", "ms": 4.3, "graph_ms": 1.0},
+        {"case": "lsh", "n": 4096, "mode": "fwd+bwd", "status": "ok", "ms": 9.0, "graph_error": "RuntimeError: sync"},
+        {"case": "TOPK:32", "n": 4096, "mode": "fwd+bwd", "status": "ok", "ms": 3.0},
+    ]
+    assert fastest_dense(rows, "graph_ms") == {(4096, "fwd+bwd"): {"backend": "cudnn", "ms": 1.30}}
+    assert dense_table(rows, "graph_ms") == [{"n": 4096, "mode": "fwd+bwd", "backend": "cudnn", "ms": 1.30}]
+    zeta, lsh, topk = attach_dense_ratios(rows)[3:]
+    assert zeta["speedup_vs_dense"] == pytest.approx(1.36 / 4.3)
+    assert zeta["graph_speedup_vs_dense"] == pytest.approx(1.30 / 1.0)
+    assert zeta["graph_dense_backend_used"] == "cudnn"
+    assert lsh["graph_dense_ms"] == 1.30 and lsh["graph_speedup_vs_dense"] is None  # not captured: no ratio
+    assert "graph_speedup_vs_dense" not in topk  # not timed from graphs: no graph columns
+
+
 def full_row(backend, n, mode, ms=None, status="ok", pattern="FULL"):
     return {"pattern": pattern, "sdpa_backend": backend, "n": n, "mode": mode, "status": status} | ({"ms": ms} if ms else {})
 
