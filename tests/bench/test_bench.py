@@ -192,6 +192,14 @@ def test_rows_print_their_graph_timing_or_why_it_failed():
     assert format_row(row | {"graph_error": "RuntimeError: sync"}).endswith("graph RuntimeError: sync")
 
 
+def test_measure_records_why_a_run_was_not_replayed_from_a_graph():
+    shape = BenchShape(1, 2, 2, 16, 8, torch.float32, True, torch.device("cpu"))
+    rows = measure("TOPK:4", shape, ("fwd", "fwd+bwd"), 0, 1, graphs=True)
+    assert [row["status"] for row in rows] == ["ok", "ok"]
+    assert all("graph_ms" not in row and "CUDA graphs need a CUDA device" in row["graph_error"] for row in rows)
+    assert all("graph_error" not in row for row in measure("TOPK:4", shape, ("fwd",), 0, 1))  # off unless asked
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_timing_replays_a_captured_run_and_records_failures():
     shape = BenchShape(1, 2, 2, 256, 64, torch.bfloat16, True, torch.device("cuda"))
