@@ -60,9 +60,18 @@ def _plot_lines(ax, series: dict, colours: dict) -> None:
         ax.plot([n for n, _ in points], [y for _, y in points], "-", marker="o", markersize=3, color=colours[label], label=label)
 
 
+def _plot_graph_lines(ax, series: dict, colours: dict) -> None:
+    """Each case's CUDA-graph replay times, dashed in the case's colour (one legend entry)."""
+    for label, points in series.items():
+        ax.plot([n for n, _ in points], [y for _, y in points], "--", linewidth=1, color=colours[label])
+    if series:  # the legend's entry, in grey: the dashes stand for every case
+        ax.plot([], [], "--", linewidth=1, color="grey", label="dashed: replayed from a CUDA graph")
+
+
 def plot_results(payload: dict, path: Path) -> None:
     """PNG of a kernel bench: one time panel per mode with the fastest dense backend drawn in
-    black, and a peak-memory panel (forward + backward) when memory was measured (CUDA)."""
+    black, each case's CUDA-graph replay times dashed (``--cuda-graphs``), and a peak-memory
+    panel (forward + backward) when memory was measured (CUDA)."""
     plt = _pyplot()
     rows = payload["results"]
     modes = [m for m in MODE_TITLES if any(r["mode"] == m for r in rows)]
@@ -77,6 +86,7 @@ def plot_results(payload: dict, path: Path) -> None:
     lengths = sorted({r["n"] for r in rows})
     for ax, mode in zip(axes[0], modes):
         _plot_lines(ax, _series(rows, "case", mode), colours)
+        _plot_graph_lines(ax, _series(rows, "case", mode, "graph_ms"), colours)
         dense = sorted((n, v["ms"]) for (n, m), v in best.items() if m == mode)
         if dense:
             ax.plot(

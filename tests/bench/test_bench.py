@@ -208,3 +208,19 @@ def test_cuda_graph_timing_replays_a_captured_run_and_records_failures():
     x = torch.ones(4, device="cuda")
     with pytest.raises(RuntimeError):  # a host sync cannot be captured
         graphed_ms(lambda: x.sum().item(), shape.device, 1, 1)
+
+
+def test_the_png_draws_graph_timings_beside_the_eager_ones(tmp_path, monkeypatch):
+    from sparsefocus.bench import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_plot_graph_lines", lambda ax, series, colours: drawn.append(series))
+    rows = [
+        {"case": case, "n": n, "mode": "fwd+bwd", "status": "ok", "ms": 2.0, "peak_mb": None, "graph_ms": 1.0}
+        for case in ("sdpa:cudnn", "zeta")
+        for n in (16, 32)
+    ]
+    shape = {"batch": 1, "heads": 2, "head_dim": 8, "dtype": "fp32", "causal": True}
+    plot.plot_results({"results": rows, "shape": shape, "device": "cpu", "torch": "x", "git_commit": "abc"}, tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
+    assert drawn == [{"sdpa:cudnn": [(16, 1.0), (32, 1.0)], "zeta": [(16, 1.0), (32, 1.0)]}]
