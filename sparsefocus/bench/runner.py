@@ -116,10 +116,7 @@ def graphed_ms(fn: Callable[[], None], device: torch.device, warmup: int, repeat
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    try:
-        return median_ms(graph.replay, device, 1, repeats)
-    finally:
-        del graph
+    return median_ms(graph.replay, device, 1, repeats)  # the graph's memory goes with it on return
 
 
 def peak_memory_mb(fn: Callable[[], None], device: torch.device) -> float | None:
@@ -168,8 +165,8 @@ def measure(
 
     ``ceilings`` ({"tflops", "tbps"}) adds the fractions of peak. ``graphs`` (CUDA) adds
     ``graph_ms``, one run replayed from a CUDA graph (``graphed_ms``), or ``graph_error`` where
-    the run cannot be captured. Status "oom" for out of memory,
-    "unavailable" where an SDPA backend refuses the shape, else "error"; the message is in "error"."""
+    the run cannot be captured. Status "oom" for out of memory, "unavailable" where an SDPA
+    backend refuses the shape, else "error"; the message is in "error"."""
     base = {"case": case, "n": shape.n}
     try:
         workload = parse_case(case, shape)
@@ -197,8 +194,6 @@ def _graph_columns(workload: Workload, inputs, shape: BenchShape, row: dict, war
         return {"graph_ms": graphed_ms(step_fn(workload, inputs, row["mode"]), shape.device, warmup, repeats)}
     except Exception as error:  # noqa: BLE001 - recorded in the results, the sweep goes on
         return {"graph_error": error_message(error)}
-    finally:
-        release_memory(shape.device)
 
 
 def _measure_mode(
