@@ -229,13 +229,15 @@ def _indexer_kl_op(
         raise ValueError(
             f"indexer_kl: {q_heads} query heads of {dim} and {heads} indexer heads of {idim} do not fit one program's tiles"
         )
+    slots = min(slots, _pow2(index.shape[-1]))  # short lists (the laboratory's k=5): no empty slot tiles
+    small = _pow2(q_heads) * slots <= 512 and _pow2(heads) * slots <= 512  # one warp holds such tiles
     _kl_kernel[(n_rows, batch)](
         q, k, index, iq, ik, w, kl, has, d_iq, d_w, d_ik,
         q_heads, kv_heads, n_rows, n_keys, index.shape[-1], heads, scale,
         D=dim, DI=idim, BLOCK_H=_pow2(q_heads), BLOCK_D=_pow2(dim), BLOCK_I=_pow2(heads), BLOCK_DI=_pow2(idim),
         BLOCK_K=slots, GRADS=grads,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", PRECISION_I="tf32x3",
-        num_warps=4 if q.is_cuda else 1,
+        num_warps=4 if q.is_cuda and not small else 1,
     )  # fmt: skip
     return kl, has, d_iq, d_ik, d_w
 

@@ -83,9 +83,9 @@ def test_mechanisms_choose_the_same_keys_through_the_kernel(spec, impl, monkeypa
 
     pattern = sf.parse_pattern(spec)
     torch.manual_seed(3)
-    q, k, v = (torch.randn(2, 2, 37, 8) for _ in range(3))
-    weights = pattern.make_layer_parameters(12, 2, 2, 8, 8)
-    params = {**weights, HIDDEN_KEY: torch.randn(2, 37, 12), AUX_KEY: {}} if weights else None
+    q, k, v = (torch.randn(2, 2, 37, 8, device=DEVICE) for _ in range(3))
+    weights = {name: w.to(DEVICE) for name, w in (pattern.make_layer_parameters(12, 2, 2, 8, 8) or {}).items()}
+    params = {**weights, HIDDEN_KEY: torch.randn(2, 37, 12, device=DEVICE), AUX_KEY: {}} if weights else None
 
     calls = []
     kernel = row_topk.row_top_positions
