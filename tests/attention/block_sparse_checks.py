@@ -8,10 +8,11 @@ import sparsefocus as sf
 from sparsefocus.attention.patterns import AUX_KEY, HIDDEN_KEY
 
 
-def run_with_grads(spec, impl, x, q, k, v, weights, padding=None, causal=True, grad_rows=None, aux_key=None):
+def run_with_grads(spec, impl, x, q, k, v, weights, padding=None, causal=True, grad_rows=None, aux_key=None, device=None):
     """[out, aux loss or 0, dq, dk, dv, d weight...] of ``sparse_attention``; the loss weighs the
-    output by a fixed cosine (rows >= grad_rows left out) plus the auxiliary loss ``aux_key``."""
-    device = impl_device(impl)
+    output by a fixed cosine (rows >= grad_rows left out) plus the auxiliary loss ``aux_key``.
+    ``device``: where the call runs (default: ``impl_device(impl)``)."""
+    device = impl_device(impl) if device is None else device
     leaves = [t.detach().to(device).requires_grad_() for t in (q, k, v)]
     params = {name: w.detach().to(device).requires_grad_() for name, w in weights.items()}
     call = {**params, HIDDEN_KEY: x.to(device), AUX_KEY: {}}

@@ -9,6 +9,8 @@ from sparsefocus.attention import adaptive
 from sparsefocus.attention.adaptive import _entmax15_forward, _entmax_bisect_forward, _sparsemax_forward, entmax, sparsemax
 from sparsefocus.kernels.entmax_rows import MAX_KEYS, entmax_rows, fits
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the row kernel runs (the interpreter on a CPU)
+
 
 def test_sparsemax_known_values_and_masked_entries():
     x = torch.tensor([[1.0, 0.5, -1.0, float("-inf")], [3.0, 0.0, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2]])
@@ -89,7 +91,7 @@ def test_row_kernel_equals_the_sorted_forms(shape, spread, alpha, twin):
     torch.manual_seed(int(spread * 100))
     x = torch.randn(shape) * spread
     x[..., 3] = float("-inf")
-    got, want = entmax_rows(x, alpha), twin(x)
+    got, want = entmax_rows(x.to(DEVICE), alpha).cpu(), twin(x)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     assert torch.equal(got > 0, want > 0)
     torch.testing.assert_close(got.sum(-1), torch.ones(shape[:-1]))
@@ -100,22 +102,22 @@ def test_row_kernel_takes_half_precision_scores_in_fp32_and_keeps_their_dtype(mo
     weights keep the scores' dtype, as the sorted form's."""
     monkeypatch.setattr(adaptive, "ROW_KERNEL", "triton")
     x = (torch.randn(4, 50) * 3).half()
-    got = entmax(x, 1.5)
+    got = entmax(x.to(DEVICE), 1.5)
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got, _entmax15_forward(x.float()).half())
+    torch.testing.assert_close(got.cpu(), _entmax15_forward(x.float()).half())
 
 
 def test_row_kernel_ties_rows_of_minus_infinity_and_its_limits():
     ties = torch.tensor([[1.0, 1.0, 1.0, 0.0], [5.0, 5.0, -3.0, 5.0]])
     for alpha, twin in ((1.5, _entmax15_forward), (2.0, _sparsemax_forward)):
-        torch.testing.assert_close(entmax_rows(ties, alpha), twin(ties))
+        torch.testing.assert_close(entmax_rows(ties.to(DEVICE), alpha).cpu(), twin(ties))
     empty = torch.full((2, 9), float("-inf"))
     empty[1, 2] = 1.0
-    assert torch.equal(entmax_rows(empty, 1.5), torch.eye(9)[[0, 2]] * torch.tensor([[0.0], [1.0]]))
+    assert torch.equal(entmax_rows(empty.to(DEVICE), 1.5).cpu(), torch.eye(9)[[0, 2]] * torch.tensor([[0.0], [1.0]]))
     assert not fits(MAX_KEYS + 1, 1.5) and not fits(10, 1.2) and fits(10, 2.0)
     with pytest.raises(ValueError, match="alpha 1.2 over rows of 10"):
         entmax_rows(torch.randn(2, 10), 1.2)
-    torch.library.opcheck(torch.ops.sparsefocus.entmax_rows.default, (torch.randn(5, 13), 1.5))
+    torch.library.opcheck(torch.ops.sparsefocus.entmax_rows.default, (torch.randn(5, 13, device=DEVICE), 1.5))
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
@@ -123,8 +125,8 @@ def test_row_kernel_ties_rows_of_minus_infinity_and_its_limits():
 def test_mechanisms_through_the_row_kernel_match_in_outputs_and_gradients(spec, recompute, monkeypatch):
     monkeypatch.setattr(adaptive, "RECOMPUTE_MIN_BYTES", 0 if recompute else 2**62)  # chunks checkpointed or kept
     torch.manual_seed(5)
-    q, k, v = (torch.randn(2, 2, 29, 8) * 2 for _ in range(3))
-    padding = torch.rand(2, 29) > 0.2
+    q, k, v = (torch.randn(2, 2, 29, 8, device=DEVICE) * 2 for _ in range(3))
+    padding = torch.rand(2, 29, device=DEVICE) > 0.2
     padding[:, 0] = True
 
     calls = []

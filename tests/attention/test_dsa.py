@@ -6,7 +6,7 @@ op against the chunked one on lists with unused slots and rows without keys."""
 
 import pytest
 import torch
-from block_sparse_checks import perturbed_after, run_with_grads
+from block_sparse_checks import impl_device, perturbed_after, run_with_grads
 
 import sparsefocus as sf
 from sparsefocus.attention import dsa
@@ -15,6 +15,7 @@ from sparsefocus.layers.attention import total_aux_loss
 from sparsefocus.models import Decoder, ModelConfig
 
 NAMES = ["out", "kl", "dq", "dk", "dv"]
+KERNEL_DEVICE = impl_device("triton")  # where the fused KL op runs: CUDA when there is one
 
 
 def dsa_case(spec, n, heads=4, kv_heads=2, dim=12, head_dim=8, batch=2):
@@ -95,7 +96,8 @@ def test_kl_on_every_third_row_matches_the_dense_definition(kl_kernel, monkeypat
     spec = sf.parse_pattern("dsa:k=6,heads=2,dim=4,kl_every=3")
     x, q, k, v, weights = dsa_case(spec, n=29)
     ref = run_with_grads(spec, "reference", x, q, k, v, weights, aux_key="dsa_indexer_kl")
-    lean = run_with_grads(spec, "lean", x, q, k, v, weights, aux_key="dsa_indexer_kl")
+    # the lean attention beside the fused KL runs where the kernel does (CUDA when there is one)
+    lean = run_with_grads(spec, "lean", x, q, k, v, weights, aux_key="dsa_indexer_kl", device=impl_device(kl_kernel))
     for name, a, b in zip(NAMES + list(weights), ref, lean):
         torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4, msg=name)
 
@@ -138,14 +140,15 @@ def test_fused_kl_op_equals_the_chunked_loss_and_gradients(q_heads, kv_heads, dt
             index[b, 0, t, : len(chosen)] = chosen.int()
     grads = (torch.zeros_like(iq), torch.zeros_like(ik), torch.zeros_like(w))
     total, rows = dsa._kl_chunk(q.float(), k.float(), index, iq, ik, w, slice(0, n), 0.3, grads)
-    kl, has, d_iq, d_ik, d_w = indexer_kl(q, k, index[:, 0], iq, ik, w, 0.3)
+    on = [t.to(KERNEL_DEVICE) for t in (q, k, index[:, 0], iq, ik, w)]
+    kl, has, d_iq, d_ik, d_w = (t.cpu() for t in indexer_kl(*on, 0.3))
     assert has[:, 0].eq(0).all() and kl[:, 0].eq(0).all()
     tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(kl.sum(1), total, **tolerance)
     torch.testing.assert_close(has.sum(1), rows.float())
     for name, got, want in zip(["d_iq", "d_ik", "d_w"], (d_iq, d_ik, d_w), grads):
         torch.testing.assert_close(got, want, **tolerance, msg=name)
-    without = indexer_kl(q, k, index[:, 0], iq, ik, w, 0.3, grads=False)
+    without = [t.cpu() for t in indexer_kl(*on, 0.3, grads=False)]
     torch.testing.assert_close(without[0], kl)
     assert all(g.eq(0).all() for g in without[2:])
 
@@ -156,6 +159,7 @@ def test_fused_kl_op_passes_opcheck_and_compiles():
     q, k = torch.randn(1, 2, 9, 16), torch.randn(1, 1, 9, 16)
     iq, ik, w = torch.randn(1, 2, 9, 4), torch.randn(1, 9, 4), torch.randn(1, 9, 2)
     index = torch.stack([torch.arange(5) - 4 + t for t in range(9)]).clamp_min(-1).int()[None]  # [1, 9, 5]
+    q, k, index, iq, ik, w = (t.to(KERNEL_DEVICE) for t in (q, k, index, iq, ik, w))
     torch.library.opcheck(torch.ops.sparsefocus.indexer_kl.default, (q, k, index, iq, ik, w, 0.5, True))
     compiled = torch.compile(lambda *a: indexer_kl(*a, 0.5)[0], fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(q, k, index, iq, ik, w), indexer_kl(q, k, index, iq, ik, w, 0.5)[0])
