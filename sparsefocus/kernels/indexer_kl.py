@@ -209,6 +209,21 @@ def slots_per_tile(q_heads: int, dim: int, heads: int, idim: int) -> int | None:
     return None
 
 
+def launch_shape(q_heads: int, dim: int, heads: int, idim: int, list_length: int) -> tuple[int, int]:
+    """(list slots a CUDA program takes at a time, warps) for lists of ``list_length`` slots: the
+    ``slots_per_tile`` limit, but no wider than the padded list (the laboratory's lists of 5 read
+    16 slots, not 64 of which 59 are empty), and one warp where both tiles hold at most 512
+    elements. A ValueError where the tiles do not fit a program at all."""
+    slots = slots_per_tile(q_heads, dim, heads, idim)
+    if slots is None:
+        raise ValueError(
+            f"indexer_kl: {q_heads} query heads of {dim} and {heads} indexer heads of {idim} do not fit one program's tiles"
+        )
+    slots = min(slots, _pow2(list_length))
+    small = _pow2(q_heads) * slots <= 512 and _pow2(heads) * slots <= 512
+    return slots, 1 if small else 4
+
+
 @torch.library.custom_op("sparsefocus::indexer_kl", mutates_args=())
 def _indexer_kl_op(
     q: Tensor, k: Tensor, index: Tensor, iq: Tensor, ik: Tensor, w: Tensor, scale: float, grads: bool
@@ -224,20 +239,16 @@ def _indexer_kl_op(
     d_ik = torch.zeros_like(ik)
     if n_rows == 0:
         return kl, has, d_iq, d_ik, d_w
-    slots = slots_per_tile(q_heads, dim, heads, idim) if q.is_cuda else 16  # the interpreter: several tiles at test sizes
-    if slots is None:
-        raise ValueError(
-            f"indexer_kl: {q_heads} query heads of {dim} and {heads} indexer heads of {idim} do not fit one program's tiles"
-        )
-    slots = min(slots, _pow2(index.shape[-1]))  # short lists (the laboratory's k=5): no empty slot tiles
-    small = _pow2(q_heads) * slots <= 512 and _pow2(heads) * slots <= 512  # one warp holds such tiles
+    slots, warps = (
+        launch_shape(q_heads, dim, heads, idim, index.shape[-1]) if q.is_cuda else (16, 1)
+    )  # interpreter: several tiles at test sizes
     _kl_kernel[(n_rows, batch)](
         q, k, index, iq, ik, w, kl, has, d_iq, d_w, d_ik,
         q_heads, kv_heads, n_rows, n_keys, index.shape[-1], heads, scale,
         D=dim, DI=idim, BLOCK_H=_pow2(q_heads), BLOCK_D=_pow2(dim), BLOCK_I=_pow2(heads), BLOCK_DI=_pow2(idim),
         BLOCK_K=slots, GRADS=grads,
         PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", PRECISION_I="tf32x3",
-        num_warps=4 if q.is_cuda and not small else 1,
+        num_warps=warps,
     )  # fmt: skip
     return kl, has, d_iq, d_ik, d_w
 

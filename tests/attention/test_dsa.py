@@ -174,3 +174,16 @@ def test_fused_kl_tiles_shrink_with_the_heads_and_give_way_beyond_them():
     assert slots_per_tile(16, 64, 4, 64) == 64 and slots_per_tile(1, 64, 4, 16) == 64
     assert slots_per_tile(128, 128, 64, 128) == 16
     assert slots_per_tile(128, 192, 64, 128) is None
+
+
+def test_fused_kl_launch_reads_short_lists_in_narrow_tiles_with_one_warp():
+    """Lists shorter than a tile take a tile as wide as the padded list (16 slots for the
+    laboratory's 5 keys, not 64), and small tiles one warp; long lists keep the shared-memory limit."""
+    from sparsefocus.kernels.indexer_kl import launch_shape
+
+    assert launch_shape(1, 64, 4, 16, 5) == (16, 1)  # the laboratory's ListOps DSA
+    assert launch_shape(1, 64, 4, 16, 40) == (64, 4)
+    assert launch_shape(16, 64, 4, 64, 2048) == (64, 4)  # the benchmark's top-2048
+    assert launch_shape(128, 128, 64, 128, 2048) == (16, 4)
+    with pytest.raises(ValueError, match="do not fit one program's tiles"):
+        launch_shape(128, 192, 64, 128, 5)
