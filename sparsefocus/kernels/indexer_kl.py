@@ -239,9 +239,8 @@ def _indexer_kl_op(
     d_ik = torch.zeros_like(ik)
     if n_rows == 0:
         return kl, has, d_iq, d_ik, d_w
-    slots, warps = (
-        launch_shape(q_heads, dim, heads, idim, index.shape[-1]) if q.is_cuda else (16, 1)
-    )  # interpreter: several tiles at test sizes
+    # the interpreter: 16 slots, so that test-sized lists span several tiles
+    slots, warps = launch_shape(q_heads, dim, heads, idim, index.shape[-1]) if q.is_cuda else (16, 1)
     _kl_kernel[(n_rows, batch)](
         q, k, index, iq, ik, w, kl, has, d_iq, d_w, d_ik,
         q_heads, kv_heads, n_rows, n_keys, index.shape[-1], heads, scale,
