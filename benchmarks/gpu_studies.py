@@ -36,10 +36,11 @@ grid), and reported whole by a last call without them, which finds every run fin
 groups kept in the repository (say under ``docs/studies/<study>/experiment``) are continued
 with ``--start-from FOLDER``; the inbox's parts are unpacked over them. ``--adopt FOLDER`` trains
 nothing: it unpacks the inbox's parts and copies the groups whose runs have all finished into the
-kept FOLDER (with the precision and autocast flags of the calls that trained them). ``--slim`` keeps
-only the metrics of finished runs (not the paper's analysis seed, which ``sparsefocus analyze
---seed paper`` reads), so that what a call returns, and what is kept in the repository, is the
-unfinished runs' checkpoints and about 16 KB per finished run.
+kept FOLDER (with the precision and autocast flags of the calls that trained them; with
+``--epochs``, ``--seeds`` and ``--mechanism``, a screen's groups finished at its epochs, over its
+seeds). ``--slim`` keeps only the metrics of finished runs (not the paper's analysis seed, which
+``sparsefocus analyze --seed paper`` reads), so that what a call returns, and what is kept in the
+repository, is the unfinished runs' checkpoints and about 16 KB per finished run.
 
 The six mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
 each in turn, each on its own CUDA stream). ``--check`` first trains a small even-pairs grid with
@@ -443,7 +444,8 @@ def main() -> int:
         type=Path,
         metavar="KEPT",
         help="train nothing: unpack the inbox's study parts and copy its finished mechanism groups into the kept folder KEPT"
-        " (give the precision and autocast of the calls that trained them)",
+        " (give the precision and autocast of the calls that trained them; with --epochs, --seeds and --mechanism:"
+        " groups finished at those epochs, over those seeds)",
     )
     args = parser.parse_args()
     if args.compile_scope is None:
@@ -454,19 +456,23 @@ def main() -> int:
         parser.error("--slim drops the weights of finished runs, so runs screened with --epochs could not continue")
     work = Path(args.work)
     full = study_config(args.study, work, args.precision, args.autocast, args.compile, args.concurrent, (), args.fast_attention)
-    if args.adopt is not None:
-        try:
-            print(json.dumps({"adopted": adopt(full, Path(args.inbox), args.adopt), "into": str(args.adopt)}))
-        except (ValueError, CheckpointError) as error:
-            print(f"gpu_studies: error: {error}", file=sys.stderr)
-            return 2
-        return 0
-    out = Path(args.out)
     try:
         only = subset_overrides(full, args.mechanism, args.seeds) + epochs_override(args.epochs)
     except ValueError as error:
         print(f"gpu_studies: error: {error}", file=sys.stderr)
         return 2
+    if args.adopt is not None:
+        # a screen's groups count as finished at its --epochs, over its --seeds and --mechanism
+        chosen = study_config(
+            args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only, args.fast_attention
+        )
+        try:
+            print(json.dumps({"adopted": adopt(chosen, Path(args.inbox), args.adopt), "into": str(args.adopt)}))
+        except (ValueError, CheckpointError) as error:
+            print(f"gpu_studies: error: {error}", file=sys.stderr)
+            return 2
+        return 0
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     verify_began = time.time()
     if args.verify and not verified(args.verify, out / f"{args.study}_verify.txt"):

@@ -4,6 +4,7 @@ folder (the task cache left out), and the study configs are the paper's Figure-1
 import json
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
         studies.start_from(tmp_path / "newer" / "nothing", "even_pairs", work)
 
 
-def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_path):
+def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_path, monkeypatch, capsys):
     cpu = (
         "task.num_train=40",
         "task.num_valid=20",
@@ -196,6 +197,19 @@ def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_p
     assert (kept / "timing.json").is_file() and not list(kept.rglob("*.partial"))
     with pytest.raises(ValueError, match="holds no even_pairs"):
         studies.adopt(config, tmp_path / "empty", kept)
+    # the same runs as a screen of a longer study, adopted through the command line
+    original = studies.study_config
+
+    def longer(study, work, precision, autocast, compile_mode, concurrent=1, extra=(), *rest):
+        return original(study, work, precision, autocast, compile_mode, concurrent, (*cpu, "train.epochs=2", *extra), *rest)
+
+    monkeypatch.setattr(studies, "study_config", longer)
+    command = ["gpu_studies.py", "--study", "even_pairs", "--work", str(tmp_path / "work"), "--inbox", str(tmp_path / "parts")]
+    command += ["--precision", "highest", "--autocast", "none", "--compile", "step-graph"]
+    for extra, adopted in (([], []), (["--epochs", "1", "--seeds", "1"], ["default/FULL", "default/TOPK-5"])):
+        monkeypatch.setattr(sys, "argv", [*command, "--adopt", str(tmp_path / f"kept{len(extra)}"), *extra])
+        assert studies.main() == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adopted"] == adopted
 
 
 def test_a_screen_trains_to_fewer_epochs_and_refuses_none(studies, tmp_path):
