@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 from torch import nn
 
@@ -63,13 +62,15 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     """Rebuild the model of one run folder from its checkpoint, and its task data for its seed.
 
     The model runs on CPU with the implementation it was trained with, except that Triton and
-    FlexAttention fall back to ``impl="auto"`` without CUDA.
+    FlexAttention fall back to ``impl="auto"``, whether or not the machine has CUDA.
     """
     run_dir = Path(run_dir)
     record = read_record(run_dir)
     config = from_dict(record["config"])
-    if config.model.impl in ("triton", "flex") and not torch.cuda.is_available():
-        config.model.impl = "auto"  # Triton's interpreter and eager FlexAttention are far slower on CPU
+    if config.model.impl in ("triton", "flex"):
+        # the model and its inputs stay on the CPU: with CUDA present Triton would compile its GPU
+        # kernels for CPU tensors, and without it the interpreter and eager Flex are far slower
+        config.model.impl = "auto"
     seed = int(record["seed"])
     data = make_task_config(config.task).build(seed)
     model = build_model(config.model, record["mechanism"], data)

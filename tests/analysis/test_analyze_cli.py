@@ -1,13 +1,17 @@
 import json
 import math
+import shutil
 
 import pytest
 import torch
+import yaml
 
 pytest.importorskip("sparsefocus.train.experiment")
 
 from sparsefocus.analysis.commands import main
 from sparsefocus.analysis.pictures import main as patterns_main
+from sparsefocus.analysis.runs import load_run
+from sparsefocus.layers.attention import SparseAttention
 from sparsefocus.train.config import from_dict
 from sparsefocus.train.experiment import run_experiment
 
@@ -100,3 +104,14 @@ def test_analysis_of_a_paper_mode_run_is_the_same_every_time(tmp_path):
     pooled = reports[0]["default"]["mechanisms"]["TOPK:3"]["statistics"]["pooled"]
     assert all(math.isfinite(value) for value in pooled["dispersion"].values())
     assert reports[0] == reports[1]
+
+
+def test_a_run_trained_on_triton_is_analysed_on_the_cpu_path_even_where_cuda_exists(tiny_run, tmp_path, monkeypatch):
+    run = tmp_path / "seed-1"
+    shutil.copytree(tiny_run / "default" / "TOPK-3" / "seed-1", run)
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    record["config"]["model"]["impl"] = "triton"  # as trained on a GPU
+    (run / "config.yaml").write_text(yaml.safe_dump(record))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    layers = [m for m in load_run(run).model.modules() if isinstance(m, SparseAttention)]
+    assert layers and all(layer.impl == "auto" for layer in layers)  # CPU tensors never reach a GPU kernel
