@@ -461,13 +461,21 @@ def main() -> int:
     except ValueError as error:
         print(f"gpu_studies: error: {error}", file=sys.stderr)
         return 2
+    config = study_config(
+        args.study,
+        work,
+        args.precision,
+        args.autocast,
+        args.compile,
+        args.concurrent,
+        only,
+        args.fast_attention,
+        args.compile_scope,
+    )
     if args.adopt is not None:
         # a screen's groups count as finished at its --epochs, over its --seeds and --mechanism
-        chosen = study_config(
-            args.study, work, args.precision, args.autocast, args.compile, args.concurrent, only, args.fast_attention
-        )
         try:
-            print(json.dumps({"adopted": adopt(chosen, Path(args.inbox), args.adopt), "into": str(args.adopt)}))
+            print(json.dumps({"adopted": adopt(config, Path(args.inbox), args.adopt), "into": str(args.adopt)}))
         except (ValueError, CheckpointError) as error:
             print(f"gpu_studies: error: {error}", file=sys.stderr)
             return 2
@@ -497,17 +505,6 @@ def main() -> int:
     if args.check:
         print(json.dumps({"concurrent_check": check_concurrent(out, work, args.compile, args.fast_attention)}), flush=True)
     resumed = unpack(Path(args.inbox), args.study, work)
-    config = study_config(
-        args.study,
-        work,
-        args.precision,
-        args.autocast,
-        args.compile,
-        args.concurrent,
-        only,
-        args.fast_attention,
-        args.compile_scope,
-    )
     began = time.time()
     hard_stop = args.budget + 40 if args.hard_stop is None else args.hard_stop
     failure = train_keeping_progress(config, budget, max(hard_stop - (time.time() - called), 1.0) if hard_stop else None)

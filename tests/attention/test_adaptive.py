@@ -3,13 +3,14 @@ of sparsemax and 1.5-entmax against the sorted forms, alone and inside the mecha
 
 import pytest
 import torch
+from block_sparse_checks import impl_device
 
 import sparsefocus as sf
 from sparsefocus.attention import adaptive
 from sparsefocus.attention.adaptive import _entmax15_forward, _entmax_bisect_forward, _sparsemax_forward, entmax, sparsemax
 from sparsefocus.kernels.entmax_rows import MAX_KEYS, entmax_rows, fits
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where the row kernel runs (the interpreter on a CPU)
+DEVICE = impl_device("triton")  # where the row kernel runs (the interpreter on a CPU)
 
 
 def test_sparsemax_known_values_and_masked_entries():
