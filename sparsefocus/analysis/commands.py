@@ -56,6 +56,8 @@ class AnalyzeOptions:
         group (the default), or a seed, e.g. ``PAPER_ANALYSIS_SEED`` (the paper's 140439608).
     lipschitz_window: "centred" (closed [-r, r], the default) or "paper" (``lgrads.py``'s
         half-open window shifted by one grid step); see ``sparsefocus.analysis.landscape``.
+    device: where the models run ("cpu", the default, or e.g. "cuda"; on CUDA a run keeps the
+        attention implementation it was trained with).
     """
 
     batches: int = 10
@@ -68,6 +70,7 @@ class AnalyzeOptions:
     direction_seed: int = 11111
     seed: int | None = None
     lipschitz_window: str = "centred"
+    device: str = "cpu"
 
 
 def pattern_k(call: AttentionCall) -> int | None:
@@ -85,7 +88,7 @@ def collect(run: LoadedRun, options: AnalyzeOptions, stats: ScoreStatistics, rec
         if recall is not None and call.module.pattern.family != "full":
             recall(call)
 
-    inputs = run.data.train_inputs[: options.batches * options.batch_size]
+    inputs = run.data.train_inputs[: options.batches * options.batch_size].to(options.device)
     run.model.eval()
     torch.manual_seed(0)  # paper-mode attention dropout stays on in eval: the same draws every time
     with torch.no_grad(), capture_attention(run.model, on_call):
@@ -98,8 +101,8 @@ def landscape_of(run: LoadedRun, options: AnalyzeOptions) -> Landscape:
     """Cross-entropy on the first ``landscape_samples`` training examples around the trained weights."""
     from sparsefocus.train.loop import evaluate
 
-    inputs = run.data.train_inputs[: options.landscape_samples]
-    targets = run.data.train_targets[: options.landscape_samples]
+    inputs = run.data.train_inputs[: options.landscape_samples].to(options.device)
+    targets = run.data.train_targets[: options.landscape_samples].to(options.device)
 
     def loss_fn(model: torch.nn.Module) -> float:
         torch.manual_seed(0)  # paper-mode attention dropout stays on in eval: fix it per point
@@ -128,7 +131,7 @@ def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str,
     used, seeds, landscape, first = 0, [], None, None
     chosen = chosen_runs(paths, options)
     for path in chosen:
-        run = load_run(path)
+        run = load_run(path, options.device)
         first = first or run
         used += collect(run, options, stats, recall)
         seeds.append(run.seed)
@@ -376,8 +379,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=Path,
         help="a report's summary.json written with --reach: also plot each mechanism's learning speed against its dispersion",
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models run: 'cpu' (default) or 'cuda'; on CUDA runs keep their trained attention implementation",
+    )
     parser.add_argument("--paper-bounds", action="store_true", help="print the bound check on the paper's own table and exit")
     args = parser.parse_args(argv)
+    check_device(args.device, parser)
     if not args.paper_bounds and args.run_dir is None:
         parser.error("give RUN_DIR (or --paper-bounds)")
     for name, default in LANDSCAPE_OPTIONS.items():
@@ -392,6 +401,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.radius <= 0:
         parser.error(f"--radius must be > 0, got {args.radius}")
     return args
+
+
+def check_device(name: str, parser: argparse.ArgumentParser) -> None:
+    """``--device``: a CPU or CUDA torch device that exists here, else a one-line parser error."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        parser.error(f"--device must be 'cpu' or 'cuda', got {name!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be 'cpu' or 'cuda', got {name!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {name}: CUDA is not available here; use --device cpu")
 
 
 def parse_seed(text: str, parser: argparse.ArgumentParser) -> int | None:
@@ -422,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         landscape_samples=args.landscape_samples,
         seed=args.seed,
         lipschitz_window=args.lipschitz_window,
+        device=args.device,
     )
     out_dir = Path(args.out) if args.out else Path(args.run_dir) / "analysis"
     try:

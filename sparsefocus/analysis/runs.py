@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from torch import nn
 
@@ -22,7 +23,8 @@ from sparsefocus.train.loop import build_model
 
 @dataclass
 class LoadedRun:
-    """A trained model on CPU in eval mode, with the data it was trained on."""
+    """A trained model in eval mode on the device ``load_run`` was given, with the data it was
+    trained on (on the CPU)."""
 
     run_dir: Path
     label: str
@@ -58,16 +60,18 @@ def read_record(run_dir: Path) -> dict[str, Any]:
     return record
 
 
-def load_run(run_dir: str | Path) -> LoadedRun:
+def load_run(run_dir: str | Path, device: str | torch.device = "cpu") -> LoadedRun:
     """Rebuild the model of one run folder from its checkpoint, and its task data for its seed.
 
-    The model runs on CPU with the implementation it was trained with, except that Triton and
-    FlexAttention fall back to ``impl="auto"``, whether or not the machine has CUDA.
+    The model runs on ``device`` (default the CPU) with the implementation it was trained with,
+    except that on the CPU Triton and FlexAttention fall back to ``impl="auto"``, whether or not
+    the machine has CUDA.
     """
     run_dir = Path(run_dir)
+    device = torch.device(device)
     record = read_record(run_dir)
     config = from_dict(record["config"])
-    if config.model.impl in ("triton", "flex"):
+    if device.type == "cpu" and config.model.impl in ("triton", "flex"):
         # the model and its inputs stay on the CPU: with CUDA present Triton would compile its GPU
         # kernels for CPU tensors, and without it the interpreter and eager Flex are far slower
         config.model.impl = "auto"
@@ -76,7 +80,7 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     model = build_model(config.model, record["mechanism"], data)
     path = run_dir / "checkpoint.pt"
     model.load_state_dict(checkpoint_weights(load_checkpoint(path), path))
-    model.eval()
+    model.to(device).eval()
     label = str(record.get("label") or mechanism_label(record["mechanism"]))
     return LoadedRun(run_dir, label, seed, str(record.get("setting", "default")), record["mechanism"], model, data, record)
 

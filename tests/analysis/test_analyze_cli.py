@@ -115,3 +115,30 @@ def test_a_run_trained_on_triton_is_analysed_on_the_cpu_path_even_where_cuda_exi
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     layers = [m for m in load_run(run).model.modules() if isinstance(m, SparseAttention)]
     assert layers and all(layer.impl == "auto" for layer in layers)  # CPU tensors never reach a GPU kernel
+
+
+def test_analyze_refuses_a_device_it_cannot_use(tiny_run, capsys):
+    bad = ["tpu"] if torch.cuda.is_available() else ["tpu", "cuda"]
+    for name in bad:
+        with pytest.raises(SystemExit):
+            main([str(tiny_run), "--device", name])
+        assert "--device" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_analysis_on_cuda_matches_the_cpu_and_keeps_the_trained_implementation(tiny_run, tmp_path):
+    run = tmp_path / "seed-1"
+    shutil.copytree(tiny_run / "default" / "TOPK-3" / "seed-1", run)
+    record = yaml.safe_load((run / "config.yaml").read_text())
+    record["config"]["model"]["impl"] = "triton"
+    (run / "config.yaml").write_text(yaml.safe_dump(record))
+    layers = [m for m in load_run(run, "cuda").model.modules() if isinstance(m, SparseAttention)]
+    assert layers and all(layer.impl == "triton" and layer.q_proj.weight.is_cuda for layer in layers)
+    pooled = {}
+    for device in ("cpu", "cuda"):
+        assert main([str(run), "--batches", "2", "--batch-size", "30", "--device", device, "--out", str(tmp_path / device)]) == 0
+        report = json.loads((tmp_path / device / "analysis.json").read_text())
+        pooled[device] = report["settings"]["default"]["mechanisms"]["TOPK:3"]["statistics"]["pooled"]
+    for metric, values in pooled["cpu"].items():
+        for key, value in values.items():
+            assert pooled["cuda"][metric][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (metric, key)
