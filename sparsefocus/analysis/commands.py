@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from sparsefocus.analysis.bounds import (
     check_columns,
@@ -91,8 +92,9 @@ def collect(run: LoadedRun, options: AnalyzeOptions, stats: ScoreStatistics, rec
     inputs = run.data.train_inputs[: options.batches * options.batch_size].to(options.device)
     run.model.eval()
     torch.manual_seed(0)  # paper-mode attention dropout stays on in eval: the same draws every time
+    starts = tqdm(range(0, inputs.shape[0], options.batch_size), desc=f"{run.label} seed {run.seed}", unit="batch", leave=False)
     with torch.no_grad(), capture_attention(run.model, on_call):
-        for start in range(0, inputs.shape[0], options.batch_size):
+        for start in starts:
             run.model(inputs[start : start + options.batch_size])
     return int(inputs.shape[0])
 
