@@ -8,13 +8,19 @@ model's dispersion over its kept keys), the paper's bound check, top-k recall, a
 ``--landscape`` the loss landscapes and Lipschitz estimates as PNGs. With ``--summary`` (the
 ``summary.json`` of ``sparsefocus report --reach ACC`` on the same experiment) it also plots each
 mechanism's learning speed against its kept/all dispersion (``speed_dispersion.md`` / ``.png``).
+With ``--update`` it keeps the entries of an earlier ``analysis.json`` in the output folder whose
+checkpoints (SHA-256 of each analysed ``checkpoint.pt``) and options are unchanged, and analyses
+only the other mechanisms: a study continued or extended by a few mechanisms is not analysed whole
+again.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +65,9 @@ class AnalyzeOptions:
         half-open window shifted by one grid step); see ``sparsefocus.analysis.landscape``.
     device: where the models run ("cpu", the default, or e.g. "cuda"; on CUDA a run keeps the
         attention implementation it was trained with).
+    update: keep the mechanisms of the output folder's earlier ``analysis.json`` whose analysed
+        checkpoints and options (other than ``device`` and ``update``) are unchanged; not with
+        ``landscape``.
     """
 
     batches: int = 10
@@ -72,6 +81,11 @@ class AnalyzeOptions:
     seed: int | None = None
     lipschitz_window: str = "centred"
     device: str = "cpu"
+    update: bool = False
+
+
+REUSE_IGNORES = ("device", "update")
+"""Options that do not change an analysis' numbers, so an earlier entry made with others is kept."""
 
 
 def pattern_k(call: AttentionCall) -> int | None:
@@ -147,8 +161,45 @@ def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str,
         "samples_per_seed": used // max(len(seeds), 1),
         "statistics": stats.summary(),
         "recall": recall.summary() if recall.values else None,
+        "checkpoints": checkpoint_prints(chosen),
     }
     return result, landscape
+
+
+def checkpoint_prints(run_dirs: list[Path]) -> dict[str, str]:
+    """{run folder: SHA-256 of its checkpoint.pt}: what ``--update`` compares to reuse an entry."""
+    prints = {}
+    for run_dir in run_dirs:
+        digest = hashlib.sha256()
+        with open(run_dir / "checkpoint.pt", "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        prints[str(run_dir)] = digest.hexdigest()
+    return prints
+
+
+def earlier_entries(out_dir: Path, options: AnalyzeOptions) -> dict[str, dict[str, Any]]:
+    """{setting: {label: entry}} of ``out_dir/analysis.json`` when it was made with the same
+    options (``REUSE_IGNORES`` aside); empty when there is none or the options differ."""
+    path = out_dir / "analysis.json"
+    if not path.exists():
+        return {}
+    try:
+        report = json.loads(path.read_text())
+        stored = {key: value for key, value in report["options"].items() if key not in REUSE_IGNORES}
+        settings = report["settings"]
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise ValueError(f"{path} is not an analysis report ({error}); remove it or drop --update") from None
+    current = {key: value for key, value in vars(options).items() if key not in REUSE_IGNORES}
+    if stored != current:
+        print(f"--update: {path} was made with other options; analysing every mechanism", file=sys.stderr)
+        return {}
+    return {setting: section.get("mechanisms", {}) for setting, section in settings.items()}
+
+
+def reusable(entry: dict[str, Any] | None, paths: list[Path], options: AnalyzeOptions) -> bool:
+    """Whether an earlier entry analysed exactly the checkpoints now chosen from ``paths``."""
+    return entry is not None and entry.get("checkpoints") == checkpoint_prints(chosen_runs(paths, options))
 
 
 def bound_checks(mechanisms: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -325,7 +376,13 @@ def analyze(run_dir: str | Path, options: AnalyzeOptions, out_dir: str | Path | 
     out_dir = run_dir / "analysis" if out_dir is None else Path(out_dir)
     settings: dict[str, Any] = {}
     landscapes: dict[str, dict[str, Landscape]] = {}
+    earlier = earlier_entries(out_dir, options) if options.update else {}
     for (setting, label), paths in group_runs(find_runs(run_dir)).items():
+        entry = earlier.get(setting, {}).get(label)
+        if reusable(entry, paths, options):
+            print(f"--update: {label} ({setting}) unchanged, kept from the earlier analysis", file=sys.stderr)
+            settings.setdefault(setting, {"mechanisms": {}})["mechanisms"][label] = entry
+            continue
         result, landscape = analyze_group(paths, options)
         settings.setdefault(setting, {"mechanisms": {}})["mechanisms"][label] = result
         if landscape is not None:
@@ -386,9 +443,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="cpu",
         help="where the models run: 'cpu' (default) or 'cuda'; on CUDA runs keep their trained attention implementation",
     )
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the mechanisms of the output folder's analysis.json whose checkpoints and options are unchanged",
+    )
     parser.add_argument("--paper-bounds", action="store_true", help="print the bound check on the paper's own table and exit")
     args = parser.parse_args(argv)
     check_device(args.device, parser)
+    if args.update and args.landscape:
+        parser.error("--update does not work with --landscape: the landscape figures are drawn from every mechanism at once")
     if not args.paper_bounds and args.run_dir is None:
         parser.error("give RUN_DIR (or --paper-bounds)")
     for name, default in LANDSCAPE_OPTIONS.items():
@@ -446,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         lipschitz_window=args.lipschitz_window,
         device=args.device,
+        update=args.update,
     )
     out_dir = Path(args.out) if args.out else Path(args.run_dir) / "analysis"
     try:

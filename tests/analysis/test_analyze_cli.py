@@ -142,3 +142,47 @@ def test_analysis_on_cuda_matches_the_cpu_and_keeps_the_trained_implementation(t
     for metric, values in pooled["cpu"].items():
         for key, value in values.items():
             assert pooled["cuda"][metric][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (metric, key)
+
+
+def _mechanisms(out):
+    return json.loads((out / "analysis.json").read_text())["settings"]["default"]["mechanisms"]
+
+
+def test_update_keeps_unchanged_mechanisms_and_redoes_changed_ones(tiny_run, tmp_path, monkeypatch, capsys):
+    from sparsefocus.analysis import commands
+
+    root = tmp_path / "exp"
+    shutil.copytree(tiny_run, root, ignore=shutil.ignore_patterns("analysis"))
+    out, argv = tmp_path / "out", ["--batches", "1", "--batch-size", "30"]
+    assert main([str(root), *argv, "--out", str(out)]) == 0
+    first = _mechanisms(out)
+    analysed = []
+    real = commands.analyze_group
+    monkeypatch.setattr(commands, "analyze_group", lambda paths, options: analysed.append(paths[0].parent.name) or real(paths, options))
+    assert main([str(root), *argv, "--out", str(out), "--update"]) == 0
+    assert analysed == [] and _mechanisms(out) == first
+    assert "TOPK:3 (default) unchanged" in capsys.readouterr().err
+
+    checkpoint = root / "default" / "TOPK-3" / "seed-1" / "checkpoint.pt"
+    state = torch.load(checkpoint, weights_only=False)
+    state["model"] = {name: value + 0.1 if value.is_floating_point() else value for name, value in state["model"].items()}
+    torch.save(state, checkpoint)
+    assert main([str(root), *argv, "--out", str(out), "--update"]) == 0
+    assert analysed == ["TOPK-3"]
+    assert main([str(root), *argv, "--out", str(tmp_path / "fresh")]) == 0
+    updated, fresh = _mechanisms(out), _mechanisms(tmp_path / "fresh")
+    assert updated == fresh and updated["FULL"] == first["FULL"] and updated["TOPK:3"] != first["TOPK:3"]
+
+    analysed.clear()
+    assert main([str(root), "--batches", "2", "--batch-size", "30", "--out", str(out), "--update"]) == 0
+    assert sorted(analysed) == ["FULL", "TOPK-3"]  # other options: everything again
+    assert "other options" in capsys.readouterr().err
+
+
+def test_update_refuses_landscapes_and_reports_a_broken_earlier_analysis(tiny_run, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tiny_run), "--update", "--landscape"])
+    assert "--update" in capsys.readouterr().err
+    (tmp_path / "analysis.json").write_text("[1, 2]")
+    assert main([str(tiny_run), "--update", "--out", str(tmp_path)]) == 2
+    assert "is not an analysis report" in capsys.readouterr().err
