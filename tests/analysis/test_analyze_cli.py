@@ -158,7 +158,9 @@ def test_update_keeps_unchanged_mechanisms_and_redoes_changed_ones(tiny_run, tmp
     first = _mechanisms(out)
     analysed = []
     real = commands.analyze_group
-    monkeypatch.setattr(commands, "analyze_group", lambda paths, options: analysed.append(paths[0].parent.name) or real(paths, options))
+    monkeypatch.setattr(
+        commands, "analyze_group", lambda paths, options: analysed.append(paths[0].parent.name) or real(paths, options)
+    )
     assert main([str(root), *argv, "--out", str(out), "--update"]) == 0
     assert analysed == [] and _mechanisms(out) == first
     assert "TOPK:3 (default) unchanged" in capsys.readouterr().err
