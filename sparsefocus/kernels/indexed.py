@@ -163,9 +163,15 @@ def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D
     """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
     row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < N
+    return _rows_and_q(Q, bh, rows, rows < N, N, HQ, GROUP, D, BLOCK_D)
+
+
+@triton.jit
+def _rows_and_q(Q, bh, rows, row_ok, N, HQ, GROUP, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(bh, its kv head's flat index, rows, row_ok, flat row numbers [BM], q [BM, BD] fp32) of the
+    query positions ``rows`` of head bh."""
+    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(
@@ -424,16 +430,10 @@ def _ordered_query_tile(Q, QORDER, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.co
     """``_query_tile`` for the tile of BLOCK_M queries at places pid*BM.. of the head's query order
     QORDER [B, Hq, N] (int32 positions): rows are those positions."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
     places = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = places < N
     rows = tl.load(QORDER + bh.to(tl.int64) * N + places, mask=row_ok, other=0)
-    row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
-    offs_d = tl.arange(0, BLOCK_D)
-    q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(
-        tl.float32
-    )
-    return bh, kv_bh, rows, row_ok, row_offs, q
+    return _rows_and_q(Q, bh, rows, row_ok, N, HQ, GROUP, D, BLOCK_D)
 
 
 @triton.jit
