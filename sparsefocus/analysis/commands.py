@@ -141,8 +141,11 @@ def chosen_runs(paths: list[Path], options: AnalyzeOptions) -> list[Path]:
     return [paths[seeds.index(options.seed)]]
 
 
-def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str, Any], Landscape | None]:
-    """Statistics of one mechanism (one seed, or all seeds pooled) and its landscape (the first run analysed)."""
+def analyze_group(
+    paths: list[Path], options: AnalyzeOptions, prints: dict[str, str] | None = None
+) -> tuple[dict[str, Any], Landscape | None]:
+    """Statistics of one mechanism (one seed, or all seeds pooled) and its landscape (the first run
+    analysed); ``prints``: the chosen runs' ``checkpoint_prints`` when the caller has them."""
     stats, recall = ScoreStatistics(), RecallStatistics()
     used, seeds, landscape, first = 0, [], None, None
     chosen = chosen_runs(paths, options)
@@ -161,7 +164,7 @@ def analyze_group(paths: list[Path], options: AnalyzeOptions) -> tuple[dict[str,
         "samples_per_seed": used // max(len(seeds), 1),
         "statistics": stats.summary(),
         "recall": recall.summary() if recall.values else None,
-        "checkpoints": checkpoint_prints(chosen),
+        "checkpoints": checkpoint_prints(chosen) if prints is None else prints,
     }
     return result, landscape
 
@@ -195,11 +198,6 @@ def earlier_entries(out_dir: Path, options: AnalyzeOptions) -> dict[str, dict[st
         print(f"--update: {path} was made with other options; analysing every mechanism", file=sys.stderr)
         return {}
     return {setting: section.get("mechanisms", {}) for setting, section in settings.items()}
-
-
-def reusable(entry: dict[str, Any] | None, paths: list[Path], options: AnalyzeOptions) -> bool:
-    """Whether an earlier entry analysed exactly the checkpoints now chosen from ``paths``."""
-    return entry is not None and entry.get("checkpoints") == checkpoint_prints(chosen_runs(paths, options))
 
 
 def bound_checks(mechanisms: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -379,11 +377,12 @@ def analyze(run_dir: str | Path, options: AnalyzeOptions, out_dir: str | Path | 
     earlier = earlier_entries(out_dir, options) if options.update else {}
     for (setting, label), paths in group_runs(find_runs(run_dir)).items():
         entry = earlier.get(setting, {}).get(label)
-        if reusable(entry, paths, options):
+        prints = None if entry is None else checkpoint_prints(chosen_runs(paths, options))
+        if entry is not None and entry.get("checkpoints") == prints:
             print(f"--update: {label} ({setting}) unchanged, kept from the earlier analysis", file=sys.stderr)
             settings.setdefault(setting, {"mechanisms": {}})["mechanisms"][label] = entry
             continue
-        result, landscape = analyze_group(paths, options)
+        result, landscape = analyze_group(paths, options, prints)
         settings.setdefault(setting, {"mechanisms": {}})["mechanisms"][label] = result
         if landscape is not None:
             landscapes.setdefault(setting, {})[label] = landscape

@@ -401,13 +401,12 @@ def _indexed_bwd_kernel(
         p, dg, dq_tile, coef = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE, HAS_SW)
         dgamma_sq += dg
         dq += dq_tile
-        if KEY_MODE == 0:  # atomic adds per pair
+        if KEY_MODE == 0 or KEY_MODE == 3:  # dk: atomic adds per pair
             dk_offs = kv_bh.to(tl.int64) * M * DK_ROW + idx[:, :, None] * DK_ROW + offs_d[None, None, :]
             tl.atomic_add(DK + dk_offs, _key_terms(coef, q, diff, SCORE), mask=k_mask, sem="relaxed")
+        if KEY_MODE == 0:  # dv: atomic adds per pair
             tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
-        if KEY_MODE == 3:  # dk added per pair; dv summed in the window where the key falls in it
-            dk_offs = kv_bh.to(tl.int64) * M * DK_ROW + idx[:, :, None] * DK_ROW + offs_d[None, None, :]
-            tl.atomic_add(DK + dk_offs, _key_terms(coef, q, diff, SCORE), mask=k_mask, sem="relaxed")
+        if KEY_MODE == 3:  # dv: summed in the window where the key falls in it, else added per pair
             acc_v, hit = _window_add(acc_v, hit, p, do, idx, KRANK, kv_bh, M, base, DV_ + v_offs, v_mask, WINDOW)
         if KEY_MODE == 2:  # the pairs' coefficients for indexed_short.short_key_grads
             pair_offs = row_offs[:, None] * NUM_SLOTS + slots[None, :]

@@ -106,12 +106,18 @@ def test_analysis_of_a_paper_mode_run_is_the_same_every_time(tmp_path):
     assert reports[0] == reports[1]
 
 
-def test_a_run_trained_on_triton_is_analysed_on_the_cpu_path_even_where_cuda_exists(tiny_run, tmp_path, monkeypatch):
+def _run_trained_on_triton(tiny_run, tmp_path):
+    """A copy of the TOPK:3 run recorded as trained with ``impl="triton"`` (as on a GPU)."""
     run = tmp_path / "seed-1"
     shutil.copytree(tiny_run / "default" / "TOPK-3" / "seed-1", run)
     record = yaml.safe_load((run / "config.yaml").read_text())
-    record["config"]["model"]["impl"] = "triton"  # as trained on a GPU
+    record["config"]["model"]["impl"] = "triton"
     (run / "config.yaml").write_text(yaml.safe_dump(record))
+    return run
+
+
+def test_a_run_trained_on_triton_is_analysed_on_the_cpu_path_even_where_cuda_exists(tiny_run, tmp_path, monkeypatch):
+    run = _run_trained_on_triton(tiny_run, tmp_path)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     layers = [m for m in load_run(run).model.modules() if isinstance(m, SparseAttention)]
     assert layers and all(layer.impl == "auto" for layer in layers)  # CPU tensors never reach a GPU kernel
@@ -127,11 +133,7 @@ def test_analyze_refuses_a_device_it_cannot_use(tiny_run, capsys):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_analysis_on_cuda_matches_the_cpu_and_keeps_the_trained_implementation(tiny_run, tmp_path):
-    run = tmp_path / "seed-1"
-    shutil.copytree(tiny_run / "default" / "TOPK-3" / "seed-1", run)
-    record = yaml.safe_load((run / "config.yaml").read_text())
-    record["config"]["model"]["impl"] = "triton"
-    (run / "config.yaml").write_text(yaml.safe_dump(record))
+    run = _run_trained_on_triton(tiny_run, tmp_path)
     layers = [m for m in load_run(run, "cuda").model.modules() if isinstance(m, SparseAttention)]
     assert layers and all(layer.impl == "triton" and layer.q_proj.weight.is_cuda for layer in layers)
     pooled = {}
@@ -159,7 +161,7 @@ def test_update_keeps_unchanged_mechanisms_and_redoes_changed_ones(tiny_run, tmp
     analysed = []
     real = commands.analyze_group
     monkeypatch.setattr(
-        commands, "analyze_group", lambda paths, options: analysed.append(paths[0].parent.name) or real(paths, options)
+        commands, "analyze_group", lambda paths, *rest: analysed.append(paths[0].parent.name) or real(paths, *rest)
     )
     assert main([str(root), *argv, "--out", str(out), "--update"]) == 0
     assert analysed == [] and _mechanisms(out) == first
