@@ -21,9 +21,7 @@ row's normaliser, its gradient is stored per row and summed.
 
 ``KEY_GRADS`` "inverse" and "short" move dk and dv out of this backward, into ``indexed_csr``
 (per-key sums over an inverse index) or ``indexed_short`` (one-hot tiles over every query row,
-for short key rows); neither uses float atomics. "window" keeps this backward but walks the
-queries in curve order and sums each tile's value gradients over a window of the keys' curve
-order on the tensor cores before adding them (``curve_orders``).
+for short key rows); neither uses float atomics.
 
 The launchers are ``torch.library`` ops (``sparsefocus::indexed_fwd``, ``indexed_bwd``,
 ``indexed_causal_mean_fwd``; docs/kernels.md), so ``torch.compile`` treats each as one opaque
@@ -163,15 +161,9 @@ def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D
     """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
     row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return _rows_and_q(Q, bh, rows, rows < N, N, HQ, GROUP, D, BLOCK_D)
-
-
-@triton.jit
-def _rows_and_q(Q, bh, rows, row_ok, N, HQ, GROUP, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(bh, its kv head's flat index, rows, row_ok, flat row numbers [BM], q [BM, BD] fp32) of the
-    query positions ``rows`` of head bh."""
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(
@@ -300,9 +292,6 @@ def _indexed_bwd_kernel(
     SW,
     PCOEF,
     PPROB,
-    QORDER,
-    KRANK,
-    KORDER,
     N,
     M,
     NUM_SLOTS,
@@ -330,12 +319,8 @@ def _indexed_bwd_kernel(
     HAS_SINK: tl.constexpr,
     DK_ROW: tl.constexpr,
     HAS_SW: tl.constexpr,
-    WINDOW: tl.constexpr,
 ):
-    if KEY_MODE == 3:  # the rows of one tile of the curve order
-        bh, kv_bh, rows, row_ok, row_offs, q = _ordered_query_tile(Q, QORDER, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
-    else:
-        bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = offs_d < D, offs_dv < DV
     o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
@@ -380,11 +365,6 @@ def _indexed_bwd_kernel(
             p_x[:, :, None] * do[:, None, :],
             mask=row_ok[:, None, None] & dv_ok[None, None, :],
         )
-    if KEY_MODE == 3:
-        tl.static_assert(BLOCK_K == 1)
-        base = _window_base(IDX, KRANK, row_offs, row_ok, kv_bh, M, NUM_SLOTS, WINDOW)
-        acc_v = tl.zeros([WINDOW, BLOCK_DV], tl.float32)  # the window's dv, by key rank - base
-        hit = tl.zeros([WINDOW], tl.int32)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(
@@ -401,13 +381,10 @@ def _indexed_bwd_kernel(
         p, dg, dq_tile, coef = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE, HAS_SW)
         dgamma_sq += dg
         dq += dq_tile
-        if KEY_MODE == 0 or KEY_MODE == 3:  # dk: atomic adds per pair
+        if KEY_MODE == 0:  # atomic adds per pair
             dk_offs = kv_bh.to(tl.int64) * M * DK_ROW + idx[:, :, None] * DK_ROW + offs_d[None, None, :]
             tl.atomic_add(DK + dk_offs, _key_terms(coef, q, diff, SCORE), mask=k_mask, sem="relaxed")
-        if KEY_MODE == 0:  # dv: atomic adds per pair
             tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
-        if KEY_MODE == 3:  # dv: summed in the window where the key falls in it, else added per pair
-            acc_v, hit = _window_add(acc_v, hit, p, do, idx, KRANK, kv_bh, M, base, DV_ + v_offs, v_mask, WINDOW)
         if KEY_MODE == 2:  # the pairs' coefficients for indexed_short.short_key_grads
             pair_offs = row_offs[:, None] * NUM_SLOTS + slots[None, :]
             pair_ok = row_ok[:, None] & (slots[None, :] < NUM_SLOTS)
@@ -416,50 +393,6 @@ def _indexed_bwd_kernel(
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
-    if KEY_MODE == 3:  # one add per key the window summed
-        pos = base + tl.arange(0, WINDOW)
-        keep = (hit > 0) & (pos >= 0) & (pos < M)
-        keys = tl.load(KORDER + kv_bh.to(tl.int64) * M + pos, mask=keep, other=0).to(tl.int64)
-        flush = DV_ + v_base + keys[:, None] * DV + offs_dv[None, :]
-        tl.atomic_add(flush, acc_v, mask=keep[:, None] & dv_ok[None, :], sem="relaxed")
-
-
-@triton.jit
-def _ordered_query_tile(Q, QORDER, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_query_tile`` for the tile of BLOCK_M queries at places pid*BM.. of the head's query order
-    QORDER [B, Hq, N] (int32 positions): rows are those positions."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    places = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = places < N
-    rows = tl.load(QORDER + bh.to(tl.int64) * N + places, mask=row_ok, other=0)
-    return _rows_and_q(Q, bh, rows, row_ok, N, HQ, GROUP, D, BLOCK_D)
-
-
-@triton.jit
-def _window_base(IDX, KRANK, row_offs, row_ok, kv_bh, M, NUM_SLOTS, WINDOW: tl.constexpr):
-    """First key rank of the tile's window: the mean rank of its rows' first listed keys, less
-    half the window (0 when no row lists a key in slot 0)."""
-    first = tl.load(IDX + row_offs * NUM_SLOTS, mask=row_ok, other=-1)  # [BM]
-    listed = first >= 0
-    ranks = tl.load(KRANK + kv_bh.to(tl.int64) * M + first, mask=listed, other=0)
-    count = tl.sum(listed.to(tl.int32), axis=0)
-    mean = tl.sum(tl.where(listed, ranks, 0).to(tl.int64), axis=0) // tl.maximum(count, 1).to(tl.int64)
-    return mean.to(tl.int32) - WINDOW // 2
-
-
-@triton.jit
-def _window_add(acc_v, hit, p, do, idx, KRANK, kv_bh, M, base, v_ptrs, v_mask, WINDOW: tl.constexpr):
-    """Add one slot's value gradients p * dO (p [BM, 1], do [BM, BDV]) of the tile's rows: keys
-    whose rank lies in [base, base + WINDOW) into acc_v [WINDOW, BDV] through a one-hot product
-    on the tensor cores (3 TF32 passes: fp32 sums), the others atomically at ``v_ptrs``."""
-    rank = tl.load(KRANK + kv_bh.to(tl.int64) * M + idx, mask=idx >= 0, other=0) - base  # [BM, 1]
-    inside = (idx >= 0) & (rank >= 0) & (rank < WINDOW)
-    terms = p[:, :, None] * do[:, None, :]  # [BM, 1, BDV]
-    tl.atomic_add(v_ptrs, terms, mask=v_mask & ~inside[:, :, None], sem="relaxed")
-    spot = tl.sum(tl.where(inside, rank, -1), axis=1)  # [BM]: the window row, -1 outside (one slot a step)
-    one_hot = (tl.arange(0, WINDOW)[:, None] == spot[None, :]).to(tl.float32)  # [W, BM]
-    acc_v += tl.dot(one_hot, tl.sum(terms, axis=1), input_precision="tf32x3")
-    return acc_v, hit + tl.sum(one_hot, axis=1).to(tl.int32)
 
 
 def _blocks(d: int, dv: int, backward: bool) -> dict:
@@ -479,10 +412,7 @@ TILE_OVERRIDES: dict[str, dict] = {}
 """Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
-KEY_MODES = {"atomic": 0, "inverse": 1, "short": 2, "window": 3}  # the backward kernel's KEY_MODE
-WINDOW_TILES = dict(BLOCK_M=64, BLOCK_K=1, num_warps=4, WINDOW=128)
-"""Tiles of KEY_GRADS "window": 64 curve-ordered queries a program, one slot a step, a window of
-128 sorted keys (on random 3-dim ZETA inputs about 70% of a tile's pairs fall in it). Not timed."""
+KEY_MODES = {"atomic": 0, "inverse": 1, "short": 2}  # the backward kernel's KEY_MODE
 
 
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True) -> tuple[tuple, dict]:
@@ -559,20 +489,13 @@ with or without slot weights, and is tested against the reference. On the H200 a
 (``benchmarks/results/zeta_candidates_ab.json``). At the lab's ListOps shape ([250, 1, 601, 64]
 bf16, 5 keys a row) "short" took 2.5 ms a call for dk and dv alone, where the atomic kernel's
 whole forward and backward took 1.5 ms (``h200_lab_fast_attention_cc65061.json``,
-``h200_lab_band_bloc_5580fed.json``): the atomics stay the default. "window" (``WINDOW_TILES``)
-walks tiles of 64 queries in the Morton order of their first three coordinates; a slot's dv
-terms whose key ranks within ``WINDOW`` keys of the tile's place in the keys' Morton order are
-summed into a [WINDOW, Dv] fp32 tile by one-hot products (3-pass TF32, fp32-exact sums), flushed
-with one add per key the tile reached, and the rest are added one by one; dk (3 floats for ZETA)
-is added per pair. On random 3-dim inputs about 70% of ZETA's pairs fall in a 128-key window
-(``cpu_zeta_window_share_84a59cc.json``), about a third of the adds' bytes; not yet timed on a
-GPU, so it is not the default."""
+``h200_lab_band_bloc_5580fed.json``): the atomics stay the default."""
 
 SHORT_KEY_GRADS_MAX_KEYS = 1024
 """Longest key rows (M) that ``KEY_GRADS`` "short" sums by one-hot tiles; longer rows use the
 atomics, since the one-hot work grows with N M per head."""
 
-KEY_GRADS_MODES = ("atomic", "inverse", "short", "window")
+KEY_GRADS_MODES = ("atomic", "inverse", "short")
 
 
 def key_grads_mode(n_keys: int, choice: str = "") -> str:
@@ -616,7 +539,7 @@ def _grad_buffers(
     fp32 = dict(dtype=torch.float32, device=q.device)
     rows = q.shape[:3]
     unused = torch.empty(1, **fp32)
-    atomic, short = mode in ("atomic", "window"), mode == "short"
+    atomic, short = mode == "atomic", mode == "short"
     return _Grads(
         dq=torch.empty_like(q),
         dk=torch.zeros(*k.shape[:3], dk_row(k.shape[-1]), **fp32) if atomic else unused,
@@ -640,13 +563,7 @@ def _indexed_backward(
     without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode in ("atomic", "window"))
-    orders = (q, q, q)  # dummy pointers outside the window mode
-    blocks.setdefault("WINDOW", 16)
-    if mode == "window":
-        orders = curve_orders(q, k)
-        blocks |= WINDOW_TILES | dict(BLOCK_DV=max(16, blocks["BLOCK_DV"])) | TILE_OVERRIDES.get("window", {})
-        grid = (triton.cdiv(q.shape[2], blocks["BLOCK_M"]), grid[1])
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
     _indexed_bwd_kernel[grid](
@@ -667,7 +584,6 @@ def _indexed_backward(
         q if slot_weight is None else slot_weight,
         g.pair_coef,
         g.pair_prob,
-        *orders,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -696,35 +612,6 @@ def _indexed_backward(
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     dgamma_sq = g.dgamma_sq.sum(dim=2 if gamma_sq.dim() == 2 else (0, 2))  # as gamma_sq: [(B,) Hq]
     return g.dq, dk, dv, dgamma_sq, g.d_extra_k, g.d_extra_v, d_sink
-
-
-CURVE_BITS = 10  # bits per coordinate of ``curve_orders``' Morton codes
-
-
-def curve_orders(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The orders KEY_GRADS "window" walks: queries and keys sorted by the Morton code of their
-    first three coordinates (sigmoid-squashed, ``CURVE_BITS`` bits each), so that a tile of
-    queries lists keys close together in the key order. Any order gives the same gradients up to
-    the order of fp32 sums; this one makes the window catch most pairs when q and k are
-    low-dimensional (ZETA's). Returns query order [B, Hq, N], key rank [B, Hk, M] (a key's
-    place in the key order) and key order [B, Hk, M], all int32."""
-    codes_q, codes_k = _morton(q), _morton(k)
-    query_order = torch.argsort(codes_q, dim=-1).to(torch.int32)
-    key_order = torch.argsort(codes_k, dim=-1)
-    places = torch.arange(k.shape[2], device=k.device, dtype=torch.int32).expand_as(key_order)
-    key_rank = torch.empty_like(key_order, dtype=torch.int32).scatter_(-1, key_order, places)
-    return query_order.contiguous(), key_rank.contiguous(), key_order.to(torch.int32).contiguous()
-
-
-def _morton(x: Tensor) -> Tensor:
-    """[B, H, N] int64 Morton codes of x[..., :3] squashed by a sigmoid (no statistic over rows)."""
-    grid = (torch.sigmoid(x[..., :3].detach().float()) * (2**CURVE_BITS - 1)).round().long()  # [B, H, N, <=3]
-    code = torch.zeros(grid.shape[:-1], dtype=torch.int64, device=x.device)
-    dims = grid.shape[-1]
-    for bit in range(CURVE_BITS):
-        for dim in range(dims):
-            code |= ((grid[..., dim] >> bit) & 1) << (bit * dims + dims - 1 - dim)
-    return code
 
 
 class Extra(NamedTuple):
