@@ -57,6 +57,15 @@ def grouped_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     return out.view(*x.shape[:-1], weight.shape[-1])
 
 
+def run_layer_norm_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dim of x [R * B, ..., d] (R runs' rows, run-major) without affine,
+    then run r's weight and bias [R, d]: the slow twin of ``kernels.run_norm.run_layer_norm``."""
+    runs = weight.shape[0]
+    view = (runs, -1) + (1,) * (x.dim() - 2) + (x.shape[-1],)  # [R, 1.., d] against x as [R, B, ..., d]
+    out = torch.nn.functional.layer_norm(x, x.shape[-1:], None, None, eps).reshape(runs, -1, *x.shape[1:])
+    return (out * weight.view(view) + bias.view(view)).reshape(x.shape)
+
+
 def rows_of_groups(value: Tensor, batch: int) -> Tensor:
     """A value [G, ...] of G groups of rows (G dividing ``batch``, as ``grouped_linear``) as one
     copy per batch row [B, ...]."""

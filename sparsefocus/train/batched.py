@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsefocus.attention import selection_mask, sparse_attention
-from sparsefocus.attention.common import expand_kv
+from sparsefocus.attention.common import expand_kv, run_layer_norm_ref
 from sparsefocus.attention.full import Full
 from sparsefocus.attention.patterns import AUX_KEY, RUNS_KEY, IndexedPattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
@@ -45,9 +45,14 @@ from sparsefocus.models.blocks import (
     PaperAttention,
     sinusoidal_positions,
 )
+from sparsefocus.kernels._ops import kernel_chosen
 from sparsefocus.train.config import FAST_ATTENTIONS
 
 MODES = ("exact", "fast")
+LAYER_NORM = "auto"
+"""The fast mode's norms: "auto" (the Triton kernel ``kernels.run_norm`` on CUDA), "triton" (the
+kernel everywhere; the CPU through Triton's interpreter, for tests) or "torch" (its twin
+``run_layer_norm_ref``: ``F.layer_norm``, then each run's affine)."""
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -178,9 +183,18 @@ class RunLayerNorm(nn.Module):
         if self.exact:
             parts = _runs_of(x, runs)
             return torch.cat([F.layer_norm(p, self.shape, w, b, self.eps) for p, w, b in zip(parts, self.weight, self.bias)])
-        view = (runs, -1) + (1,) * (x.dim() - 2) + (x.shape[-1],)
-        out = F.layer_norm(x, self.shape, None, None, self.eps).reshape(runs, -1, *x.shape[1:])
-        return (out * self.weight.view(view) + self.bias.view(view)).reshape(x.shape)
+        if kernel_chosen(LAYER_NORM, x):
+            from sparsefocus.kernels import run_norm  # here: Triton is an optional dependency
+
+            if run_norm.fits(x.shape[-1]):
+                return run_norm.run_layer_norm(_autocast_float(x), self.weight, self.bias, self.eps)
+        return run_layer_norm_ref(x, self.weight, self.bias, self.eps)
+
+
+def _autocast_float(x: Tensor) -> Tensor:
+    """x in fp32 where autocast is on for its device (autocast runs LayerNorm in fp32; a custom op
+    sees the tensor as it is), else unchanged."""
+    return x.float() if torch.is_autocast_enabled(x.device.type) else x
 
 
 class FoldedEmbedding(nn.Module):
