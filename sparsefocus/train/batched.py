@@ -50,9 +50,12 @@ from sparsefocus.train.config import FAST_ATTENTIONS
 
 MODES = ("exact", "fast")
 LAYER_NORM = "auto"
-"""The fast mode's norms: "auto" (the Triton kernel ``kernels.run_norm`` on CUDA), "triton" (the
-kernel everywhere; the CPU through Triton's interpreter, for tests) or "torch" (its twin
-``run_layer_norm_ref``: ``F.layer_norm``, then each run's affine)."""
+"""The fast mode's norms outside ``torch.compile``: "auto" (the Triton kernel ``kernels.run_norm``
+on CUDA), "triton" (the kernel everywhere; the CPU through Triton's interpreter, for tests) or
+"torch" (its twin ``run_layer_norm_ref``: ``F.layer_norm``, then each run's affine). Compiled
+code always takes the twin, which Inductor fuses with the dropout and residual around it. On an
+H100 the kernel took FULL's uncompiled ListOps step (10 folded seeds, bf16) from 29.0 to 19.8 ms
+(``benchmarks/results/h100_lab_layernorm_d5e2ced.json``)."""
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -183,7 +186,7 @@ class RunLayerNorm(nn.Module):
         if self.exact:
             parts = _runs_of(x, runs)
             return torch.cat([F.layer_norm(p, self.shape, w, b, self.eps) for p, w, b in zip(parts, self.weight, self.bias)])
-        if kernel_chosen(LAYER_NORM, x):
+        if kernel_chosen(LAYER_NORM, x) and not torch.compiler.is_compiling():  # compiled: Inductor fuses the twin
             from sparsefocus.kernels import run_norm  # here: Triton is an optional dependency
 
             if run_norm.fits(x.shape[-1]):

@@ -106,3 +106,21 @@ def test_folded_norm_takes_the_kernel_under_autocast(monkeypatch):
     assert rel_err(got, want) < 1e-5 and rel_err(got_cast, want_cast) < 1e-5
     exact = batched.RunLayerNorm(norms, exact=True).to(DEVICE)
     assert rel_err(got, exact(x)) < 1e-5
+
+
+def test_compiled_folded_norm_takes_the_twin(monkeypatch):
+    """Under torch.compile the folded norm is the twin (Inductor fuses it): no run_layer_norm op in
+    the graph, and the result equals the kernel's."""
+    norms = [nn.LayerNorm(12) for _ in range(2)]
+    folded = batched.RunLayerNorm(norms, exact=False).to(DEVICE)
+    monkeypatch.setattr(batched, "LAYER_NORM", "triton")
+    x = torch.randn(2 * 3, 5, 12, device=DEVICE)
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm
+
+    compiled = torch.compile(folded, backend=backend, fullgraph=True)
+    assert rel_err(compiled(x), folded(x)) < 1e-5
+    assert ops and not any("run_layer_norm" in op for op in ops)
