@@ -21,9 +21,7 @@ row's normaliser, its gradient is stored per row and summed.
 
 ``KEY_GRADS`` "inverse" and "short" move dk and dv out of this backward, into ``indexed_csr``
 (per-key sums over an inverse index) or ``indexed_short`` (one-hot tiles over every query row,
-for short key rows); neither uses float atomics. "window" keeps this backward but walks the
-queries in curve order and sums each tile's value gradients over a window of the keys' curve
-order on the tensor cores before adding them (``curve_orders``).
+for short key rows); neither uses float atomics.
 
 The launchers are ``torch.library`` ops (``sparsefocus::indexed_fwd``, ``indexed_bwd``,
 ``indexed_causal_mean_fwd``; docs/kernels.md), so ``torch.compile`` treats each as one opaque
@@ -163,15 +161,9 @@ def _query_tile(Q, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D
     """This program's (batch x query head bh, its kv head's flat index, rows [BM], row_ok, flat
     row numbers [BM], q tile [BM, BD] fp32): BLOCK_M consecutive queries of one head."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return _rows_and_q(Q, bh, rows, rows < N, N, HQ, GROUP, D, BLOCK_D)
-
-
-@triton.jit
-def _rows_and_q(Q, bh, rows, row_ok, N, HQ, GROUP, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """(bh, its kv head's flat index, rows, row_ok, flat row numbers [BM], q [BM, BD] fp32) of the
-    query positions ``rows`` of head bh."""
     kv_bh = (bh // HQ) * (HQ // GROUP) + (bh % HQ) // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(
@@ -300,9 +292,6 @@ def _indexed_bwd_kernel(
     SW,
     PCOEF,
     PPROB,
-    QORDER,
-    KRANK,
-    KORDER,
     N,
     M,
     NUM_SLOTS,
@@ -330,12 +319,8 @@ def _indexed_bwd_kernel(
     HAS_SINK: tl.constexpr,
     DK_ROW: tl.constexpr,
     HAS_SW: tl.constexpr,
-    WINDOW: tl.constexpr,
 ):
-    if KEY_MODE == 3:  # the rows of one tile of the curve order
-        bh, kv_bh, rows, row_ok, row_offs, q = _ordered_query_tile(Q, QORDER, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
-    else:
-        bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
+    bh, kv_bh, rows, row_ok, row_offs, q = _query_tile(Q, N, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     d_ok, dv_ok = offs_d < D, offs_dv < DV
     o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
@@ -380,10 +365,6 @@ def _indexed_bwd_kernel(
             p_x[:, :, None] * do[:, None, :],
             mask=row_ok[:, None, None] & dv_ok[None, None, :],
         )
-    if KEY_MODE == 3:
-        tl.static_assert(BLOCK_K == 1)
-        base = _window_base(IDX, KRANK, row_offs, row_ok, kv_bh, M, NUM_SLOTS, WINDOW)
-        p_win = tl.zeros([BLOCK_M, WINDOW], tl.float32)  # each row's weights of the window's keys (rank - base)
     for start in range(0, NUM_SLOTS, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         idx = tl.load(
@@ -400,13 +381,10 @@ def _indexed_bwd_kernel(
         p, dg, dq_tile, coef = _slot_grads(q, s, diff, vt, do, delta, stat, inv_total, scale, a, SCORE, HAS_SW)
         dgamma_sq += dg
         dq += dq_tile
-        if KEY_MODE == 0 or KEY_MODE == 3:  # dk: atomic adds per pair
+        if KEY_MODE == 0:  # atomic adds per pair
             dk_offs = kv_bh.to(tl.int64) * M * DK_ROW + idx[:, :, None] * DK_ROW + offs_d[None, None, :]
             tl.atomic_add(DK + dk_offs, _key_terms(coef, q, diff, SCORE), mask=k_mask, sem="relaxed")
-        if KEY_MODE == 0:  # dv: atomic adds per pair
             tl.atomic_add(DV_ + v_offs, p[:, :, None] * do[:, None, :], mask=v_mask, sem="relaxed")
-        if KEY_MODE == 3:  # dv: summed in the window where the key falls in it, else added per pair
-            p_win = _window_add(p_win, p, do, idx, KRANK, kv_bh, M, base, DV_ + v_offs, v_mask, WINDOW)
         if KEY_MODE == 2:  # the pairs' coefficients for indexed_short.short_key_grads
             pair_offs = row_offs[:, None] * NUM_SLOTS + slots[None, :]
             pair_ok = row_ok[:, None] & (slots[None, :] < NUM_SLOTS)
@@ -415,50 +393,6 @@ def _indexed_bwd_kernel(
     tl.store(DQ + row_offs[:, None] * D + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     if SCORE == 2:
         tl.store(DGAMMA + row_offs, dgamma_sq, mask=row_ok)
-    if KEY_MODE == 3:  # the window's dv as one product, then one add per key it reached
-        hit = tl.max(tl.abs(p_win), axis=0) > 0  # [W] (a weight of exactly 0 adds nothing)
-        acc_v = tl.dot(tl.trans(p_win), do, input_precision="ieee")  # [W, BDV] fp32 sums
-        pos = base + tl.arange(0, WINDOW)
-        keep = hit & (pos >= 0) & (pos < M)
-        keys = tl.load(KORDER + kv_bh.to(tl.int64) * M + pos, mask=keep, other=0).to(tl.int64)
-        flush = DV_ + v_base + keys[:, None] * DV + offs_dv[None, :]
-        tl.atomic_add(flush, acc_v, mask=keep[:, None] & dv_ok[None, :], sem="relaxed")
-
-
-@triton.jit
-def _ordered_query_tile(Q, QORDER, N, HQ, GROUP, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_query_tile`` for the tile of BLOCK_M queries at places pid*BM.. of the head's query order
-    QORDER [B, Hq, N] (int32 positions): rows are those positions."""
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
-    places = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = places < N
-    rows = tl.load(QORDER + bh.to(tl.int64) * N + places, mask=row_ok, other=0)
-    return _rows_and_q(Q, bh, rows, row_ok, N, HQ, GROUP, D, BLOCK_D)
-
-
-@triton.jit
-def _window_base(IDX, KRANK, row_offs, row_ok, kv_bh, M, NUM_SLOTS, WINDOW: tl.constexpr):
-    """First key rank of the tile's window: the mean rank of its rows' first listed keys, less
-    half the window (0 when no row lists a key in slot 0)."""
-    first = tl.load(IDX + row_offs * NUM_SLOTS, mask=row_ok, other=-1)  # [BM]
-    listed = first >= 0
-    ranks = tl.load(KRANK + kv_bh.to(tl.int64) * M + first, mask=listed, other=0)
-    count = tl.sum(listed.to(tl.int32), axis=0)
-    mean = tl.sum(tl.where(listed, ranks, 0).to(tl.int64), axis=0) // tl.maximum(count, 1).to(tl.int64)
-    return mean.to(tl.int32) - WINDOW // 2
-
-
-@triton.jit
-def _window_add(p_win, p, do, idx, KRANK, kv_bh, M, base, v_ptrs, v_mask, WINDOW: tl.constexpr):
-    """One slot of the tile's rows (p [BM, 1]): the weight of a key whose rank lies in
-    [base, base + WINDOW) goes into its column of p_win [BM, WINDOW] (registers, no product), the
-    value gradients p * dO (do [BM, BDV]) of the other keys are added atomically at ``v_ptrs``."""
-    rank = tl.load(KRANK + kv_bh.to(tl.int64) * M + idx, mask=idx >= 0, other=0) - base  # [BM, 1]
-    inside = (idx >= 0) & (rank >= 0) & (rank < WINDOW)
-    tl.atomic_add(v_ptrs, p[:, :, None] * do[:, None, :], mask=v_mask & ~inside[:, :, None], sem="relaxed")
-    spot = tl.sum(tl.where(inside, rank, -1), axis=1)  # [BM]: the window column, -1 outside (one slot a step)
-    weight = tl.sum(p, axis=1)  # [BM]
-    return p_win + tl.where(tl.arange(0, WINDOW)[None, :] == spot[:, None], weight[:, None], 0.0)
 
 
 def _blocks(d: int, dv: int, backward: bool) -> dict:
@@ -478,10 +412,7 @@ TILE_OVERRIDES: dict[str, dict] = {}
 """Benchmark hook: {"fwd": {...}, "bwd": {...}} tile sizes replacing ``_blocks``' choice."""
 
 
-KEY_MODES = {"atomic": 0, "inverse": 1, "short": 2, "window": 3}  # the backward kernel's KEY_MODE
-WINDOW_TILES = dict(BLOCK_M=32, BLOCK_K=1, num_warps=4, WINDOW=128)
-"""Tiles of KEY_GRADS "window": 64 curve-ordered queries a program, one slot a step, a window of
-128 sorted keys (on random 3-dim ZETA inputs about 70% of a tile's pairs fall in it). Not timed."""
+KEY_MODES = {"atomic": 0, "inverse": 1, "short": 2}  # the backward kernel's KEY_MODE
 
 
 def _launch_args(q: Tensor, k: Tensor, v: Tensor, index: Tensor, backward: bool, scatter: bool = True) -> tuple[tuple, dict]:
@@ -558,20 +489,13 @@ with or without slot weights, and is tested against the reference. On the H200 a
 (``benchmarks/results/zeta_candidates_ab.json``). At the lab's ListOps shape ([250, 1, 601, 64]
 bf16, 5 keys a row) "short" took 2.5 ms a call for dk and dv alone, where the atomic kernel's
 whole forward and backward took 1.5 ms (``h200_lab_fast_attention_cc65061.json``,
-``h200_lab_band_bloc_5580fed.json``): the atomics stay the default. "window" (``WINDOW_TILES``)
-walks tiles of 64 queries in the Morton order of their first three coordinates; a slot's dv
-terms whose key ranks within ``WINDOW`` keys of the tile's place in the keys' Morton order are
-summed into a [WINDOW, Dv] fp32 tile by one-hot products (3-pass TF32, fp32-exact sums), flushed
-with one add per key the tile reached, and the rest are added one by one; dk (3 floats for ZETA)
-is added per pair. On random 3-dim inputs about 70% of ZETA's pairs fall in a 128-key window
-(``cpu_zeta_window_share_84a59cc.json``), about a third of the adds' bytes; not yet timed on a
-GPU, so it is not the default."""
+``h200_lab_band_bloc_5580fed.json``): the atomics stay the default."""
 
 SHORT_KEY_GRADS_MAX_KEYS = 1024
 """Longest key rows (M) that ``KEY_GRADS`` "short" sums by one-hot tiles; longer rows use the
 atomics, since the one-hot work grows with N M per head."""
 
-KEY_GRADS_MODES = ("atomic", "inverse", "short", "window")
+KEY_GRADS_MODES = ("atomic", "inverse", "short")
 
 
 def key_grads_mode(n_keys: int, choice: str = "") -> str:
@@ -615,7 +539,7 @@ def _grad_buffers(
     fp32 = dict(dtype=torch.float32, device=q.device)
     rows = q.shape[:3]
     unused = torch.empty(1, **fp32)
-    atomic, short = mode in ("atomic", "window"), mode == "short"
+    atomic, short = mode == "atomic", mode == "short"
     return _Grads(
         dq=torch.empty_like(q),
         dk=torch.zeros(*k.shape[:3], dk_row(k.shape[-1]), **fp32) if atomic else unused,
@@ -639,13 +563,7 @@ def _indexed_backward(
     without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
     g = _grad_buffers(q, k, v, index, extra, sink, mode)
-    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode in ("atomic", "window"))
-    orders = (q, q, q)  # dummy pointers outside the window mode
-    blocks.setdefault("WINDOW", 16)
-    if mode == "window":
-        orders = curve_orders(q, k)
-        blocks |= WINDOW_TILES | dict(BLOCK_DV=max(16, blocks["BLOCK_DV"])) | TILE_OVERRIDES.get("window", {})
-        grid = (triton.cdiv(q.shape[2], blocks["BLOCK_M"]), grid[1])
+    (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
     _indexed_bwd_kernel[grid](
@@ -666,7 +584,6 @@ def _indexed_backward(
         q if slot_weight is None else slot_weight,
         g.pair_coef,
         g.pair_prob,
-        *orders,
         *sizes,
         scale,
         *extra_kw["sizes"],
@@ -695,57 +612,6 @@ def _indexed_backward(
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
     dgamma_sq = g.dgamma_sq.sum(dim=2 if gamma_sq.dim() == 2 else (0, 2))  # as gamma_sq: [(B,) Hq]
     return g.dq, dk, dv, dgamma_sq, g.d_extra_k, g.d_extra_v, d_sink
-
-
-CURVE_BITS = 10  # bits per coordinate of ``curve_codes`` (3 x 10 bits: an int32 code)
-
-
-def curve_orders(q: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The orders KEY_GRADS "window" walks: queries and keys sorted by the Morton code of their
-    first three coordinates (sigmoid-squashed, ``CURVE_BITS`` bits each), so that a tile of
-    queries lists keys close together in the key order. Any order gives the same gradients up to
-    the order of fp32 sums; this one makes the window catch most pairs when q and k are
-    low-dimensional (ZETA's). Returns query order [B, Hq, N], key rank [B, Hk, M] (a key's
-    place in the key order) and key order [B, Hk, M], all int32."""
-    query_order = torch.argsort(curve_codes(q), dim=-1).to(torch.int32)
-    key_order = torch.argsort(curve_codes(k), dim=-1)
-    places = torch.arange(k.shape[2], device=k.device, dtype=torch.int32).expand_as(key_order)
-    key_rank = torch.empty_like(key_order, dtype=torch.int32).scatter_(-1, key_order, places)
-    return query_order.contiguous(), key_rank.contiguous(), key_order.to(torch.int32).contiguous()
-
-
-@triton.jit
-def _spread_bits(v):
-    """The 10 low bits of v (int32) moved to every third bit (bit b to bit 3b)."""
-    v = (v | (v << 16)) & 0x030000FF
-    v = (v | (v << 8)) & 0x0300F00F
-    v = (v | (v << 4)) & 0x030C30C3
-    return (v | (v << 2)) & 0x09249249
-
-
-@triton.jit
-def _curve_code_kernel(X, CODE, ROWS, D, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """CODE[r] = Morton code of sigmoid(X[r, :3]) on a grid of 2^BITS per coordinate (int32;
-    coordinate c at bits 3b + 2 - c; missing coordinates are 0)."""
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < ROWS
-    code = tl.zeros([BLOCK], tl.int32)
-    for c in tl.static_range(3):
-        x = tl.load(X + rows.to(tl.int64) * D + c, mask=ok & (c < D), other=0.0).to(tl.float32)
-        grid = (tl.sigmoid(x) * (2**BITS - 1) + 0.5).to(tl.int32)
-        code |= _spread_bits(tl.where(ok & (c < D), grid, 0)) << (2 - c)
-    tl.store(CODE + rows, code, mask=ok)
-
-
-def curve_codes(x: Tensor) -> Tensor:
-    """[B, H, N] int32 Morton codes of x [B, H, N, D]'s first three coordinates, squashed by a
-    sigmoid (no statistic over rows), ``CURVE_BITS`` bits each: one launch."""
-    x = x.detach().contiguous()
-    rows = x.numel() // x.shape[-1]
-    codes = torch.empty(x.shape[:-1], dtype=torch.int32, device=x.device)
-    if rows > 0:
-        _curve_code_kernel[(triton.cdiv(rows, 1024),)](x, codes, rows, x.shape[-1], BITS=CURVE_BITS, BLOCK=1024)
-    return codes
 
 
 class Extra(NamedTuple):

@@ -157,7 +157,7 @@ def test_indexed_kernel_dv_scatter_widths(dim_v):
         assert rel_err(x, y) < 1e-5, f"dim_v {dim_v} {name}: relative error {rel_err(x, y):.2e}"
 
 
-@pytest.mark.parametrize("mode", ["inverse", "short", "window"])
+@pytest.mark.parametrize("mode", ["inverse", "short"])
 @pytest.mark.parametrize("score", ["cauchy", "dot", "neg_sqeuclid"])
 @pytest.mark.parametrize(
     "n,m,slots,heads", [(1, 4, 3, (4, 2)), (37, 23, 9, (4, 2)), (50, 7, 20, (4, 4)), (70, 81, 20, (4, 4)), (21, 64, 5, (3, 1))]
@@ -193,37 +193,6 @@ def test_short_key_grads_fp16_within_twice_torch_error_and_long_rows_use_atomics
     assert_fp16_within_twice_torch_error(q, k, v, index, gamma, "dot", grad_out, ["out", "dq", "dk", "dv"])
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS) == "short"
     assert indexed.key_grads_mode(indexed.SHORT_KEY_GRADS_MAX_KEYS + 1) == "atomic"
-
-
-@pytest.mark.parametrize("score", ["cauchy", "dot"])
-def test_window_key_grads_split_between_the_window_and_single_adds(monkeypatch, score):
-    """KEY_GRADS="window" with a window of 16 keys over 150: a tile's value gradients go partly
-    through the one-hot window sum and partly through single adds, and dk, dv match the
-    reference either way; the orders it walks are permutations."""
-    from sparsefocus.kernels import indexed
-
-    monkeypatch.setattr(indexed, "KEY_GRADS", "window")
-    monkeypatch.setitem(indexed.TILE_OVERRIDES, "window", {"WINDOW": 16, "BLOCK_M": 16})
-    q, k, v, index, gamma = make_case(97, 150, score, torch.float32, slots=7, dim=3, dim_v=20)
-    grad_out = torch.randn(2, 4, 97, 20, device=DEVICE)
-    got = run(indexed_attention, q, k, v, index, gamma, score, torch.float32, grad_out)
-    want = run(indexed_attention_ref, q, k, v, index, gamma, score, torch.float32, grad_out)
-    for name, x, y in zip(["out", "dq", "dk", "dv", "dgamma"], got, want):
-        assert torch.isfinite(x).all(), f"{name} has NaN/inf (unwritten output?)"
-        assert rel_err(x, y) < 1e-5, f"{name}: relative error {rel_err(x, y):.2e}"
-    query_order, key_rank, key_order = indexed.curve_orders(q, k)
-    assert (query_order.sort(-1).values == torch.arange(97, device=DEVICE)).all()
-    assert (key_order.gather(-1, key_rank.long()) == torch.arange(150, device=DEVICE)).all()
-
-
-def test_window_key_grads_fp16_within_twice_torch_error(monkeypatch):
-    from sparsefocus.kernels import indexed
-
-    monkeypatch.setattr(indexed, "KEY_GRADS", "window")
-    monkeypatch.setitem(indexed.TILE_OVERRIDES, "window", {"WINDOW": 32})
-    q, k, v, index, gamma = make_case(63, 90, "cauchy", torch.float16, slots=9, dim=3, dim_v=16)
-    grad_out = torch.randn(2, 4, 63, 16, device=DEVICE)
-    assert_fp16_within_twice_torch_error(q, k, v, index, gamma, "cauchy", grad_out, ["out", "dq", "dk", "dv"])
 
 
 def test_a_call_chooses_its_key_gradients(monkeypatch):
@@ -285,7 +254,7 @@ def test_key_grads_mode_is_checked(monkeypatch):
         out.sum().backward()
 
 
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short", "window"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
 def test_sink_key_matches_reference_with_extra_slot_and_gqa(monkeypatch, key_grads):
     """A per-query-head zero-value sink computed in the kernels (k, v, index not extended):
     output and every gradient, the sink's included, as the reference that appends it as a slot."""
@@ -344,7 +313,7 @@ def _causal_mean_twin(q, k, v, index, *, score, gamma, key_padding_mask, sink_ke
     )
 
 
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short", "window"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
 @pytest.mark.parametrize("n,heads,sink", [(2, (2, 2), False), (37, (4, 2), True), (130, (3, 1), False)])
 def test_causal_mean_extra_slot_fused_matches_twin(monkeypatch, key_grads, n, heads, sink):
     """The causal mean token computed inside (its gradient scan added onto the atomics' fp32 dk,
@@ -391,7 +360,7 @@ def test_causal_mean_extra_slot_fp16_within_twice_torch_error_and_bad_shapes():
 
 
 @pytest.mark.parametrize("score", ["dot", "neg_sqeuclid", "cauchy"])
-@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short", "window"])
+@pytest.mark.parametrize("key_grads", ["atomic", "inverse", "short"])
 def test_slot_weights_match_reference_with_extra_slot_and_sink(monkeypatch, score, key_grads):
     """Slot weights (attention dropout) scale each listed slot's normalised weight outside the
     normaliser: outputs and every gradient as the reference, at odd sizes, GQA, unused slots, an

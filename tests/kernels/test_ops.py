@@ -58,7 +58,6 @@ def test_opcheck_indexed_ops(dtype):
     ]
     cast = dtype == torch.float32  # fp16: the fp32 key gradients of the causal mean's backward
     torch.library.opcheck(indexed.indexed_bwd, (*tensors, 0.3, 2, cast), **tol)
-    torch.library.opcheck(indexed.indexed_bwd, (*tensors, 0.3, 2, cast, None, "window"), **tol)
 
 
 def test_opcheck_indexed_ops_with_per_row_widths_and_sinks():
