@@ -66,6 +66,12 @@ def run_layer_norm_ref(x: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-
     return (out * weight.view(view) + bias.view(view)).reshape(x.shape)
 
 
+def run_bias_add_ref(out: Tensor, bias: Tensor) -> Tensor:
+    """out [R, M, O] plus run r's bias [R, O] cast to out's dtype: the slow twin of
+    ``kernels.run_bias.run_bias_add``."""
+    return out + bias[:, None].to(out.dtype)
+
+
 def rows_of_groups(value: Tensor, batch: int) -> Tensor:
     """A value [G, ...] of G groups of rows (G dividing ``batch``, as ``grouped_linear``) as one
     copy per batch row [B, ...]."""

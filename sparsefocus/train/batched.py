@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsefocus.attention import selection_mask, sparse_attention
-from sparsefocus.attention.common import expand_kv, run_layer_norm_ref
+from sparsefocus.attention.common import expand_kv, run_bias_add_ref, run_layer_norm_ref
 from sparsefocus.attention.full import Full
 from sparsefocus.attention.patterns import AUX_KEY, RUNS_KEY, IndexedPattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
@@ -56,6 +56,10 @@ on CUDA), "triton" (the kernel everywhere; the CPU through Triton's interpreter,
 code always takes the twin, which Inductor fuses with the dropout and residual around it. On an
 H100 the kernel took FULL's uncompiled ListOps step (10 folded seeds, bf16) from 29.0 to 19.8 ms
 (``benchmarks/results/h100_lab_layernorm_d5e2ced.json``)."""
+BIAS_ADD = "auto"
+"""The fast mode's linear biases outside ``torch.compile``: "auto" (the Triton kernel
+``kernels.run_bias`` on CUDA), "triton" (everywhere; the CPU through Triton's interpreter, for
+tests) or "torch" (its twin ``run_bias_add_ref``, a broadcast add)."""
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -148,9 +152,19 @@ def run_matmul(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     runs = weight.shape[0]
     flat = x.reshape(runs, -1, x.shape[-1])  # [R, B*..., in]
     out = torch.bmm(flat, weight.transpose(1, 2))  # [R, B*..., out]
-    if bias is not None:
-        out = out + bias[:, None].to(out.dtype)  # autocast's dtype, as baddbmm under autocast
+    if bias is not None:  # in autocast's dtype, as baddbmm under autocast
+        out = _add_run_bias(out, bias)
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _add_run_bias(out: Tensor, bias: Tensor) -> Tensor:
+    """out [R, M, O] + bias [R, O] per run: the Triton kernel where ``BIAS_ADD`` chooses it outside
+    torch.compile (compiled code fuses the twin into the next pointwise kernel), else the twin."""
+    if kernel_chosen(BIAS_ADD, out) and not torch.compiler.is_compiling():
+        from sparsefocus.kernels import run_bias  # here: Triton is an optional dependency
+
+        return run_bias.run_bias_add(out, bias)
+    return run_bias_add_ref(out, bias)
 
 
 class RunTable(nn.Module):

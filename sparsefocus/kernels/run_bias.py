@@ -1,0 +1,123 @@
+"""One bias per run added to a folded batch's matmul output, in Triton (the folded models' linears).
+
+A folded linear multiplies R runs' rows at once (``torch.bmm``: out [R, M, O]) and then adds each
+run's bias [R, O]. PyTorch adds the broadcast bias with its generic strided kernel and sums the
+bias gradient with a reduction per call; in an uncompiled whole-set evaluation of the
+laboratory's ListOps model these adds were the largest kernels after attention (31.6 of 131 ms
+per chunk on an H100, ``benchmarks/results/h100_lab_layernorm_d5e2ced.json``). The slow twin
+is ``out + bias[:, None]`` (``sparsefocus.attention.common.run_bias_add_ref``). Here a program
+adds the bias to a [BLOCK_M, BLOCK_O] tile of one run (fp32 sum, stored in out's dtype, as PyTorch rounds), and the
+backward passes the gradient through and sums it per run in tiles ([R, tiles, O] fp32 partials,
+summed by PyTorch: deterministic, no atomics).
+
+The launchers are the ops ``sparsefocus::run_bias_add`` (differentiable in out and bias) and
+``sparsefocus::run_bias_grad`` (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import op_name
+
+TILE = 8192  # elements of a program's [BLOCK_M, BLOCK_O] tile
+
+
+def _blocks(width: int) -> dict:
+    """[BLOCK_M, BLOCK_O] tile of TILE elements (at least one row), 4 warps."""
+    block_o = triton.next_power_of_2(width)
+    return dict(BLOCK_M=max(1, TILE // block_o), BLOCK_O=block_o, num_warps=4)
+
+
+@triton.jit
+def _tile(run, pid, M, WIDTH, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Offsets [BM, BO] (int64) of the tile's rows of run ``run`` in [R, M, WIDTH], its columns [BO]
+    and the mask of real elements [BM, BO]."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_O)
+    ok = (rows < M)[:, None] & (cols < WIDTH)[None, :]
+    return (run.to(tl.int64) * M + rows[:, None]) * WIDTH + cols[None, :], cols, ok
+
+
+@triton.jit
+def _add_kernel(X, BIAS, Y, M, WIDTH, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Grid (tiles of M, runs): Y = X + BIAS[run] on a tile, summed in fp32."""
+    pid, run = tl.program_id(0), tl.program_id(1)
+    offs, cols, ok = _tile(run, pid, M, WIDTH, BLOCK_M, BLOCK_O)
+    b = tl.load(BIAS + run * WIDTH + cols, mask=cols < WIDTH, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + offs, (x + b[None, :]).to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_kernel(G, PART, M, WIDTH, TILES, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Grid (tiles of M, runs): PART[run, tile] = the tile's column sums of G (fp32)."""
+    pid, run = tl.program_id(0), tl.program_id(1)
+    offs, cols, ok = _tile(run, pid, M, WIDTH, BLOCK_M, BLOCK_O)
+    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(PART + (run.to(tl.int64) * TILES + pid) * WIDTH + cols, tl.sum(g, axis=0), mask=cols < WIDTH)
+
+
+@torch.library.custom_op(op_name("run_bias_add"), mutates_args=())
+def run_bias_add_op(out: Tensor, bias: Tensor) -> Tensor:
+    """``sparsefocus::run_bias_add``: out [R, M, O] (contiguous) + bias [R, O] per run, in out's dtype."""
+    runs, rows, width = out.shape
+    y = torch.empty_like(out)
+    if rows > 0:
+        blocks = _blocks(width)
+        _add_kernel[(triton.cdiv(rows, blocks["BLOCK_M"]), runs)](out, bias.contiguous(), y, rows, width, **blocks)
+    return y
+
+
+@run_bias_add_op.register_fake
+def _run_bias_add_fake(out: Tensor, bias: Tensor) -> Tensor:
+    return torch.empty_like(out)
+
+
+@torch.library.custom_op(op_name("run_bias_grad"), mutates_args=())
+def run_bias_grad(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    """``sparsefocus::run_bias_grad``: grad [R, M, O] summed over M per run -> [R, O] in ``dtype``
+    (fp32 sums of tiles, then of the tiles' sums)."""
+    runs, rows, width = grad.shape
+    blocks = _blocks(width)
+    tiles = triton.cdiv(rows, blocks["BLOCK_M"])
+    parts = torch.zeros(runs, tiles, width, dtype=torch.float32, device=grad.device)  # [R, T, O]
+    if rows > 0:
+        _sum_kernel[(tiles, runs)](grad.contiguous(), parts, rows, width, tiles, **blocks)
+    return parts.sum(dim=1).to(dtype)
+
+
+@run_bias_grad.register_fake
+def _run_bias_grad_fake(grad: Tensor, dtype: torch.dtype) -> Tensor:
+    return grad.new_empty(grad.shape[0], grad.shape[2], dtype=dtype)
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.bias_dtype = inputs[1].dtype
+
+
+def _backward(ctx, grad: Tensor):
+    return grad, run_bias_grad(grad, ctx.bias_dtype)
+
+
+run_bias_add_op.register_autograd(_backward, setup_context=_setup)
+
+
+def run_bias_add(out: Tensor, bias: Tensor) -> Tensor:
+    """out + each run's bias.
+
+    Args:
+        out: [R, M, O], the R runs' rows of a folded linear's output; any float dtype.
+        bias: [R, O], cast to out's dtype first (as ``out + bias.to(out.dtype)``).
+    Returns:
+        [R, M, O] in out's dtype, each element summed in fp32 and rounded once; differentiable in
+        out and bias (op ``sparsefocus::run_bias_add``; the bias gradient summed in fp32). Equals
+        ``attention.common.run_bias_add_ref`` up to the bias gradient's rounding.
+    """
+    if out.dim() != 3 or bias.dim() != 2 or bias.shape != (out.shape[0], out.shape[2]):
+        raise ValueError(f"run_bias_add needs out [R, M, O] and bias [R, O], got {tuple(out.shape)}, {tuple(bias.shape)}")
+    return run_bias_add_op(out.contiguous(), bias.to(out.dtype))
