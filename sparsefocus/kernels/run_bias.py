@@ -7,7 +7,7 @@ laboratory's ListOps model these adds were the largest kernels after attention (
 per chunk on an H100, ``benchmarks/results/h100_lab_layernorm_d5e2ced.json``). The slow twin
 is ``out + bias[:, None]`` (``sparsefocus.attention.common.run_bias_add_ref``). Here a program
 adds the bias to a [BLOCK_M, BLOCK_O] tile of one run (fp32 sum, stored in out's dtype, as PyTorch rounds), and the
-backward passes the gradient through and sums it per run in tiles ([R, tiles, O] fp32 partials,
+backward passes the gradient through and sums it per run, a program over several tiles ([R, parts, O] fp32 partials,
 summed by PyTorch: deterministic, no atomics).
 
 The launchers are the ops ``sparsefocus::run_bias_add`` (differentiable in out and bias) and
@@ -25,6 +25,8 @@ from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpret
 from sparsefocus.kernels._ops import op_name
 
 TILE = 8192  # elements of a program's [BLOCK_M, BLOCK_O] tile
+MAX_SUM_STEPS = 16
+"""Most tiles one program of a per-run sum walks (``sum_steps``; 1: a program per tile)."""
 
 
 def _blocks(width: int) -> dict:
@@ -54,12 +56,24 @@ def _add_kernel(X, BIAS, Y, M, WIDTH, BLOCK_M: tl.constexpr, BLOCK_O: tl.constex
 
 
 @triton.jit
-def _sum_kernel(G, PART, M, WIDTH, TILES, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
-    """Grid (tiles of M, runs): PART[run, tile] = the tile's column sums of G (fp32)."""
+def _sum_kernel(G, PART, M, WIDTH, PARTS, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Grid (PARTS, runs): PART[run, part] = the column sums of G over the part's STEPS tiles (fp32)."""
     pid, run = tl.program_id(0), tl.program_id(1)
-    offs, cols, ok = _tile(run, pid, M, WIDTH, BLOCK_M, BLOCK_O)
-    g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(PART + (run.to(tl.int64) * TILES + pid) * WIDTH + cols, tl.sum(g, axis=0), mask=cols < WIDTH)
+    acc = tl.zeros([BLOCK_O], tl.float32)
+    for step in range(STEPS):
+        offs, cols, ok = _tile(run, pid * STEPS + step, M, WIDTH, BLOCK_M, BLOCK_O)
+        acc += tl.sum(tl.load(G + offs, mask=ok, other=0.0).to(tl.float32), axis=0)
+    cols = tl.arange(0, BLOCK_O)
+    tl.store(PART + (run.to(tl.int64) * PARTS + pid) * WIDTH + cols, acc, mask=cols < WIDTH)
+
+
+def sum_steps(tiles: int) -> int:
+    """Tiles a program sums (a power of two up to ``MAX_SUM_STEPS``): as many as keep at least 32
+    programs per run, so that the partial sums left for PyTorch stay few without idling the GPU."""
+    steps = 1
+    while 2 * steps <= MAX_SUM_STEPS and tiles // (2 * steps) >= 32:
+        steps *= 2
+    return steps
 
 
 @torch.library.custom_op(op_name("run_bias_add"), mutates_args=())
@@ -84,10 +98,11 @@ def run_bias_grad(grad: Tensor, dtype: torch.dtype) -> Tensor:
     (fp32 sums of tiles, then of the tiles' sums)."""
     runs, rows, width = grad.shape
     blocks = _blocks(width)
-    tiles = triton.cdiv(rows, blocks["BLOCK_M"])
-    parts = torch.zeros(runs, tiles, width, dtype=torch.float32, device=grad.device)  # [R, T, O]
+    steps = sum_steps(triton.cdiv(rows, blocks["BLOCK_M"]))
+    count = triton.cdiv(rows, blocks["BLOCK_M"] * steps)
+    parts = torch.zeros(runs, count, width, dtype=torch.float32, device=grad.device)  # [R, parts, O]
     if rows > 0:
-        _sum_kernel[(tiles, runs)](grad.contiguous(), parts, rows, width, tiles, **blocks)
+        _sum_kernel[(count, runs)](grad.contiguous(), parts, rows, width, count, STEPS=steps, **blocks)
     return parts.sum(dim=1).to(dtype)
 
 

@@ -10,9 +10,9 @@ in registers ([BLOCK_R, BLOCK_D] tiles, statistics in fp32):
 
 * forward: mean and 1 / std per row (two-pass in registers: mean, then the centred squares),
   y = x_hat * w + b, stored once; mean and 1 / std are kept for the backward.
-* backward: dx = (g - mean(g) - x_hat mean(g x_hat)) / std with g = dy * w; each program also
-  writes its rows' sums of dy * x_hat and dy ([R, tiles, d] fp32), summed per run by PyTorch
-  afterwards: deterministic, no atomics.
+* backward: dx = (g - mean(g) - x_hat mean(g x_hat)) / std with g = dy * w; each program walks
+  several tiles and writes their sums of dy * x_hat and dy ([R, parts, d] fp32), summed per run
+  by PyTorch afterwards: deterministic, no atomics.
 
 The launchers are the ops ``sparsefocus::run_layer_norm`` (differentiable in x, weight and bias)
 and ``sparsefocus::run_layer_norm_bwd`` (docs/kernels.md).
@@ -27,6 +27,7 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import op_name
+from sparsefocus.kernels.run_bias import sum_steps
 
 MAX_WIDTH = 8192
 """Widest rows (d) a program holds in registers; wider ones take the twin."""
@@ -75,26 +76,33 @@ def _fwd_kernel(X, W, B, Y, MEAN, RSTD, ROWS, D, eps, BLOCK_R: tl.constexpr, BLO
 
 
 @triton.jit
-def _bwd_kernel(X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART, ROWS, D, TILES, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (tiles of ROWS, runs): DX of BLOCK_R rows, and their sums of DY * x_hat and DY into
-    DW_PART, DB_PART [runs, TILES, D] at this tile."""
+def _bwd_kernel(
+    X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART, ROWS, D, PARTS, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """Grid (PARTS, runs): DX of STEPS tiles of BLOCK_R rows, and their sums of DY * x_hat and DY
+    into DW_PART, DB_PART [runs, PARTS, D] at this part."""
     pid, run = tl.program_id(0), tl.program_id(1)
-    offs, rows, row_ok, ok = _tile(run, pid, ROWS, D, BLOCK_R, BLOCK_D)
     cols = tl.arange(0, BLOCK_D)
-    x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
-    dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
-    mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
     w = tl.load(W + run * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-    x_hat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
-    g = dy * w[None, :]
-    c_hat = tl.sum(g * x_hat, axis=1) / D  # [BR]
-    c_one = tl.sum(g, axis=1) / D
-    dx = (g - c_one[:, None] - x_hat * c_hat[:, None]) * rstd[:, None]
-    tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
-    part = (run.to(tl.int64) * TILES + pid) * D + cols
-    tl.store(DW_PART + part, tl.sum(dy * x_hat, axis=0), mask=cols < D)
-    tl.store(DB_PART + part, tl.sum(dy, axis=0), mask=cols < D)
+    dw = tl.zeros([BLOCK_D], tl.float32)
+    db = tl.zeros([BLOCK_D], tl.float32)
+    for step in range(STEPS):
+        offs, rows, row_ok, ok = _tile(run, pid * STEPS + step, ROWS, D, BLOCK_R, BLOCK_D)
+        x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
+        mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+        x_hat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+        g = dy * w[None, :]
+        c_hat = tl.sum(g * x_hat, axis=1) / D  # [BR]
+        c_one = tl.sum(g, axis=1) / D
+        dx = (g - c_one[:, None] - x_hat * c_hat[:, None]) * rstd[:, None]
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=ok)
+        dw += tl.sum(dy * x_hat, axis=0)
+        db += tl.sum(dy, axis=0)
+    part = (run.to(tl.int64) * PARTS + pid) * D + cols
+    tl.store(DW_PART + part, dw, mask=cols < D)
+    tl.store(DB_PART + part, db, mask=cols < D)
 
 
 def _shape(x: Tensor, weight: Tensor) -> tuple[int, int, int]:
@@ -136,11 +144,24 @@ def run_layer_norm_bwd(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rs
     runs, rows, width = _shape(x, weight)
     dx = torch.empty_like(x)
     blocks = _blocks(width)
-    tiles = triton.cdiv(rows, blocks["BLOCK_R"])
-    parts = torch.zeros(2, runs, tiles, width, dtype=torch.float32, device=x.device)  # [dw, db] per tile
+    steps = sum_steps(triton.cdiv(rows, blocks["BLOCK_R"]))
+    count = triton.cdiv(rows, blocks["BLOCK_R"] * steps)
+    parts = torch.zeros(2, runs, count, width, dtype=torch.float32, device=x.device)  # [dw, db] per part
     if rows > 0:
-        _bwd_kernel[(tiles, runs)](
-            x, weight.contiguous(), grad.contiguous(), mean, rstd, dx, parts[0], parts[1], rows, width, tiles, **blocks
+        _bwd_kernel[(count, runs)](
+            x,
+            weight.contiguous(),
+            grad.contiguous(),
+            mean,
+            rstd,
+            dx,
+            parts[0],
+            parts[1],
+            rows,
+            width,
+            count,
+            STEPS=steps,
+            **blocks,
         )
     return dx, parts[0].sum(dim=1).to(weight.dtype), parts[1].sum(dim=1).to(weight.dtype)  # [R, d] each
 

@@ -39,9 +39,10 @@ def run(fn, x, weight, bias, grad, dtype=None):
 
 
 @pytest.mark.parametrize(
-    "runs,rows,width", [(3, (2, 7), 5), (2, (1, 11), 64), (1, (3, 4), 37), (4, (5,), 16), (2, (2, 3, 2), 130)]
+    "runs,rows,width", [(3, (2, 7), 5), (2, (1, 11), 64), (1, (3, 4), 37), (4, (5,), 16), (2, (2, 3, 2), 130), (1, (4100,), 130)]
 )
 def test_matches_twin_fp32(runs, rows, width):
+    """(1, (4100,), 130): 257 tiles of 16 rows, 8 a program in the backward, the last one short."""
     x, weight, bias = make_case(runs, rows, width)
     grad = torch.randn_like(x)
     got = run(run_layer_norm, x, weight, bias, grad)
