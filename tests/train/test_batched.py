@@ -367,6 +367,37 @@ def test_fast_fold_over_fixed_key_lists_computes_each_models_logits(mechanism, l
     assert list_calls, "the key lists were not used"
 
 
+def test_fast_fold_with_the_norm_and_bias_kernels_equals_the_models_and_the_twins(monkeypatch):
+    """The folded norms and linear biases through their Triton kernels (Triton's interpreter here):
+    each model's logits, and the fold's parameter gradients equal those through the twins."""
+    from sparsefocus.train import batched
+
+    cfg = config(Path("unused"), "model.dropout=0.0", "mechanisms=[FULL]", "model.blocks=1", "model.paper_mode=false")
+    data = build_data(cfg, 1, torch.device("cpu"))
+    models = []
+    for seed in SEEDS:
+        torch.manual_seed(seed)
+        model = build_model(cfg.model, "FULL", data).eval()
+        for norm in (m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)):
+            torch.nn.init.normal_(norm.weight)  # not the initial 1 and 0: each run's affine shows
+            torch.nn.init.normal_(norm.bias)
+        models.append(model)
+    inputs = data.valid_inputs[:3]
+    expected = torch.cat([model(inputs) for model in models])
+    grads = {}
+    for choice in ("torch", "triton"):
+        monkeypatch.setattr(batched, "LAYER_NORM", choice)
+        monkeypatch.setattr(batched, "BIAS_ADD", choice)
+        fold = fold_models(models, mode="fast").eval()
+        logits = fold(inputs.repeat(len(models), 1))
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+        logits.square().sum().backward()
+        grads[choice] = {name: p.grad.clone() for name, p in fold.named_parameters() if p.grad is not None}
+    assert grads["triton"].keys() == grads["torch"].keys() and any("norm" in name for name in grads["torch"])
+    for name, grad in grads["triton"].items():
+        torch.testing.assert_close(grad, grads["torch"][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
