@@ -6,9 +6,10 @@ bias gradient with a reduction per call; in an uncompiled whole-set evaluation o
 laboratory's ListOps model these adds were the largest kernels after attention (31.6 of 131 ms
 per chunk on an H100, ``benchmarks/results/h100_lab_layernorm_d5e2ced.json``). The slow twin
 is ``out + bias[:, None]`` (``sparsefocus.attention.common.run_bias_add_ref``). Here a program
-adds the bias to a [BLOCK_M, BLOCK_O] tile of one run (fp32 sum, stored in out's dtype, as PyTorch rounds), and the
-backward passes the gradient through and sums it per run, a program over several tiles ([R, parts, O] fp32 partials,
-summed by PyTorch: deterministic, no atomics).
+adds the bias to a [BLOCK_M, BLOCK_O] tile of one run (an fp32 sum stored in out's dtype, as
+PyTorch rounds it), and the backward passes the gradient through and sums it per run, a program
+over several tiles ([R, parts, O] fp32 partial sums, summed by PyTorch: deterministic, no
+atomics).
 
 The launchers are the ops ``sparsefocus::run_bias_add`` (differentiable in out and bias) and
 ``sparsefocus::run_bias_grad`` (docs/kernels.md).
@@ -100,7 +101,7 @@ def run_bias_grad(grad: Tensor, dtype: torch.dtype) -> Tensor:
     blocks = _blocks(width)
     steps = sum_steps(triton.cdiv(rows, blocks["BLOCK_M"]))
     count = triton.cdiv(rows, blocks["BLOCK_M"] * steps)
-    parts = torch.zeros(runs, count, width, dtype=torch.float32, device=grad.device)  # [R, parts, O]
+    parts = torch.empty(runs, count, width, dtype=torch.float32, device=grad.device)  # [R, parts, O], all written
     if rows > 0:
         _sum_kernel[(count, runs)](grad.contiguous(), parts, rows, width, count, STEPS=steps, **blocks)
     return parts.sum(dim=1).to(dtype)
