@@ -4,7 +4,7 @@ Each call unpacks the study folder a previous call returned (``--inbox``, parts 
 trains with the budget driver until ``--budget`` seconds are spent, and packs the study folder
 again into parts of at most 15 MiB under ``--out`` (without the task cache), with a progress line
 (and each mechanism group's epochs) in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
-call. A call whose training fails (a mechanism that does not compile, say) still packs what was
+call; parts too large for the next call to carry in are named there (``parts_warning``) and on stderr. A call whose training fails (a mechanism that does not compile, say) still packs what was
 trained (finished runs, the last checkpoints), names the error in its progress line and exits
 with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The budget stops
 training between epochs; ``--hard-stop`` (default: the budget + 40 s) interrupts it wherever it is
@@ -360,6 +360,19 @@ def pack_cache(work: Path, out: Path, study_parts: list[Path], inbox: Path | Non
     return f"packed: {len(data) / 2**20:.1f} MiB in {len(write_parts(data, CACHE, out))} part(s)"
 
 
+def parts_warning(parts: list[Path], inbox: Path | None) -> str | None:
+    """Why the study's parts could not come back from a call and travel into the next (more files
+    than a call returns with the progress line, or more bytes than ``bytes_back``), or None."""
+    size = sum(p.stat().st_size for p in parts)
+    if len(parts) + 1 <= MAX_FILES_BACK and size <= bytes_back(inbox):
+        return None
+    return (
+        f"the study's parts ({size / 2**20:.1f} MiB in {len(parts)} files) exceed what a call returns and the next carries in "
+        f"({bytes_back(inbox) / 2**20:.1f} MiB, {MAX_FILES_BACK - 1} files): train fewer groups or seeds per study folder "
+        "(--mechanism, --seeds) or keep only finished runs' metrics (--slim)"
+    )
+
+
 def use_compile_cache(work: Path) -> Path:
     """Point Inductor's and Triton's caches into ``work/compile-cache`` (read when they are first
     used, so this must run before anything compiles)."""
@@ -526,6 +539,7 @@ def main() -> int:
         "compile_phases_s": {name: round(seconds, 3) for name, seconds in compile_phases().items()},
         "setup_s": SETUP_LOG,
         "parts": [p.name for p in parts],
+        "parts_warning": parts_warning(parts, Path(args.inbox) if args.inbox else None),
         "settings": {
             "mechanisms": config.mechanisms,
             "seeds": config.seeds,
@@ -537,6 +551,8 @@ def main() -> int:
             "compile_scope": args.compile_scope,
         },
     }
+    if record["parts_warning"]:
+        print(f"gpu_studies: warning: {record['parts_warning']}", file=sys.stderr)
     progress = out / f"{args.study}_progress.json"
     write_text_atomic(progress, json.dumps(record, indent=1))  # first, in case packing the cache is cut short
     if not args.no_compile_cache:

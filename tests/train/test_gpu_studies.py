@@ -136,6 +136,31 @@ def test_a_failing_call_still_returns_what_was_trained(studies, tmp_path, monkey
     assert (tmp_path / "again" / "even_pairs" / "default" / "FULL" / "seed-1" / "metrics.jsonl").read_text() == '{"epoch": 3}\n'
 
 
+def test_parts_too_large_to_carry_back_are_named_in_the_record(studies, tmp_path, monkeypatch, capsys):
+    """A call whose packed study would not fit what the next call carries in still returns it, and
+    its progress record and a warning say so and name the remedies."""
+
+    def train_big(config, quiet, budget):
+        run = Path(config.out_dir) / config.name / "default" / "FULL" / "seed-1"
+        run.mkdir(parents=True, exist_ok=True)
+        (run / "checkpoint.pt").write_bytes(random.Random(2).randbytes(30_000))
+
+    monkeypatch.setattr(studies, "run_experiment", train_big)
+    out, work = tmp_path / "o", tmp_path / "w"
+    argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(work), "--no-compile-cache"]
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--inbox", str(tmp_path / "none")])
+    monkeypatch.setattr(studies, "MAX_BYTES_BACK", 10**9)
+    assert studies.main() == 0
+    assert json.loads((out / "even_pairs_progress.json").read_text())["parts_warning"] is None
+    monkeypatch.setattr(studies, "MAX_BYTES_BACK", 20_000)
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--inbox", str(tmp_path / "none"), "--out", str(tmp_path / "o2")])
+    assert studies.main() == 0
+    warning = json.loads((tmp_path / "o2" / "even_pairs_progress.json").read_text())["parts_warning"]
+    assert "exceed what a call returns" in warning and "--slim" in warning
+    assert "gpu_studies: warning: the study's parts" in capsys.readouterr().err
+    assert studies.unpack(tmp_path / "o2", "even_pairs", tmp_path / "again")  # returned all the same
+
+
 def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
     kept = tmp_path / "kept"
     for seed, text in ((1, "kept-1"), (2, "kept-2")):
