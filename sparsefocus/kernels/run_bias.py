@@ -27,30 +27,32 @@ from sparsefocus.kernels._ops import op_name
 
 TILE = 8192  # elements of a program's [BLOCK_M, BLOCK_O] tile
 MAX_SUM_STEPS = 16
-"""Most tiles one program of a per-run sum walks (``sum_steps``; 1: a program per tile)."""
+"""Most tiles one program of a per-run sum walks (``sum_plan``; 1: a program per tile)."""
 
 
-def _blocks(width: int) -> dict:
-    """[BLOCK_M, BLOCK_O] tile of TILE elements (at least one row), 4 warps."""
+def row_blocks(width: int, tile: int = TILE) -> dict:
+    """[BLOCK_M, BLOCK_O] tile of ``tile`` elements (at least one row) over rows of ``width``, 4 warps."""
     block_o = triton.next_power_of_2(width)
-    return dict(BLOCK_M=max(1, TILE // block_o), BLOCK_O=block_o, num_warps=4)
+    return dict(BLOCK_M=max(1, tile // block_o), BLOCK_O=block_o, num_warps=4)
 
 
 @triton.jit
-def _tile(run, pid, M, WIDTH, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
-    """Offsets [BM, BO] (int64) of the tile's rows of run ``run`` in [R, M, WIDTH], its columns [BO]
-    and the mask of real elements [BM, BO]."""
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+def run_tile(run, pid, M, WIDTH, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Tile ``pid`` of run ``run``'s M rows in [R, M, WIDTH]: element offsets [BM, BO] (int64),
+    flat row numbers [BM] (int64), real rows [BM], columns [BO] and real elements [BM, BO]."""
+    local = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = local < M
+    rows = run.to(tl.int64) * M + local
     cols = tl.arange(0, BLOCK_O)
-    ok = (rows < M)[:, None] & (cols < WIDTH)[None, :]
-    return (run.to(tl.int64) * M + rows[:, None]) * WIDTH + cols[None, :], cols, ok
+    ok = row_ok[:, None] & (cols < WIDTH)[None, :]
+    return rows[:, None] * WIDTH + cols[None, :], rows, row_ok, cols, ok
 
 
 @triton.jit
 def _add_kernel(X, BIAS, Y, M, WIDTH, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
     """Grid (tiles of M, runs): Y = X + BIAS[run] on a tile, summed in fp32."""
     pid, run = tl.program_id(0), tl.program_id(1)
-    offs, cols, ok = _tile(run, pid, M, WIDTH, BLOCK_M, BLOCK_O)
+    offs, _, _, cols, ok = run_tile(run, pid, M, WIDTH, BLOCK_M, BLOCK_O)
     b = tl.load(BIAS + run * WIDTH + cols, mask=cols < WIDTH, other=0.0).to(tl.float32)
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(Y + offs, (x + b[None, :]).to(Y.dtype.element_ty), mask=ok)
@@ -62,19 +64,20 @@ def _sum_kernel(G, PART, M, WIDTH, PARTS, STEPS: tl.constexpr, BLOCK_M: tl.const
     pid, run = tl.program_id(0), tl.program_id(1)
     acc = tl.zeros([BLOCK_O], tl.float32)
     for step in range(STEPS):
-        offs, cols, ok = _tile(run, pid * STEPS + step, M, WIDTH, BLOCK_M, BLOCK_O)
+        offs, _, _, _, ok = run_tile(run, pid * STEPS + step, M, WIDTH, BLOCK_M, BLOCK_O)
         acc += tl.sum(tl.load(G + offs, mask=ok, other=0.0).to(tl.float32), axis=0)
     cols = tl.arange(0, BLOCK_O)
     tl.store(PART + (run.to(tl.int64) * PARTS + pid) * WIDTH + cols, acc, mask=cols < WIDTH)
 
 
-def sum_steps(tiles: int) -> int:
-    """Tiles a program sums (a power of two up to ``MAX_SUM_STEPS``): as many as keep at least 32
+def sum_plan(rows: int, block_m: int) -> tuple[int, int]:
+    """(tiles a program sums, programs per run) for per-run sums over ``rows`` rows in tiles of
+    ``block_m``: a power of two of tiles up to ``MAX_SUM_STEPS``, as many as keep at least 32
     programs per run, so that the partial sums left for PyTorch stay few without idling the GPU."""
-    steps = 1
+    tiles, steps = triton.cdiv(rows, block_m), 1
     while 2 * steps <= MAX_SUM_STEPS and tiles // (2 * steps) >= 32:
         steps *= 2
-    return steps
+    return steps, triton.cdiv(rows, block_m * steps)
 
 
 @torch.library.custom_op(op_name("run_bias_add"), mutates_args=())
@@ -83,7 +86,7 @@ def run_bias_add_op(out: Tensor, bias: Tensor) -> Tensor:
     runs, rows, width = out.shape
     y = torch.empty_like(out)
     if rows > 0:
-        blocks = _blocks(width)
+        blocks = row_blocks(width)
         _add_kernel[(triton.cdiv(rows, blocks["BLOCK_M"]), runs)](out, bias.contiguous(), y, rows, width, **blocks)
     return y
 
@@ -98,9 +101,8 @@ def run_bias_grad(grad: Tensor, dtype: torch.dtype) -> Tensor:
     """``sparsefocus::run_bias_grad``: grad [R, M, O] summed over M per run -> [R, O] in ``dtype``
     (fp32 sums of tiles, then of the tiles' sums)."""
     runs, rows, width = grad.shape
-    blocks = _blocks(width)
-    steps = sum_steps(triton.cdiv(rows, blocks["BLOCK_M"]))
-    count = triton.cdiv(rows, blocks["BLOCK_M"] * steps)
+    blocks = row_blocks(width)
+    steps, count = sum_plan(rows, blocks["BLOCK_M"])
     parts = torch.empty(runs, count, width, dtype=torch.float32, device=grad.device)  # [R, parts, O], all written
     if rows > 0:
         _sum_kernel[(count, runs)](grad.contiguous(), parts, rows, width, count, STEPS=steps, **blocks)

@@ -6,8 +6,9 @@ each run with its own weight and bias [R, d]. The slow twin that defines the res
 run's weight and bias). On rows of d = 64 PyTorch's LayerNorm kernel ran far below the memory
 bandwidth (0.31 ms forward for [250, 601, 64] fp32 on an H100, which the bandwidth allows in about
 0.03), and the affine and its gradients are more passes with reductions; at the laboratory's
-ListOps shape the norms were a quarter of an uncompiled training step. Here a program holds BLOCK_R rows of one run
-in registers ([BLOCK_R, BLOCK_D] tiles, statistics in fp32):
+ListOps shape the norms were a quarter of an uncompiled training step. Here a program holds
+BLOCK_M rows of one run in registers ([BLOCK_M, BLOCK_O] tiles of ``run_bias.run_tile``,
+statistics in fp32):
 
 * forward: mean and 1 / std per row (two-pass in registers: mean, then the centred squares),
   y = x_hat * w + b, stored once; mean and 1 / std are kept for the backward.
@@ -28,11 +29,11 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import op_name
-from sparsefocus.kernels.run_bias import sum_steps
+from sparsefocus.kernels.run_bias import row_blocks, run_tile, sum_plan
 
 MAX_WIDTH = 8192
 """Widest rows (d) a program holds in registers; wider ones take the twin."""
-TILE = 4096  # elements of a program's [BLOCK_R, BLOCK_D] tile
+TILE = 4096  # elements of a program's [BLOCK_M, BLOCK_O] tile
 
 
 def fits(width: int) -> bool:
@@ -40,30 +41,11 @@ def fits(width: int) -> bool:
     return 0 < width <= MAX_WIDTH
 
 
-def _blocks(width: int) -> dict:
-    """[BLOCK_R, BLOCK_D] tile of TILE elements (at least one row), 4 warps."""
-    block_d = triton.next_power_of_2(width)
-    return dict(BLOCK_R=max(1, TILE // block_d), BLOCK_D=block_d, num_warps=4)
-
-
 @triton.jit
-def _tile(run, pid, ROWS, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Offsets [BR, BD] (int64) of the tile's rows of one run, the rows' flat indices [BR] and the
-    masks of real rows [BR] and real elements [BR, BD]."""
-    local = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    row_ok = local < ROWS
-    rows = run.to(tl.int64) * ROWS + local
-    cols = tl.arange(0, BLOCK_D)
-    ok = row_ok[:, None] & (cols < D)[None, :]
-    return rows[:, None] * D + cols[None, :], rows, row_ok, ok
-
-
-@triton.jit
-def _fwd_kernel(X, W, B, Y, MEAN, RSTD, ROWS, D, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (tiles of ROWS, runs): Y = (X - mean) * rstd * W[run] + B[run] on BLOCK_R rows."""
+def _fwd_kernel(X, W, B, Y, MEAN, RSTD, ROWS, D, eps, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr):
+    """Grid (tiles of ROWS, runs): Y = (X - mean) * rstd * W[run] + B[run] on BLOCK_M rows."""
     pid, run = tl.program_id(0), tl.program_id(1)
-    offs, rows, row_ok, ok = _tile(run, pid, ROWS, D, BLOCK_R, BLOCK_D)
-    cols = tl.arange(0, BLOCK_D)
+    offs, rows, row_ok, cols, ok = run_tile(run, pid, ROWS, D, BLOCK_M, BLOCK_O)
     x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)  # [BR, BD]
     mean = tl.sum(x, axis=1) / D
     centred = tl.where(ok, x - mean[:, None], 0.0)
@@ -78,17 +60,17 @@ def _fwd_kernel(X, W, B, Y, MEAN, RSTD, ROWS, D, eps, BLOCK_R: tl.constexpr, BLO
 
 @triton.jit
 def _bwd_kernel(
-    X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART, ROWS, D, PARTS, STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+    X, W, DY, MEAN, RSTD, DX, DW_PART, DB_PART, ROWS, D, PARTS, STEPS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_O: tl.constexpr
 ):
-    """Grid (PARTS, runs): DX of STEPS tiles of BLOCK_R rows, and their sums of DY * x_hat and DY
+    """Grid (PARTS, runs): DX of STEPS tiles of BLOCK_M rows, and their sums of DY * x_hat and DY
     into DW_PART, DB_PART [runs, PARTS, D] at this part."""
     pid, run = tl.program_id(0), tl.program_id(1)
-    cols = tl.arange(0, BLOCK_D)
+    cols = tl.arange(0, BLOCK_O)
     w = tl.load(W + run * D + cols, mask=cols < D, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_D], tl.float32)
-    db = tl.zeros([BLOCK_D], tl.float32)
+    dw = tl.zeros([BLOCK_O], tl.float32)
+    db = tl.zeros([BLOCK_O], tl.float32)
     for step in range(STEPS):
-        offs, rows, row_ok, ok = _tile(run, pid * STEPS + step, ROWS, D, BLOCK_R, BLOCK_D)
+        offs, rows, row_ok, _, ok = run_tile(run, pid * STEPS + step, ROWS, D, BLOCK_M, BLOCK_O)
         x = tl.load(X + offs, mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=ok, other=0.0).to(tl.float32)
         mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
@@ -126,8 +108,8 @@ def run_layer_norm_op(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> tu
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     mean, rstd = _stats(x, weight)
     if rows > 0:
-        blocks = _blocks(width)
-        grid = (triton.cdiv(rows, blocks["BLOCK_R"]), runs)
+        blocks = row_blocks(width, TILE)
+        grid = (triton.cdiv(rows, blocks["BLOCK_M"]), runs)
         _fwd_kernel[grid](x, weight.contiguous(), bias.contiguous(), y, mean, rstd, rows, width, eps, **blocks)
     return y, mean, rstd
 
@@ -144,9 +126,8 @@ def run_layer_norm_bwd(grad: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rs
     output's gradient and the forward's mean and 1 / std."""
     runs, rows, width = _shape(x, weight)
     dx = torch.empty_like(x)
-    blocks = _blocks(width)
-    steps = sum_steps(triton.cdiv(rows, blocks["BLOCK_R"]))
-    count = triton.cdiv(rows, blocks["BLOCK_R"] * steps)
+    blocks = row_blocks(width, TILE)
+    steps, count = sum_plan(rows, blocks["BLOCK_M"])
     parts = torch.empty(2, runs, count, width, dtype=torch.float32, device=x.device)  # [dw, db] per part, all written
     if rows > 0:
         _bwd_kernel[(count, runs)](
