@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from sparsefocus.attention.common import chunked_rows, masked_softmax, row_slice, upcast
+from sparsefocus.attention.common import chunked_rows, expand_kv, masked_softmax, row_slice, upcast
 from sparsefocus.attention.patterns import Pattern, register, require
 from sparsefocus.attention.topk import allowed_keys
 from sparsefocus.kernels._ops import kernel_chosen
@@ -147,6 +147,41 @@ def entmax(scores: Tensor, alpha: float = 1.5, dim: int = -1) -> Tensor:
     return _Entmax.apply(scores.transpose(dim, -1), alpha).transpose(dim, -1)
 
 
+def entmax_attention_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    alpha: float,
+    scale: float,
+    causal: bool = False,
+    key_padding_mask: Tensor | None = None,
+) -> Tensor:
+    """The slow twin of ``kernels.entmax_attention.entmax_attention`` (same signature): every
+    score at once in fp32, ``entmax`` (``sparsemax`` at alpha 2) over the allowed keys, times V.
+
+    Args:
+        q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv], Hk dividing Hq.
+        alpha: 1 < alpha <= 2. scale: the scores are scale * q.k.
+        causal: key j allowed for query i only if j <= i + M - N. Default: False.
+        key_padding_mask: [B, M] bool, True = real key. Default: every key real.
+    Returns:
+        [B, Hq, N, Dv] in q's dtype; 0 for a row with no allowed key.
+    """
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    scores = torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale  # [B, H, N, M]
+    n_queries, n_keys = q.shape[2], k.shape[2]
+    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device)
+    if causal:
+        positions = torch.arange(n_keys, device=q.device)
+        allowed = positions[None, :] <= positions[:n_queries, None] + (n_keys - n_queries)
+    allowed = allowed[None, None] if key_padding_mask is None else allowed[None, None] & key_padding_mask[:, None, None, :]
+    allowed = allowed.expand_as(scores)
+    row_has_key = allowed.any(-1, keepdim=True)
+    masked = scores.masked_fill(~allowed, float("-inf")).masked_fill(~row_has_key, 0.0)
+    weights = (sparsemax(masked) if alpha == 2.0 else entmax(masked, alpha)) * row_has_key
+    return torch.matmul(weights, upcast(v)).to(q.dtype)
+
+
 @dataclass(frozen=True)
 class _AdaptivePattern(Pattern):
     """Base: scores over the allowed keys, turned into weights by ``normalise``."""
@@ -189,9 +224,30 @@ class _AdaptivePattern(Pattern):
         return chunked_rows(one_chunk, q.shape[-2], recompute=weights_bytes >= RECOMPUTE_MIN_BYTES)
 
 
+@dataclass(frozen=True)
+class _FusedAdaptive(_AdaptivePattern):
+    """Sparsemax and 1.5-entmax: a Triton path through ``kernels.entmax_attention`` (rows of at
+    most ``MAX_KEYS`` keys; other alphas and longer rows take the lean path)."""
+
+    impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
+
+    @property
+    def kernel_alpha(self) -> float:
+        """The alpha the kernel would compute."""
+        raise NotImplementedError
+
+    def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
+        from sparsefocus.kernels.entmax_attention import entmax_attention, fits
+
+        if not fits(k.shape[-2], self.kernel_alpha):
+            k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+            return self.lean(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
+        return entmax_attention(q, k, v, self.kernel_alpha, scale, causal, key_padding_mask)
+
+
 @register
 @dataclass(frozen=True)
-class Sparsemax(_AdaptivePattern):
+class Sparsemax(_FusedAdaptive):
     """``sparsemax``: weights = sparsemax(scale * q.k) over the allowed keys; exact zeros below a
     data-dependent threshold, so each query keeps a variable number of keys."""
 
@@ -199,13 +255,17 @@ class Sparsemax(_AdaptivePattern):
     name: ClassVar[str] = "sparsemax"
     examples: ClassVar[tuple[str, ...]] = ("sparsemax",)
 
+    @property
+    def kernel_alpha(self) -> float:
+        return 2.0
+
     def normalise(self, scores, allowed, params):
         return sparsemax(scores)
 
 
 @register
 @dataclass(frozen=True)
-class Entmax(_AdaptivePattern):
+class Entmax(_FusedAdaptive):
     """``entmax:alpha=A``: alpha-entmax (1 < alpha <= 2) of scale * q.k over the allowed keys;
     alpha -> 1 approaches softmax, alpha = 2 is sparsemax. Default alpha 1.5."""
 
@@ -217,6 +277,10 @@ class Entmax(_AdaptivePattern):
 
     def validate(self) -> None:
         require(1.0 < self.alpha <= 2.0, f"entmax: alpha must be in (1, 2], got {self.alpha}")
+
+    @property
+    def kernel_alpha(self) -> float:
+        return float(self.alpha)
 
     def normalise(self, scores, allowed, params):
         return entmax(scores, self.alpha)
