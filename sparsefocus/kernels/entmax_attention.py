@@ -44,6 +44,8 @@ TILE = 16384  # fp32 scores of one forward program: BLOCK_R = TILE // BLOCK rows
 BLOCK_DS = 16  # head-dimension slice of the forward's whole-row scores
 BLOCK_N = 64  # key tile of the loops over keys
 BLOCK_Q = 64  # query tile of the backward
+FWD_WARPS: int | None = None
+"""Warps of a forward program; None: one per 2048 scores of its tile, 4 to 16."""
 NEWTON_STEPS = 12
 """Newton steps on each row's mass before the exact support formula (applied twice)."""
 
@@ -265,7 +267,7 @@ def entmax_attention_op(
     _fwd_kernel[grid](
         q, k, v, key_mask.view(torch.uint8), out, tau, vbar, **sizes, **_common(q, alpha, scale),
         CAUSAL=causal, STEPS_=NEWTON_STEPS, BLOCK_R=block_r, BLOCK=block, BLOCK_DS=BLOCK_DS, BLOCK_N=BLOCK_N,
-        num_warps=max(4, min(16, block_r * block // 2048)) if q.is_cuda else 1,
+        num_warps=(FWD_WARPS or max(4, min(16, block_r * block // 2048))) if q.is_cuda else 1,
     )  # fmt: skip
     return out, tau, vbar
 
