@@ -36,11 +36,11 @@ from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels._ops import op_name
-from sparsefocus.kernels.entmax_rows import _support_tau
+from sparsefocus.kernels.entmax_rows import _support_sums, _tau_of
 
 MAX_KEYS = 2048
 """Longest key rows the forward holds in registers; longer ones take the lean path."""
-TILE = 16384  # fp32 scores of one forward program: BLOCK_R = TILE // BLOCK rows (16 to 64)
+TILE = 16384  # fp32 scores of one forward program: BLOCK_R = TILE // columns, 16 to 64 rows
 BLOCK_DS = 16  # head-dimension slice of the forward's whole-row scores
 BLOCK_N = 64  # key tile of the loops over keys
 BLOCK_Q = 64  # query tile of the backward
@@ -75,13 +75,41 @@ def _weights(y, tau, ok, SQUARE: tl.constexpr):
 
 
 @triton.jit
+def _row_part(
+    q_ptr, k_ptr, KM, b, rows, cols, N, M, D, ys,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_DS: tl.constexpr,
+):  # fmt: skip
+    """[BR, BC] y = ys * q.k of the rows against the keys ``cols``, -inf where not allowed; summed
+    over BLOCK_DS-wide slices of the head dimension (no operand tile of the whole row staged)."""
+    s = tl.zeros([BLOCK_R, BLOCK_C], tl.float32)
+    for d0 in range(0, D, BLOCK_DS):
+        ds = d0 + tl.arange(0, BLOCK_DS)
+        qs = tl.load(q_ptr + rows[:, None] * D + ds[None, :], mask=(rows < N)[:, None] & (ds < D)[None, :], other=0.0)
+        ks = tl.load(k_ptr + cols[:, None] * D + ds[None, :], mask=(cols < M)[:, None] & (ds < D)[None, :], other=0.0)
+        s += tl.dot(qs, tl.trans(ks), input_precision=PRECISION)
+    km = tl.load(KM + b * M + cols, mask=cols < M, other=0) != 0
+    return tl.where(_allowed(rows[:, None], cols[None, :], km[None, :], N, M, CAUSAL), s * ys, float("-inf"))
+
+
+@triton.jit
+def _newton_sums(y, tau, SQUARE: tl.constexpr):
+    """[BR] each: the mass sum phi(y - tau) over the entries above tau, and minus its slope."""
+    gap = tl.where(y > tau[:, None], y - tau[:, None], 0.0)
+    if SQUARE:
+        return tl.sum(gap * gap, axis=1), 2.0 * tl.sum(gap, axis=1)
+    return tl.sum(gap, axis=1), tl.sum(tl.where(gap > 0.0, 1.0, 0.0), axis=1)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, KM, OUT, TAU, VBAR, N, M, D, DV, HQ, GROUP, ys,
     CAUSAL: tl.constexpr, SQUARE: tl.constexpr, STEPS_: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK: tl.constexpr, BLOCK_DS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_DS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query tiles, B * HQ). ys = scale, halved for entmax: y = ys * q.k."""
+    """Grid (query tiles, B * HQ). ys = scale, halved for entmax: y = ys * q.k. The row is held as
+    keys [0, BLOCK_A) and, when BLOCK_B > 0, [BLOCK_A, BLOCK_A + BLOCK_B): 640 columns instead of
+    1024 for a row of 601 keys."""
     pid, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // HQ, bh % HQ
     kv = b * (HQ // GROUP) + h // GROUP
@@ -89,30 +117,30 @@ def _fwd_kernel(
     q_ptr = Q + bh.to(tl.int64) * N * D
     k_ptr = K + kv.to(tl.int64) * M * D
     v_ptr = V + kv.to(tl.int64) * M * DV
-    cols = tl.arange(0, BLOCK)  # [BLOCK]: the whole row
-    # the row's scores, summed over slices of the head dimension: [BR, BLOCK] fp32
-    s = tl.zeros([BLOCK_R, BLOCK], tl.float32)
-    for d0 in range(0, D, BLOCK_DS):
-        ds = d0 + tl.arange(0, BLOCK_DS)
-        qs = tl.load(q_ptr + rows[:, None] * D + ds[None, :], mask=(rows < N)[:, None] & (ds < D)[None, :], other=0.0)
-        ks = tl.load(k_ptr + cols[:, None] * D + ds[None, :], mask=(cols < M)[:, None] & (ds < D)[None, :], other=0.0)
-        s += tl.dot(qs, tl.trans(ks), input_precision=PRECISION)
-    km = tl.load(KM + b * M + cols, mask=cols < M, other=0) != 0
-    ok = _allowed(rows[:, None], cols[None, :], km[None, :], N, M, CAUSAL)
-    y = tl.where(ok, s * ys, float("-inf"))
-    top = tl.max(y, axis=1)  # [BR]
+    y_a = _row_part(q_ptr, k_ptr, KM, b, rows, tl.arange(0, BLOCK_A), N, M, D, ys, CAUSAL, PRECISION, BLOCK_R, BLOCK_A, BLOCK_DS)
+    top = tl.max(y_a, axis=1)  # [BR]
+    if BLOCK_B > 0:
+        cols_b = BLOCK_A + tl.arange(0, BLOCK_B)
+        y_b = _row_part(q_ptr, k_ptr, KM, b, rows, cols_b, N, M, D, ys, CAUSAL, PRECISION, BLOCK_R, BLOCK_B, BLOCK_DS)
+        top = tl.maximum(top, tl.max(y_b, axis=1))
     finite = top > float("-inf")
-    y = tl.where(ok, y - tl.where(finite, top, 0.0)[:, None], float("-inf"))  # max 0
+    shift = tl.where(finite, top, 0.0)
+    y_a = y_a - shift[:, None]  # max 0 over the row; -inf stays
+    if BLOCK_B > 0:
+        y_b = y_b - shift[:, None]
     tau = tl.full([BLOCK_R], -1.0, tl.float32)  # mass - 1 >= 0 here (the top entry alone gives 1)
     for _ in range(STEPS_):  # Newton on the convex, decreasing mass: from the left it stays left
-        gap = tl.where(y > tau[:, None], y - tau[:, None], 0.0)
-        if SQUARE:
-            excess, slope = tl.sum(gap * gap, axis=1) - 1.0, 2.0 * tl.sum(gap, axis=1)
-        else:
-            excess, slope = tl.sum(gap, axis=1) - 1.0, tl.sum(tl.where(gap > 0.0, 1.0, 0.0), axis=1)
-        tau += excess / tl.maximum(slope, 1e-30)
-    tau = _support_tau(y, tau, SQUARE)
-    tau = _support_tau(y, tau, SQUARE)
+        mass, slope = _newton_sums(y_a, tau, SQUARE)
+        if BLOCK_B > 0:
+            mass_b, slope_b = _newton_sums(y_b, tau, SQUARE)
+            mass, slope = mass + mass_b, slope + slope_b
+        tau += (mass - 1.0) / tl.maximum(slope, 1e-30)
+    for _ in tl.static_range(2):  # the exact threshold of the support found, twice
+        count, total, total_square = _support_sums(y_a, tau)
+        if BLOCK_B > 0:
+            count_b, total_b, square_b = _support_sums(y_b, tau)
+            count, total, total_square = count + count_b, total + total_b, total_square + square_b
+        tau = _tau_of(count, total, total_square, SQUARE)
     tau = tl.where(finite, top + tau, float("inf"))  # absolute: weights [ys * q.k - tau]_+
     # weights against V, one key tile at a time
     dd, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -227,6 +255,15 @@ def _bwd_dkdv_kernel(
     tl.store(DV_ + v_offs, dvv.to(DV_.dtype.element_ty), mask=key_ok[:, None] & (dv < DV)[None, :])
 
 
+def row_blocks(n_keys: int) -> tuple[int, int]:
+    """(BLOCK_A, BLOCK_B): the forward's row as one power of two, or as two when that holds fewer
+    columns (601 keys: 512 + 128 instead of 1024); BLOCK_B = 0 for one."""
+    whole = max(16, triton.next_power_of_2(n_keys))
+    half = whole // 2
+    rest = max(16, triton.next_power_of_2(max(1, n_keys - half)))
+    return (half, rest) if half >= 16 and half + rest < whole else (whole, 0)
+
+
 def _sizes(q: Tensor, k: Tensor, v: Tensor) -> dict:
     """The launch's sizes and the tiles' powers of two."""
     batch, heads, n_queries, width = q.shape
@@ -261,13 +298,13 @@ def entmax_attention_op(
     sizes = _sizes(q, k, v)
     if out.numel() == 0:
         return out, tau, vbar
-    block = max(16, triton.next_power_of_2(sizes["M"]))
-    block_r = min(64, max(16, TILE // block))
+    block_a, block_b = row_blocks(sizes["M"])
+    block_r = min(64, max(16, 1 << (TILE // (block_a + block_b)).bit_length() - 1))  # a power of two
     grid = (triton.cdiv(sizes["N"], block_r), q.shape[0] * q.shape[1])
     _fwd_kernel[grid](
         q, k, v, key_mask.view(torch.uint8), out, tau, vbar, **sizes, **_common(q, alpha, scale),
-        CAUSAL=causal, STEPS_=NEWTON_STEPS, BLOCK_R=block_r, BLOCK=block, BLOCK_DS=BLOCK_DS, BLOCK_N=BLOCK_N,
-        num_warps=(FWD_WARPS or max(4, min(16, block_r * block // 2048))) if q.is_cuda else 1,
+        CAUSAL=causal, STEPS_=NEWTON_STEPS, BLOCK_R=block_r, BLOCK_A=block_a, BLOCK_B=block_b, BLOCK_DS=BLOCK_DS,
+        BLOCK_N=BLOCK_N, num_warps=(FWD_WARPS or max(4, min(16, block_r * (block_a + block_b) // 4096))) if q.is_cuda else 1,
     )  # fmt: skip
     return out, tau, vbar
 

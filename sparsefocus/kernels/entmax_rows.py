@@ -39,17 +39,29 @@ def _mass(y, tau, SQUARE: tl.constexpr):
 
 
 @triton.jit
-def _support_tau(y, tau, SQUARE: tl.constexpr):
-    """[BR] the exact threshold of the support {y > tau}."""
+def _support_sums(y, tau):
+    """[BR] each: the count, sum and sum of squares of the entries above tau."""
     inside = y > tau[:, None]
-    count = tl.maximum(tl.sum(inside.to(tl.float32), axis=1), 1.0)
-    total = tl.sum(tl.where(inside, y, 0.0), axis=1)
+    count = tl.sum(inside.to(tl.float32), axis=1)
+    return count, tl.sum(tl.where(inside, y, 0.0), axis=1), tl.sum(tl.where(inside, y * y, 0.0), axis=1)
+
+
+@triton.jit
+def _tau_of(count, total, total_square, SQUARE: tl.constexpr):
+    """[BR] the exact threshold of a support from its count, sum and sum of squares."""
+    count = tl.maximum(count, 1.0)
     if SQUARE:
         mean = total / count
-        mean_square = tl.sum(tl.where(inside, y * y, 0.0), axis=1) / count
-        spread = (1.0 - count * (mean_square - mean * mean)) / count
+        spread = (1.0 - count * (total_square / count - mean * mean)) / count
         return mean - tl.sqrt(tl.maximum(spread, 0.0))
     return (total - 1.0) / count
+
+
+@triton.jit
+def _support_tau(y, tau, SQUARE: tl.constexpr):
+    """[BR] the exact threshold of the support {y > tau}."""
+    count, total, total_square = _support_sums(y, tau)
+    return _tau_of(count, total, total_square, SQUARE)
 
 
 @triton.jit
