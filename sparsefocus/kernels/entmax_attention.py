@@ -5,17 +5,19 @@ fp32 score [B, H, N, M], masks it, normalises it (``kernels.entmax_rows``) and m
 weights by V; its backward is PyTorch over the saved [B, H, N, M] weights: some twenty passes
 over that tensor a layer. Here no [N, M] tensor reaches memory:
 
-* forward, one program per tile of BLOCK_R query rows: the rows' scores [BLOCK_R, BLOCK] sit in
-  registers (BLOCK >= M, so M <= ``MAX_KEYS``), summed over BLOCK_DS-wide slices of the head
+* forward, two launches (``SPLIT_FORWARD``). First one program per tile of BLOCK_R query rows: the
+  rows' scores [BLOCK_R, BLOCK_A + BLOCK_B] sit in registers (two powers of two covering M <=
+  ``MAX_KEYS``, ``row_blocks``), summed over BLOCK_DS-wide slices of the head
   dimension so that no operand tile of the whole row is staged. Each row's threshold tau comes
   from ``NEWTON_STEPS`` Newton steps on the mass sum_j phi(y_j - tau) - 1 (convex and decreasing
   in tau, so from tau = max - 1, where it is >= 0, the steps stay at or below the root), then the
   row kernel's exact formula for the support they give, applied twice
-  (``entmax_rows._support_tau``). Then a loop over key tiles recomputes the scores, turns them into weights
+  (``entmax_rows._support_sums``, ``_tau_of``); it stores tau. Then programs of BLOCK_Q rows loop
+  over key tiles, recompute the scores, turn them into weights
   p = [y - tau]_+^2 (1.5-entmax, y = scale * q.k / 2) or [y - tau]_+ (sparsemax, y = scale * q.k),
-  and accumulates p V and g V with g = dp/dy's diagonal factor ([y - tau]_+ or the support's
-  indicator). It stores the output, tau (absolute, +inf for a row with no allowed key) and
-  vbar = g V / sum g [B, H, N, Dv] fp32.
+  accumulate p V and g V with g = dp/dy's diagonal factor ([y - tau]_+ or the support's
+  indicator), and store the output and, for a call that will need gradients, vbar = g V / sum g
+  [B, H, N, Dv] fp32 (tau is absolute, +inf for a row with no allowed key).
 * the gradient of the scores z = scale * q.k is g * (dP - shift), dP = dO v^T, with the row
   constant shift = sum_j g_j dP_j / sum_j g_j = dO . vbar (``attention.adaptive._Entmax``'s
   backward): no pass over the whole row is needed, so the backward is FlashAttention-2's: a
@@ -35,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import op_name
+from sparsefocus.kernels._ops import absent, op_name
 from sparsefocus.kernels.entmax_rows import _support_sums, _tau_of
 
 MAX_KEYS = 2048
@@ -44,6 +46,10 @@ TILE = 16384  # fp32 scores of one forward program: BLOCK_R = TILE // columns, 1
 BLOCK_DS = 16  # head-dimension slice of the forward's whole-row scores
 BLOCK_N = 64  # key tile of the loops over keys
 BLOCK_Q = 64  # query tile of the backward
+SPLIT_FORWARD = True
+"""True: the forward is two launches, the rows' thresholds (BLOCK_R rows a program, the whole row
+in registers), then the outputs from the stored thresholds in tiles of BLOCK_Q rows, which read
+each key tile once for 64 rows instead of 16; False: one launch does both for its BLOCK_R rows."""
 FWD_WARPS: int | None = None
 """Warps of a forward program; None: one per 2048 scores of its tile, 4 to 16."""
 NEWTON_STEPS = 12
@@ -101,22 +107,14 @@ def _newton_sums(y, tau, SQUARE: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(
-    Q, K, V, KM, OUT, TAU, VBAR, N, M, D, DV, HQ, GROUP, ys,
+def _row_thresholds(
+    q_ptr, k_ptr, KM, b, rows, N, M, D, ys,
     CAUSAL: tl.constexpr, SQUARE: tl.constexpr, STEPS_: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_DS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query tiles, B * HQ). ys = scale, halved for entmax: y = ys * q.k. The row is held as
-    keys [0, BLOCK_A) and, when BLOCK_B > 0, [BLOCK_A, BLOCK_A + BLOCK_B): 640 columns instead of
-    1024 for a row of 601 keys."""
-    pid, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    kv = b * (HQ // GROUP) + h // GROUP
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
-    q_ptr = Q + bh.to(tl.int64) * N * D
-    k_ptr = K + kv.to(tl.int64) * M * D
-    v_ptr = V + kv.to(tl.int64) * M * DV
+    """[BR] each row's absolute threshold tau (weights [ys * q.k - tau]_+, squared for entmax;
+    +inf for a row with no allowed key). The row is held as keys [0, BLOCK_A) and, when BLOCK_B >
+    0, [BLOCK_A, BLOCK_A + BLOCK_B): 640 columns instead of 1024 for a row of 601 keys."""
     y_a = _row_part(q_ptr, k_ptr, KM, b, rows, tl.arange(0, BLOCK_A), N, M, D, ys, CAUSAL, PRECISION, BLOCK_R, BLOCK_A, BLOCK_DS)
     top = tl.max(y_a, axis=1)  # [BR]
     if BLOCK_B > 0:
@@ -141,8 +139,16 @@ def _fwd_kernel(
             count_b, total_b, square_b = _support_sums(y_b, tau)
             count, total, total_square = count + count_b, total + total_b, total_square + square_b
         tau = _tau_of(count, total, total_square, SQUARE)
-    tau = tl.where(finite, top + tau, float("inf"))  # absolute: weights [ys * q.k - tau]_+
-    # weights against V, one key tile at a time
+    return tl.where(finite, top + tau, float("inf"))
+
+
+@triton.jit
+def _attend_rows(
+    q_ptr, k_ptr, v_ptr, KM, OUT, VBAR, b, bh, rows, tau, N, M, D, DV, ys,
+    CAUSAL: tl.constexpr, SQUARE: tl.constexpr, VBAR_: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Store the rows' outputs p V and, with VBAR_, vbar = g V / sum g, one key tile at a time."""
     dd, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + rows[:, None] * D + dd[None, :], mask=(rows < N)[:, None] & (dd < D)[None, :], other=0.0)
     acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
@@ -156,13 +162,59 @@ def _fwd_kernel(
         yt = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * ys  # [BR, BN]
         p, g = _weights(yt, tau[:, None], _allowed(rows[:, None], kc[None, :], kmt[None, :], N, M, CAUSAL), SQUARE)
         acc += tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
-        acc_g += tl.dot(g.to(vt.dtype), vt, input_precision=PRECISION)
-        g_sum += tl.sum(g, axis=1)
+        if VBAR_:
+            acc_g += tl.dot(g.to(vt.dtype), vt, input_precision=PRECISION)
+            g_sum += tl.sum(g, axis=1)
     out_ok = (rows < N)[:, None] & (dv < DV)[None, :]
     out_offs = (bh.to(tl.int64) * N + rows[:, None]) * DV + dv[None, :]
     tl.store(OUT + out_offs, acc.to(OUT.dtype.element_ty), mask=out_ok)
-    tl.store(VBAR + out_offs, acc_g / tl.maximum(g_sum, 1e-30)[:, None], mask=out_ok)
+    if VBAR_:
+        tl.store(VBAR + out_offs, acc_g / tl.maximum(g_sum, 1e-30)[:, None], mask=out_ok)
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, KM, OUT, TAU, VBAR, N, M, D, DV, HQ, GROUP, ys,
+    CAUSAL: tl.constexpr, SQUARE: tl.constexpr, STEPS_: tl.constexpr, PRECISION: tl.constexpr, VBAR_: tl.constexpr,
+    ATTEND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_DS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Grid (query tiles, B * HQ): the rows' thresholds, and with ATTEND their outputs too. ys =
+    scale, halved for entmax: y = ys * q.k."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    kv = b * (HQ // GROUP) + h // GROUP
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    q_ptr = Q + bh.to(tl.int64) * N * D
+    k_ptr = K + kv.to(tl.int64) * M * D
+    tau = _row_thresholds(
+        q_ptr, k_ptr, KM, b, rows, N, M, D, ys, CAUSAL, SQUARE, STEPS_, PRECISION, BLOCK_R, BLOCK_A, BLOCK_B, BLOCK_DS
+    )
     tl.store(TAU + bh.to(tl.int64) * N + rows, tau, mask=rows < N)
+    if ATTEND:
+        v_ptr = V + kv.to(tl.int64) * M * DV
+        _attend_rows(
+            q_ptr, k_ptr, v_ptr, KM, OUT, VBAR, b, bh, rows, tau, N, M, D, DV, ys,
+            CAUSAL, SQUARE, VBAR_, PRECISION, BLOCK_R, BLOCK_N, BLOCK_D, BLOCK_DV,
+        )  # fmt: skip
+
+
+@triton.jit
+def _attend_kernel(
+    Q, K, V, KM, OUT, TAU, VBAR, N, M, D, DV, HQ, GROUP, ys,
+    CAUSAL: tl.constexpr, SQUARE: tl.constexpr, PRECISION: tl.constexpr, VBAR_: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Grid (query tiles, B * HQ): outputs (and vbar) of BLOCK_R rows from their stored thresholds."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    kv = b * (HQ // GROUP) + h // GROUP
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    tau = tl.load(TAU + bh.to(tl.int64) * N + rows, mask=rows < N, other=float("inf"))
+    _attend_rows(
+        Q + bh.to(tl.int64) * N * D, K + kv.to(tl.int64) * M * D, V + kv.to(tl.int64) * M * DV, KM, OUT, VBAR, b, bh,
+        rows, tau, N, M, D, DV, ys, CAUSAL, SQUARE, VBAR_, PRECISION, BLOCK_R, BLOCK_N, BLOCK_D, BLOCK_DV,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -289,36 +341,45 @@ def _common(q: Tensor, alpha: float, scale: float) -> dict:
 
 @torch.library.custom_op(op_name("entmax_attention"), mutates_args=())
 def entmax_attention_op(
-    q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, alpha: float, scale: float, causal: bool
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor, alpha: float, scale: float, causal: bool, vbar: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sparsefocus::entmax_attention``: (out [B, Hq, N, Dv] in q's dtype, tau [B, Hq, N] fp32,
-    vbar [B, Hq, N, Dv] fp32) for contiguous q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv]
-    and key_mask [B, M] bool (True = real key)."""
-    out, tau, vbar = _fwd_outputs(q, v)
+    vbar [B, Hq, N, Dv] fp32, or [0] when ``vbar`` is False: a call without gradients) for
+    contiguous q [B, Hq, N, D], k [B, Hk, M, D], v [B, Hk, M, Dv] and key_mask [B, M] bool (True =
+    real key)."""
+    out, tau, vbar_out = _fwd_outputs(q, v, vbar)
     sizes = _sizes(q, k, v)
     if out.numel() == 0:
-        return out, tau, vbar
+        return out, tau, vbar_out
     block_a, block_b = row_blocks(sizes["M"])
     block_r = min(64, max(16, 1 << (TILE // (block_a + block_b)).bit_length() - 1))  # a power of two
-    grid = (triton.cdiv(sizes["N"], block_r), q.shape[0] * q.shape[1])
-    _fwd_kernel[grid](
-        q, k, v, key_mask.view(torch.uint8), out, tau, vbar, **sizes, **_common(q, alpha, scale),
-        CAUSAL=causal, STEPS_=NEWTON_STEPS, BLOCK_R=block_r, BLOCK_A=block_a, BLOCK_B=block_b, BLOCK_DS=BLOCK_DS,
-        BLOCK_N=BLOCK_N, num_warps=(FWD_WARPS or max(4, min(16, block_r * (block_a + block_b) // 4096))) if q.is_cuda else 1,
+    batch_heads = q.shape[0] * q.shape[1]
+    common = {**sizes, **_common(q, alpha, scale), "CAUSAL": causal, "VBAR_": vbar}
+    blocks = {"BLOCK_N": BLOCK_N}
+    _fwd_kernel[(triton.cdiv(sizes["N"], block_r), batch_heads)](
+        q, k, v, key_mask.view(torch.uint8), out, tau, vbar_out, **common, **blocks, STEPS_=NEWTON_STEPS,
+        ATTEND=not SPLIT_FORWARD, BLOCK_R=block_r, BLOCK_A=block_a, BLOCK_B=block_b, BLOCK_DS=BLOCK_DS,
+        num_warps=(FWD_WARPS or max(4, min(16, block_r * (block_a + block_b) // 4096))) if q.is_cuda else 1,
     )  # fmt: skip
-    return out, tau, vbar
+    if SPLIT_FORWARD:
+        _attend_kernel[(triton.cdiv(sizes["N"], BLOCK_Q), batch_heads)](
+            q, k, v, key_mask.view(torch.uint8), out, tau, vbar_out, **common, **blocks, BLOCK_R=BLOCK_Q,
+            num_warps=4 if q.is_cuda else 1,
+        )  # fmt: skip
+    return out, tau, vbar_out
 
 
-def _fwd_outputs(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _fwd_outputs(q: Tensor, v: Tensor, vbar: bool) -> tuple[Tensor, Tensor, Tensor]:
     batch, heads, n_queries, _ = q.shape
     out = q.new_empty(batch, heads, n_queries, v.shape[3])
     tau = q.new_empty(batch, heads, n_queries, dtype=torch.float32)
-    return out, tau, q.new_empty(batch, heads, n_queries, v.shape[3], dtype=torch.float32)
+    vbar_out = q.new_empty(batch, heads, n_queries, v.shape[3], dtype=torch.float32) if vbar else absent(tau)
+    return out, tau, vbar_out
 
 
 @entmax_attention_op.register_fake
-def _entmax_attention_fake(q, k, v, key_mask, alpha, scale, causal):
-    return _fwd_outputs(q, v)
+def _entmax_attention_fake(q, k, v, key_mask, alpha, scale, causal, vbar):
+    return _fwd_outputs(q, v, vbar)
 
 
 @torch.library.custom_op(op_name("entmax_attention_bwd"), mutates_args=())
@@ -363,7 +424,7 @@ def _entmax_attention_bwd_fake(grad, q, k, v, key_mask, tau, vbar, alpha, scale,
 
 
 def _setup(ctx, inputs, output) -> None:
-    q, k, v, key_mask, alpha, scale, causal = inputs
+    q, k, v, key_mask, alpha, scale, causal, _ = inputs
     _, tau, vbar = output
     ctx.save_for_backward(q, k, v, key_mask, tau, vbar)
     ctx.alpha, ctx.scale, ctx.causal = alpha, scale, causal
@@ -373,7 +434,7 @@ def _setup(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor, _grad_tau: Tensor, _grad_vbar: Tensor):
     q, k, v, key_mask, tau, vbar = ctx.saved_tensors
     dq, dk, dv = entmax_attention_bwd(grad, q, k, v, key_mask, tau, vbar, ctx.alpha, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None
 
 
 entmax_attention_op.register_autograd(_backward, setup_context=_setup)
@@ -427,7 +488,15 @@ def entmax_attention(
     _check(q, k, v, alpha, key_padding_mask)
     if key_padding_mask is None:
         key_padding_mask = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+    grads = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     out, _, _ = entmax_attention_op(
-        q.contiguous(), k.contiguous(), v.contiguous(), key_padding_mask.contiguous(), float(alpha), float(scale), bool(causal)
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        key_padding_mask.contiguous(),
+        float(alpha),
+        float(scale),
+        bool(causal),
+        grads,
     )
     return out

@@ -161,8 +161,9 @@ def test_fp16_within_twice_torch_error(alpha):
 def test_opcheck_and_compiled_equals_eager(alpha):
     q, k, v = make_case(2, 2, 1, 7, 9, 8, 8)
     key_mask = padding_mask(2, 9)
-    torch.library.opcheck(entmax_kernel.entmax_attention_op, (q, k, v, key_mask, alpha, 0.4, True))
-    out, tau, vbar = entmax_kernel.entmax_attention_op(q, k, v, key_mask, alpha, 0.4, True)
+    for with_vbar in (True, False):
+        torch.library.opcheck(entmax_kernel.entmax_attention_op, (q, k, v, key_mask, alpha, 0.4, True, with_vbar))
+    out, tau, vbar = entmax_kernel.entmax_attention_op(q, k, v, key_mask, alpha, 0.4, True, True)
     args = (torch.randn_like(out), q, k, v, key_mask, tau, vbar, alpha, 0.4, True)
     torch.library.opcheck(entmax_kernel.entmax_attention_bwd, args)
     grad = torch.randn_like(out)
@@ -172,6 +173,27 @@ def test_opcheck_and_compiled_equals_eager(alpha):
         ["out", "dq", "dk", "dv"], run(compiled, q, k, v, grad, **kwargs), run(entmax_attention, q, k, v, grad, **kwargs)
     ):
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-6), name
+
+
+@pytest.mark.parametrize("alpha", ALPHAS)
+def test_forward_forms_and_calls_without_gradients_agree(alpha, monkeypatch):
+    """The forward in one launch (thresholds and outputs per 16 rows) equals the split one
+    (thresholds, then outputs per 64 rows), and a call without gradients (no vbar) gives the same
+    output as one with them."""
+    q, k, v = make_case(2, 2, 1, 70, 70, 16, 8)
+    key_mask = padding_mask(2, 70)
+    kwargs = dict(alpha=alpha, scale=0.5, causal=True, key_padding_mask=key_mask)
+    outs = []
+    for split in (True, False):
+        monkeypatch.setattr(entmax_kernel, "SPLIT_FORWARD", split)
+        with torch.no_grad():
+            outs.append(entmax_attention(q, k, v, **kwargs))
+        outs.append(entmax_attention(q.requires_grad_(True), k, v, **kwargs).detach())
+        q = q.detach()
+    want = entmax_attention_ref(q, k, v, **kwargs)
+    for out in outs:
+        assert torch.isfinite(out).all() and rel_err(out, want) < 1e-5
+    assert torch.allclose(outs[0], outs[2], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(
