@@ -9,6 +9,7 @@ import torch
 
 from sparsefocus.attention.common import expand_kv, indexed_attention_ref
 from sparsefocus.kernels import indexed, indexed_csr, morton, runs, scan
+from sparsefocus.kernels.entmax_attention import entmax_attention
 from sparsefocus.kernels.indexed import indexed_attention, indexed_attention_causal_mean
 from sparsefocus.kernels.indexed_csr import build_inverse, key_grads
 from sparsefocus.kernels.morton import morton_codes_triton
@@ -124,7 +125,8 @@ def every_kernel(q, k, v, index, start, gamma, extra_key, extra_value, sink, rea
     codes = morton_codes_triton(torch.sigmoid(x[..., :3]).float(), 4, 0.1, 16, 15)
     offsets, _ = build_inverse(index, k.shape[2], k.shape[1])  # entries past offsets[-1] are unused
     dk, dv = key_grads(q.detach(), k.detach(), v.detach(), index, gamma.detach() ** 2, out_d.detach(), stat, delta)
-    differentiable = (out_c, out_d, out_m, out_r, mean, scanned)
+    out_e = entmax_attention(q, k, v, 1.5, 0.3, causal=True, key_padding_mask=real)
+    differentiable = (out_c, out_d, out_m, out_r, mean, scanned, out_e)
     return differentiable, (lse_c, lse_m, lse_r, codes, offsets, dk, dv)
 
 
