@@ -143,6 +143,24 @@ def _row_thresholds(
 
 
 @triton.jit
+def _key_tile(
+    q, k_ptr, v_ptr, KM, b, rows, tau, j0, N, M, D, DV, ys,
+    CAUSAL: tl.constexpr, SQUARE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Keys j0 .. j0 + BLOCK_N for the query rows q [BR, BD] with thresholds tau [BR]: (keys
+    [BN, BD], values [BN, BDV], the weights p and their factors g [BR, BN])."""
+    dd, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
+    kc = j0 + tl.arange(0, BLOCK_N)
+    kt = tl.load(k_ptr + kc[:, None] * D + dd[None, :], mask=(kc < M)[:, None] & (dd < D)[None, :], other=0.0)
+    vt = tl.load(v_ptr + kc[:, None] * DV + dv[None, :], mask=(kc < M)[:, None] & (dv < DV)[None, :], other=0.0)
+    kmt = tl.load(KM + b * M + kc, mask=kc < M, other=0) != 0
+    yt = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * ys  # [BR, BN]
+    p, g = _weights(yt, tau[:, None], _allowed(rows[:, None], kc[None, :], kmt[None, :], N, M, CAUSAL), SQUARE)
+    return kt, vt, p, g
+
+
+@triton.jit
 def _attend_rows(
     q_ptr, k_ptr, v_ptr, KM, OUT, VBAR, b, bh, rows, tau, N, M, D, DV, ys,
     CAUSAL: tl.constexpr, SQUARE: tl.constexpr, VBAR_: tl.constexpr, PRECISION: tl.constexpr,
@@ -155,12 +173,9 @@ def _attend_rows(
     acc_g = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)
     g_sum = tl.zeros([BLOCK_R], tl.float32)
     for j0 in range(0, M, BLOCK_N):
-        kc = j0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + kc[:, None] * D + dd[None, :], mask=(kc < M)[:, None] & (dd < D)[None, :], other=0.0)
-        vt = tl.load(v_ptr + kc[:, None] * DV + dv[None, :], mask=(kc < M)[:, None] & (dv < DV)[None, :], other=0.0)
-        kmt = tl.load(KM + b * M + kc, mask=kc < M, other=0) != 0
-        yt = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * ys  # [BR, BN]
-        p, g = _weights(yt, tau[:, None], _allowed(rows[:, None], kc[None, :], kmt[None, :], N, M, CAUSAL), SQUARE)
+        kt, vt, p, g = _key_tile(
+            q, k_ptr, v_ptr, KM, b, rows, tau, j0, N, M, D, DV, ys, CAUSAL, SQUARE, PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV
+        )
         acc += tl.dot(p.to(vt.dtype), vt, input_precision=PRECISION)
         if VBAR_:
             acc_g += tl.dot(g.to(vt.dtype), vt, input_precision=PRECISION)
@@ -245,12 +260,9 @@ def _bwd_dq_kernel(
     if CAUSAL:  # the tile's last row reads keys up to its position + M - N
         end = tl.minimum(M, pid * BLOCK_Q + BLOCK_Q + M - N)
     for j0 in range(0, end, BLOCK_N):
-        kc = j0 + tl.arange(0, BLOCK_N)
-        kt = tl.load(k_ptr + kc[:, None] * D + dd[None, :], mask=(kc < M)[:, None] & (dd < D)[None, :], other=0.0)
-        vt = tl.load(v_ptr + kc[:, None] * DV + dv[None, :], mask=(kc < M)[:, None] & (dv < DV)[None, :], other=0.0)
-        kmt = tl.load(KM + b * M + kc, mask=kc < M, other=0) != 0
-        yt = tl.dot(q, tl.trans(kt), input_precision=PRECISION) * ys  # [BQ, BN]
-        _, g = _weights(yt, tau[:, None], _allowed(rows[:, None], kc[None, :], kmt[None, :], N, M, CAUSAL), SQUARE)
+        kt, vt, _, g = _key_tile(
+            q, k_ptr, v_ptr, KM, b, rows, tau, j0, N, M, D, DV, ys, CAUSAL, SQUARE, PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV
+        )
         dp = tl.dot(do, tl.trans(vt), input_precision=PRECISION)  # [BQ, BN]
         dz = g * (dp - shift[:, None])  # the scores' gradient
         dq += tl.dot(dz.to(kt.dtype), kt, input_precision=PRECISION)
