@@ -188,6 +188,15 @@ def _attend_rows(
 
 
 @triton.jit
+def _query_tile(HQ, GROUP, BLOCK: tl.constexpr):
+    """This program's (batch-head bh, batch b, kv head row b * HK + hk, query rows [BLOCK]) on a
+    grid (query tiles, B * HQ)."""
+    pid, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HQ, bh % HQ
+    return bh, b, b * (HQ // GROUP) + h // GROUP, pid * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, KM, OUT, TAU, VBAR, N, M, D, DV, HQ, GROUP, ys,
     CAUSAL: tl.constexpr, SQUARE: tl.constexpr, STEPS_: tl.constexpr, PRECISION: tl.constexpr, VBAR_: tl.constexpr,
@@ -196,10 +205,7 @@ def _fwd_kernel(
 ):  # fmt: skip
     """Grid (query tiles, B * HQ): the rows' thresholds, and with ATTEND their outputs too. ys =
     scale, halved for entmax: y = ys * q.k."""
-    pid, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    kv = b * (HQ // GROUP) + h // GROUP
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    bh, b, kv, rows = _query_tile(HQ, GROUP, BLOCK_R)  # rows [BR]
     q_ptr = Q + bh.to(tl.int64) * N * D
     k_ptr = K + kv.to(tl.int64) * M * D
     tau = _row_thresholds(
@@ -221,10 +227,7 @@ def _attend_kernel(
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """Grid (query tiles, B * HQ): outputs (and vbar) of BLOCK_R rows from their stored thresholds."""
-    pid, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    kv = b * (HQ // GROUP) + h // GROUP
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    bh, b, kv, rows = _query_tile(HQ, GROUP, BLOCK_R)
     tau = tl.load(TAU + bh.to(tl.int64) * N + rows, mask=rows < N, other=float("inf"))
     _attend_rows(
         Q + bh.to(tl.int64) * N * D, K + kv.to(tl.int64) * M * D, V + kv.to(tl.int64) * M * DV, KM, OUT, VBAR, b, bh,
@@ -239,10 +242,7 @@ def _bwd_dq_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     """Grid (query tiles, B * HQ): dq, and each row's shift = dO . vbar for the key-major kernel."""
-    pid, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // HQ, bh % HQ
-    kv = b * (HQ // GROUP) + h // GROUP
-    rows = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    bh, b, kv, rows = _query_tile(HQ, GROUP, BLOCK_Q)
     dd, dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     row_ok = rows < N
     q_offs = (bh.to(tl.int64) * N + rows[:, None]) * D + dd[None, :]
@@ -258,7 +258,7 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
     end = M
     if CAUSAL:  # the tile's last row reads keys up to its position + M - N
-        end = tl.minimum(M, pid * BLOCK_Q + BLOCK_Q + M - N)
+        end = tl.minimum(M, tl.program_id(0) * BLOCK_Q + BLOCK_Q + M - N)
     for j0 in range(0, end, BLOCK_N):
         kt, vt, _, g = _key_tile(
             q, k_ptr, v_ptr, KM, b, rows, tau, j0, N, M, D, DV, ys, CAUSAL, SQUARE, PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV
