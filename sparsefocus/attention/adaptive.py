@@ -172,8 +172,8 @@ def entmax_attention_ref(
     n_queries, n_keys = q.shape[2], k.shape[2]
     allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device)
     if causal:
-        positions = torch.arange(n_keys, device=q.device)
-        allowed = positions[None, :] <= positions[:n_queries, None] + (n_keys - n_queries)
+        rows, cols = torch.arange(n_queries, device=q.device), torch.arange(n_keys, device=q.device)
+        allowed = cols[None, :] <= rows[:, None] + (n_keys - n_queries)
     allowed = allowed[None, None] if key_padding_mask is None else allowed[None, None] & key_padding_mask[:, None, None, :]
     allowed = allowed.expand_as(scores)
     row_has_key = allowed.any(-1, keepdim=True)

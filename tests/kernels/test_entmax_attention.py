@@ -77,6 +77,7 @@ CASES = [
     pytest.param(2, 2, 2, 19, 23, 16, 16, False, True, id="padded"),
     pytest.param(3, 2, 1, 13, 13, 8, 8, True, True, id="padded_causal"),
     pytest.param(1, 2, 1, 24, 150, 64, 40, True, False, id="key_tiles"),
+    pytest.param(1, 2, 2, 40, 25, 16, 8, True, False, id="more_queries_causal"),
 ]
 
 
