@@ -84,8 +84,8 @@ CASES = [
 @pytest.mark.parametrize("alpha", ALPHAS)
 @pytest.mark.parametrize("batch,q_heads,kv_heads,n,m,dim,dim_v,causal,padded", CASES)
 def test_matches_twin_fp32(alpha, batch, q_heads, kv_heads, n, m, dim, dim_v, causal, padded):
-    """Rows with no allowed key (padded: batch row 0; padded_causal: also query 0 of batch row 1)
-    give exactly 0 and their queries exactly zero gradients; keys no query may read get zero dk, dv."""
+    """Rows with no allowed key (padded: batch row 0; padded_causal: also query 0 of batch row 1;
+    more_queries_causal: the first N - M queries) give exactly 0 and their queries exactly zero gradients; keys no query may read get zero dk, dv."""
     q, k, v = make_case(batch, q_heads, kv_heads, n, m, dim, dim_v)
     key_padding_mask = padding_mask(batch, m) if padded else None
     grad = torch.randn(batch, q_heads, n, dim_v, device=DEVICE)
@@ -99,7 +99,7 @@ def test_matches_twin_fp32(alpha, batch, q_heads, kv_heads, n, m, dim, dim_v, ca
     allowed = allowed_keys(n, m, causal, key_padding_mask)
     empty_rows = (~allowed.any(-1)).expand(batch, q_heads, n)  # [B, Hq, N]
     unread_keys = (~allowed.any(-2)).expand(batch, kv_heads, m)  # [B, Hk, M]
-    assert empty_rows.any() == padded and unread_keys.any() == padded
+    assert empty_rows.any() == (padded or (causal and n > m)) and unread_keys.any() == padded
     out, dq, dk, dv = got
     assert not out[empty_rows].any() and not dq[empty_rows].any()
     assert not dk[unread_keys].any() and not dv[unread_keys].any()
