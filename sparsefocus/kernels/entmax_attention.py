@@ -51,7 +51,8 @@ SPLIT_FORWARD = True
 in registers), then the outputs from the stored thresholds in tiles of BLOCK_Q rows, which read
 each key tile once for 64 rows instead of 16; False: one launch does both for its BLOCK_R rows."""
 FWD_WARPS: int | None = None
-"""Warps of a forward program; None: one per 2048 scores of its tile, 4 to 16."""
+"""Warps of a thresholds program; None: one per 4096 scores of its tile (4 for 16 rows of up to
+1024 keys), 4 to 16."""
 NEWTON_STEPS = 12
 """Newton steps on each row's mass before the exact support formula (applied twice)."""
 
