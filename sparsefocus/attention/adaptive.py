@@ -227,7 +227,7 @@ class _AdaptivePattern(Pattern):
 @dataclass(frozen=True)
 class _FusedAdaptive(_AdaptivePattern):
     """Sparsemax and 1.5-entmax: a Triton path through ``kernels.entmax_attention`` (rows of at
-    most ``MAX_KEYS`` keys; other alphas and longer rows take the lean path)."""
+    most ``MAX_KEYS`` keys; other alphas, longer rows and float64 take the lean path)."""
 
     impls: ClassVar[tuple[str, ...]] = ("reference", "lean", "triton")
 
@@ -239,7 +239,7 @@ class _FusedAdaptive(_AdaptivePattern):
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.entmax_attention import entmax_attention, fits
 
-        if not fits(k.shape[-2], self.kernel_alpha):
+        if not fits(k.shape[-2], self.kernel_alpha) or q.dtype == torch.float64:
             k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
             return self.lean(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
         return entmax_attention(q, k, v, self.kernel_alpha, scale, causal, key_padding_mask)

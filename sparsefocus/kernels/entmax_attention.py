@@ -459,6 +459,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, alpha: float, key_padding_mask: Tens
         raise ValueError(f"entmax_attention: alpha must be 1.5 (1.5-entmax) or 2 (sparsemax), got {alpha}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"entmax_attention: q, k, v must be [B, H, N, D], got {list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"entmax_attention: q, k, v must share one of fp16, bf16, fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
     batch, heads, _, width = q.shape
     if k.shape[0] != batch or v.shape[:3] != k.shape[:3] or k.shape[3] != width or heads % max(1, k.shape[1]):
         raise ValueError(

@@ -244,6 +244,10 @@ def test_bad_inputs_get_one_line_errors():
         entmax_attention(q[:, :3], k, v, 1.5, 1.0)  # 3 query heads over 2 kv heads
     with pytest.raises(ValueError, match="entmax_attention"):
         entmax_attention(q, k, v, 1.5, 1.0, key_padding_mask=torch.ones(2, 7, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="entmax_attention: q, k, v must share"):
+        entmax_attention(q, k.half(), v, 1.5, 1.0)
+    with pytest.raises(ValueError, match="entmax_attention: q, k, v must share"):
+        entmax_attention(q.double(), k.double(), v.double(), 1.5, 1.0)
     long_k, long_v = (torch.randn(1, 1, MAX_KEYS + 1, 4, device=DEVICE) for _ in range(2))
     with pytest.raises(ValueError, match="entmax_attention"):
         entmax_attention(torch.randn(1, 1, 3, 4, device=DEVICE), long_k, long_v, 1.5, 1.0)
