@@ -9,6 +9,7 @@ once; the lean path does the same per query chunk, recomputed in the backward (O
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -170,16 +171,19 @@ def entmax_attention_ref(
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scores = torch.matmul(upcast(q), upcast(k).transpose(-1, -2)) * scale  # [B, H, N, M]
     n_queries, n_keys = q.shape[2], k.shape[2]
-    allowed = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device)
-    if causal:
-        rows, cols = torch.arange(n_queries, device=q.device), torch.arange(n_keys, device=q.device)
-        allowed = cols[None, :] <= rows[:, None] + (n_keys - n_queries)
-    allowed = allowed[None, None] if key_padding_mask is None else allowed[None, None] & key_padding_mask[:, None, None, :]
+    # query i sits at key position i + M - N (a negative one reads no key when causal)
+    allowed = allowed_keys(q, k, slice(n_keys - n_queries, n_keys), causal, key_padding_mask)
+    weights = _over_allowed(scores, allowed, lambda masked, _: sparsemax(masked) if alpha == 2.0 else entmax(masked, alpha))
+    return torch.matmul(weights, upcast(v)).to(q.dtype)
+
+
+def _over_allowed(scores: Tensor, allowed: Tensor, normalise: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """normalise(scores with -inf outside the allowed keys, allowed) for scores [B, H, C, M] and a
+    broadcastable allowed mask; rows without an allowed key get zeros."""
     allowed = allowed.expand_as(scores)
     row_has_key = allowed.any(-1, keepdim=True)
     masked = scores.masked_fill(~allowed, float("-inf")).masked_fill(~row_has_key, 0.0)
-    weights = (sparsemax(masked) if alpha == 2.0 else entmax(masked, alpha)) * row_has_key
-    return torch.matmul(weights, upcast(v)).to(q.dtype)
+    return normalise(masked, allowed) * row_has_key
 
 
 @dataclass(frozen=True)
@@ -197,10 +201,8 @@ class _AdaptivePattern(Pattern):
 
     def _weights(self, q, k, rows, causal, scale, key_padding_mask, params) -> Tensor:
         scores = torch.matmul(upcast(q[:, :, rows]), upcast(k).transpose(-1, -2)) * scale  # [B, H, C, M]
-        allowed = allowed_keys(q, k, rows, causal, key_padding_mask).expand_as(scores)
-        row_has_key = allowed.any(-1, keepdim=True)
-        masked = scores.masked_fill(~allowed, float("-inf")).masked_fill(~row_has_key, 0.0)
-        return self.normalise(masked, allowed, params) * row_has_key
+        allowed = allowed_keys(q, k, rows, causal, key_padding_mask)
+        return _over_allowed(scores, allowed, lambda masked, full: self.normalise(masked, full, params))
 
     def row_mask(self, q, k, rows, causal, key_padding_mask=None, params=None):
         with torch.no_grad():
@@ -233,8 +235,8 @@ class _FusedAdaptive(_AdaptivePattern):
 
     @property
     def kernel_alpha(self) -> float:
-        """The alpha the kernel would compute."""
-        raise NotImplementedError
+        """The alpha the kernel computes: 2 (sparsemax); ``Entmax`` gives its own."""
+        return 2.0
 
     def triton(self, q, k, v, *, causal, scale, key_padding_mask, params):
         from sparsefocus.kernels.entmax_attention import entmax_attention, fits
@@ -254,10 +256,6 @@ class Sparsemax(_FusedAdaptive):
     normaliser: ClassVar[str] = "sparsemax"
     name: ClassVar[str] = "sparsemax"
     examples: ClassVar[tuple[str, ...]] = ("sparsemax",)
-
-    @property
-    def kernel_alpha(self) -> float:
-        return 2.0
 
     def normalise(self, scores, allowed, params):
         return sparsemax(scores)
