@@ -42,6 +42,9 @@ from sparsefocus.kernels.entmax_rows import _support_sums, _tau_of
 
 MAX_KEYS = 2048
 """Longest key rows the forward holds in registers; longer ones take the lean path."""
+MAX_PART_KEYS = 1024
+"""Widest part of a forward row: the score loop stages a [part, BLOCK_DS] key slice per pipeline
+stage in shared memory, and 2048 fp32 keys need 264 KB of it, more than an H100 has (232 KB)."""
 TILE = 16384  # fp32 scores of one forward program: BLOCK_R = TILE // columns, 16 to 64 rows
 BLOCK_DS = 16  # head-dimension slice of the forward's whole-row scores
 BLOCK_N = 64  # key tile of the loops over keys
@@ -322,11 +325,12 @@ def _bwd_dkdv_kernel(
 
 def row_blocks(n_keys: int) -> tuple[int, int]:
     """(BLOCK_A, BLOCK_B): the forward's row as one power of two, or as two when that holds fewer
-    columns (601 keys: 512 + 128 instead of 1024); BLOCK_B = 0 for one."""
+    columns (601 keys: 512 + 128 instead of 1024) or when one would be wider than
+    ``MAX_PART_KEYS`` (2048 keys: 1024 + 1024); BLOCK_B = 0 for one."""
     whole = max(16, triton.next_power_of_2(n_keys))
     half = whole // 2
     rest = max(16, triton.next_power_of_2(max(1, n_keys - half)))
-    return (half, rest) if half >= 16 and half + rest < whole else (whole, 0)
+    return (half, rest) if half >= 16 and (half + rest < whole or whole > MAX_PART_KEYS) else (whole, 0)
 
 
 def _sizes(q: Tensor, k: Tensor, v: Tensor) -> dict:

@@ -255,9 +255,11 @@ def test_bad_inputs_get_one_line_errors():
 
 @pytest.mark.parametrize("n_keys", [1, 16, 17, 33, 150, 601, 700, 900, 1024, 1025, MAX_KEYS])
 def test_row_blocks_cover_the_row_in_powers_of_two(n_keys):
-    """The forward's row is one power of two, or two when they hold fewer columns; they cover it."""
+    """The forward's row is one power of two, or two when they hold fewer columns or one would be
+    wider than MAX_PART_KEYS; they cover it."""
     block_a, block_b = entmax_kernel.row_blocks(n_keys)
     whole = max(16, 1 << (n_keys - 1).bit_length())
     assert block_a + block_b >= n_keys and block_a + block_b <= whole
+    assert max(block_a, block_b) <= entmax_kernel.MAX_PART_KEYS
     assert block_a & (block_a - 1) == 0 and block_a >= 16
     assert block_b == 0 or (block_b & (block_b - 1) == 0 and block_b >= 16)
