@@ -16,6 +16,12 @@ the ``kk`` best keys (2048 in DeepSeek-V3.2), far more than the per-row register
    ``_short_select_kernel`` instead: a program holds BLOCK_R rows' scores in registers as packed
    (score, position) keys and takes kk rounds of row maxima, one read of the scores per row.
 
+Short rows skip the score chunk altogether when ``FUSED_SHORT`` is on (the default): one launch,
+``_fused_short_kernel``, computes each [BLOCK_M, BLOCK_N] tile of indexer scores as the scores
+kernel does and merges it into every row's kk best (score, position) entries in registers
+(``topk_select._merge_tile``, ties to the smaller position), so the [B, N, M] fp32 scores are
+neither written nor read back.
+
 Output: [B, N, kk] int32 key positions in increasing position order, -1 past the row's allowed
 keys; no host synchronisation, fixed shapes (``sparsefocus::indexer_topk`` is a custom op).
 Scores on CUDA use 3xTF32 dots (fp32 accuracy on tensor cores); a key whose score is within
@@ -33,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels.topk_select import INT32_MAX, INT32_MIN, INT64_MIN, _ordered_bits, _pack
+from sparsefocus.kernels.topk_select import INT32_MAX, INT32_MIN, INT64_MIN, _merge_tile, _ordered_bits, _pack
 
 CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
 TILE_OVERRIDES: dict = {}
@@ -44,6 +50,29 @@ SHORT_MAX_K = 16
 the row's scores held in registers once and kk rounds of row maxima, instead of the radix
 select's five sweeps and four histograms per row."""
 SHORT_TILE_KEYS = 4096  # packed keys of one short-select program: rows per program = this // keys per row
+FUSED_SHORT = True
+"""Short rows: True, scores and selection in one launch (``_fused_short_kernel``); False, the
+scores chunk, then ``_short_select_kernel``."""
+
+
+@triton.jit
+def _score_tile(
+    IQ, IK, W, b, rows, row_ok, cols, N, M,
+    H: tl.constexpr, D: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """[BM, BN] indexer scores sum_h W[b, row, h] relu(IQ[b, h, row] . IK[b, col]) of the rows
+    ``rows`` (zero where not ``row_ok``) against the keys ``cols`` (zero past M)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    key_ptrs = IK + (b * M + cols[:, None]).to(tl.int64) * D + offs_d[None, :]
+    keys = tl.load(key_ptrs, mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0)  # [BN, BD]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for h in tl.static_range(H):
+        q_ptrs = IQ + ((b * H + h) * N + rows[:, None]).to(tl.int64) * D + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # [BM, BD]
+        weight = tl.load(W + (b * N + rows).to(tl.int64) * H + h, mask=row_ok, other=0.0)  # [BM]
+        total += weight[:, None] * tl.maximum(tl.dot(q, tl.trans(keys), input_precision=PRECISION), 0.0)
+    return total
 
 
 @triton.jit
@@ -72,15 +101,7 @@ def _scores_kernel(
         rows = row0 + local
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] keys
         row_ok = (local < R) & (rows < N)
-        offs_d = tl.arange(0, BLOCK_D)
-        key_ptrs = IK + (b * M + cols[:, None]).to(tl.int64) * D + offs_d[None, :]
-        keys = tl.load(key_ptrs, mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0)  # [BN, BD]
-        total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for h in tl.static_range(H):
-            q_ptrs = IQ + ((b * H + h) * N + rows[:, None]).to(tl.int64) * D + offs_d[None, :]
-            q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # [BM, BD]
-            weight = tl.load(W + (b * N + rows).to(tl.int64) * H + h, mask=row_ok, other=0.0)  # [BM]
-            total += weight[:, None] * tl.maximum(tl.dot(q, tl.trans(keys), input_precision=PRECISION), 0.0)
+        total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
         out = S + (b * R + local[:, None]).to(tl.int64) * M + cols[None, :]
         tl.store(out, total, mask=row_ok[:, None] & (cols[None, :] < M))
 
@@ -224,20 +245,60 @@ def _short_select_kernel(
         position = INT32_MAX - (best & 0xFFFFFFFF).to(tl.int32)
         picked = tl.where((slots[None, :] == r) & (best != INT64_MIN)[:, None], position[:, None], picked)
         key = tl.where(key == best[:, None], INT64_MIN, key)  # positions are unique: one key per row
+    _store_by_position(picked, slots, OUT + (b * N + row[:, None]).to(tl.int64) * KK, live, KK)
+
+
+@triton.jit
+def _store_by_position(picked, slots, out_rows, live, KK: tl.constexpr):
+    """Store each row's picks [BR, KP] (INT32_MAX = none) in increasing position order at
+    ``out_rows`` [BR, 1], -1 for the empty ones, which go last."""
     # rank by position (slot breaks the ties of the empty picks): [BR, KP, KP] -> [BR, KP]
     before = (picked[:, None, :] < picked[:, :, None]) | (
         (picked[:, None, :] == picked[:, :, None]) & (slots[None, None, :] < slots[None, :, None])
     )
     rank = tl.sum(before.to(tl.int32), axis=2)
-    out = OUT + (b * N + row[:, None]).to(tl.int64) * KK + rank
-    tl.store(out, tl.where(picked == INT32_MAX, -1, picked), mask=live[:, None] & (slots[None, :] < KK))
+    tl.store(out_rows + rank, tl.where(picked == INT32_MAX, -1, picked), mask=live[:, None] & (slots[None, :] < KK))
+
+
+@triton.jit
+def _fused_short_kernel(
+    IQ, IK, W, PAD, OUT, N, M,
+    H: tl.constexpr, D: tl.constexpr, KK: tl.constexpr, KP: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The kk best keys of BLOCK_M rows of one batch in one sweep over their keys: each [BM, BN]
+    tile of indexer scores (-inf where not allowed) merged into the rows' kept (score, position)
+    entries [BM, KP] (padding slots +inf, never the worst); then written by position, -1 where a
+    row has fewer than kk allowed keys. The same scores and tie rule as the two-launch path."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    row_ok = rows < N
+    slots = tl.arange(0, KP)  # [KP]
+    best_s = tl.where(slots[None, :] < KK, float("-inf"), float("inf")) + tl.zeros([BLOCK_M, KP], tl.float32)
+    best_p = (INT32_MAX - slots[None, :]) + tl.zeros([BLOCK_M, KP], tl.int32)  # distinct: the worst is unique
+    hi = tl.minimum(M, pid * BLOCK_M + BLOCK_M) if CAUSAL else M  # causal: no tile past the last row's key
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)  # [BN]
+        total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+        allowed = row_ok[:, None] & (cols < M)[None, :]
+        if CAUSAL:
+            allowed = allowed & (cols[None, :] <= rows[:, None])
+        if HAS_PAD:
+            allowed = allowed & (tl.load(PAD + b.to(tl.int64) * M + cols, mask=cols < M, other=0) != 0)[None, :]
+        best_s, best_p = _merge_tile(best_s, best_p, tl.where(allowed, total, float("-inf")), cols)
+    picked = tl.where((best_s > float("-inf")) & (slots[None, :] < KK), best_p, INT32_MAX)
+    _store_by_position(picked, slots, OUT + (b * N + rows[:, None]).to(tl.int64) * KK, row_ok, KK)
 
 
 def _tiles(iq: Tensor) -> dict:
+    """Launch tiles; ``FUSED_M``, ``FUSED_N``, ``fused_warps``: the one-launch short path's (the
+    TOPK short kernel's choice, not tuned for the indexer)."""
     if iq.is_cuda:
-        tiles = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, SELECT_BLOCK=1024, select_warps=4)
+        tiles = dict(
+            BLOCK_M=64, BLOCK_N=64, num_warps=4, SELECT_BLOCK=1024, select_warps=4, FUSED_M=64, FUSED_N=128, fused_warps=4
+        )
     else:  # interpreter: several tiles and select blocks at test sizes
-        tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, SELECT_BLOCK=64, select_warps=1)
+        tiles = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, SELECT_BLOCK=64, select_warps=1, FUSED_M=16, FUSED_N=16, fused_warps=1)
     return tiles | TILE_OVERRIDES
 
 
@@ -250,10 +311,18 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
     if n_queries == 0:
         return out
     tiles = _tiles(iq)
-    chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * n_keys)))
-    scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
     iq, ik, w = iq.contiguous(), ik.contiguous(), w.contiguous()
+    if FUSED_SHORT and n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K:
+        _fused_short_kernel[(triton.cdiv(n_queries, tiles["FUSED_M"]), batch)](
+            iq, ik, w, pad, out, n_queries, n_keys,
+            H=heads, D=dim, KK=kk, KP=max(2, triton.next_power_of_2(kk)), CAUSAL=causal, HAS_PAD=key_padding_mask is not None,
+            PRECISION="tf32x3", BLOCK_M=tiles["FUSED_M"], BLOCK_N=tiles["FUSED_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)),
+            num_warps=tiles["fused_warps"],
+        )  # fmt: skip
+        return out
+    chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * n_keys)))
+    scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
     for row0 in range(0, n_queries, chunk):
         rows = min(chunk, n_queries - row0)
         grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(max(1, n_keys), tiles["BLOCK_N"]), batch)

@@ -1,5 +1,6 @@
-"""The lightning-indexer selection against DSA's PyTorch selection, with the radix select and with
-the short-row select (each test runs both): the same key sets (tie rule included) at odd sizes,
+"""The lightning-indexer selection against DSA's PyTorch selection, with the radix select, the
+short-row select after the scores chunk and the one-launch fused short path (each test runs all
+three): the same key sets (tie rule included) at odd sizes,
 causal and padded keys never chosen, -1 fill, ties, the chunked rows, the op's registration
 (opcheck) and compilation."""
 
@@ -14,10 +15,13 @@ from sparsefocus.kernels.indexer_topk import indexer_topk
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=["short", "radix"])
+@pytest.fixture(autouse=True, params=["fused", "short", "radix"])
 def select_kernel(request, monkeypatch):
-    """Every case through the short-row select (rows in registers, up to 64 picks here) or the radix select."""
-    monkeypatch.setattr(indexer_topk_module, "SHORT_MAX_K", 64 if request.param == "short" else 0)
+    """Every case through the fused short path (scores merged into each row's kept entries in one
+    launch), the short-row select over the scores chunk (rows in registers), both up to 64 picks
+    here, or the radix select."""
+    monkeypatch.setattr(indexer_topk_module, "SHORT_MAX_K", 0 if request.param == "radix" else 64)
+    monkeypatch.setattr(indexer_topk_module, "FUSED_SHORT", request.param == "fused")
     return request.param
 
 
