@@ -51,7 +51,11 @@ def hash_buckets(x: Tensor, rotation: Tensor, buckets: int) -> Tensor:
     if buckets == 1:
         return torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
     projected = torch.matmul(upcast(x), rotation)  # [B, H, L, buckets/2]
-    return torch.cat([projected, -projected], dim=-1).argmax(dim=-1)
+    # argmax of [p; -p] without building it: the first maximum of p when max p >= -min p (the
+    # first half comes first), else the first minimum of p in the second half
+    top, top_at = projected.max(dim=-1)
+    low, low_at = projected.min(dim=-1)
+    return torch.where(top >= -low, top_at, low_at + projected.shape[-1])
 
 
 def key_buckets(k: Tensor, rotation: Tensor, buckets: int, key_padding_mask: Tensor | None) -> Tensor:

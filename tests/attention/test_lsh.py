@@ -26,6 +26,19 @@ def test_one_bucket_keeps_own_and_previous_chunk_of_positions():
     assert torch.equal(mask, expected)
 
 
+@pytest.mark.parametrize("buckets", [2, 6, 16])
+def test_hash_buckets_is_the_argmax_over_both_signs_ties_included(buckets):
+    """hash_buckets against its definition argmax([x R; -x R]) (first maximum on ties), on small
+    integer inputs where ties within p, within -p and between max p and -min p are common."""
+    generator = torch.Generator().manual_seed(buckets)
+    x = torch.randint(-1, 2, (2, 3, 50, 4), generator=generator).float()
+    rotation = torch.randint(-1, 2, (4, buckets // 2), generator=generator).float()
+    projected = x @ rotation
+    expected = torch.cat([projected, -projected], dim=-1).argmax(dim=-1)
+    assert (projected.amax(-1) == -projected.amin(-1)).any()  # the cross-half ties do occur
+    assert torch.equal(hash_buckets(x, rotation, buckets), expected)
+
+
 def test_kept_keys_share_the_query_bucket_except_the_own_position():
     q, k = random_qk(40, seed=1)
     spec = sf.parse_pattern("lsh:buckets=4,chunk=40")
