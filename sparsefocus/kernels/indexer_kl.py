@@ -16,6 +16,10 @@ slots and gathers the keys straight into ``tl.dot`` tiles, three times:
    d iq_h = sum_j d pre_hj ik_j in registers and d ik_j += sum_h d pre_hj iq_h by atomic adds
    (other rows list the same keys), d pre = d logit w where the pre-activation is positive.
 
+Small rows (one query head and lists of 5, as the laboratory's: ``SMALL_PRODUCT``) multiply in
+registers instead of ``tl.dot``, whose operand tiles are padded to 16 rows and staged in shared
+memory, which limits how many of these one-row programs an SM holds.
+
 Outputs per row: the KL (0 for a row without a key), whether it has a key, and the unnormalised
 gradients; ``attention.dsa`` takes the means over rows. ``sparsefocus::indexer_kl`` is a custom op
 (fixed shapes, no host synchronisation). The sums of d ik run in no fixed order.
@@ -31,6 +35,35 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # scores in log2 units for exp2
+SMALL_PRODUCT = 2048
+"""Rows whose tiles' largest product (padded heads x list slots x head width) holds at most this
+many elements take the register path (``DOT=False``): products summed in registers instead of
+``tl.dot``, whose operand tiles, padded to 16 rows and staged in shared memory, limit how many
+programs of one row each an SM holds (the laboratory's ListOps DSA: one query head, lists of 5)."""
+
+
+@triton.jit
+def _dot_t(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a [M, K] @ b [N, K]^T -> [M, N] fp32: ``tl.dot``, or (DOT=False) products summed in registers."""
+    if DOT:
+        return tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _dot_nn(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a [M, K] @ b [K, N] -> [M, N] fp32, as ``_dot_t``."""
+    if DOT:
+        return tl.dot(a, b, input_precision=PRECISION)
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
+def _dot_tn(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """a [K, M]^T @ b [K, N] -> [M, N] fp32, as ``_dot_t``."""
+    if DOT:
+        return tl.dot(tl.trans(a), b, input_precision=PRECISION)
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[:, None, :], axis=0)
 
 
 @triton.jit
@@ -50,6 +83,7 @@ def _main_scores(
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """[BH, BK] scores of the query heads (rows) on the listed keys ``pos`` [BK], in log2 units;
     -inf at unused slots. Head h reads kv head h // G."""
@@ -58,7 +92,7 @@ def _main_scores(
     for g in range(HK):
         rows = ((b * HK + g).to(tl.int64) * M + tl.where(valid, pos, 0)) * D  # [BK]
         keys = tl.load(K + rows[:, None] + offs_d[None, :], mask=valid[:, None] & (offs_d[None, :] < D), other=0.0)
-        part = tl.dot(q, tl.trans(keys), input_precision=PRECISION)  # [BH, BK]
+        part = _dot_t(q, keys, DOT, PRECISION)  # [BH, BK]
         scores += tl.where((heads // G == g)[:, None], part, 0.0)
     return tl.where(valid[None, :], scores * (scale * LOG2E), float("-inf"))
 
@@ -72,12 +106,14 @@ def _slots(IDX, row, s0, KK, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _indexer_logits(IK, iq, w, b, pos, valid, M, DI: tl.constexpr, BLOCK_DI: tl.constexpr, PRECISION: tl.constexpr):
+def _indexer_logits(
+    IK, iq, w, b, pos, valid, M, DI: tl.constexpr, BLOCK_DI: tl.constexpr, PRECISION: tl.constexpr, DOT: tl.constexpr
+):
     """(indexer keys [BK, BDI], pre-activations [BI, BK], logits [BK], -inf at unused slots)."""
     offs_e = tl.arange(0, BLOCK_DI)
     rows = (b.to(tl.int64) * M + tl.where(valid, pos, 0)) * DI
     ikt = tl.load(IK + rows[:, None] + offs_e[None, :], mask=valid[:, None] & (offs_e[None, :] < DI), other=0.0)
-    pre = tl.dot(iq, tl.trans(ikt), input_precision=PRECISION)  # [BI, BK]
+    pre = _dot_t(iq, ikt, DOT, PRECISION)  # [BI, BK]
     logits = tl.sum(w[:, None] * tl.maximum(pre, 0.0), axis=0)
     return ikt, pre, tl.where(valid, logits, float("-inf"))
 
@@ -112,6 +148,7 @@ def _kl_kernel(
     GRADS: tl.constexpr,
     PRECISION: tl.constexpr,
     PRECISION_I: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     t, b = tl.program_id(0), tl.program_id(1)
     row = b.to(tl.int64) * NR + t  # this row in [B, NR]
@@ -135,7 +172,7 @@ def _kl_kernel(
     total = tl.zeros([BLOCK_H], tl.float32)
     for s0 in range(0, KK, BLOCK_K):
         pos, valid = _slots(IDX, row, s0, KK, BLOCK_K)
-        s = _main_scores(q, K, b, pos, valid, heads, HK, G, M, scale, D, BLOCK_H, BLOCK_D, BLOCK_K, PRECISION)
+        s = _main_scores(q, K, b, pos, valid, heads, HK, G, M, scale, D, BLOCK_H, BLOCK_D, BLOCK_K, PRECISION, DOT)
         m_new = tl.maximum(m, tl.max(s, axis=1))
         m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
         total = total * tl.exp2(m - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), axis=1)
@@ -150,10 +187,10 @@ def _kl_kernel(
     t_sum = tl.zeros([], tl.float32)
     for s0 in range(0, KK, BLOCK_K):
         pos, valid = _slots(IDX, row, s0, KK, BLOCK_K)
-        s = _main_scores(q, K, b, pos, valid, heads, HK, G, M, scale, D, BLOCK_H, BLOCK_D, BLOCK_K, PRECISION)
+        s = _main_scores(q, K, b, pos, valid, heads, HK, G, M, scale, D, BLOCK_H, BLOCK_D, BLOCK_K, PRECISION, DOT)
         p = tl.where(head_ok[:, None] & valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
         target = tl.sum(p, axis=0) / HQ  # [BK]
-        _, _, logits = _indexer_logits(IK, iq, w, b, pos, valid, M, DI, BLOCK_DI, PRECISION_I)
+        _, _, logits = _indexer_logits(IK, iq, w, b, pos, valid, M, DI, BLOCK_DI, PRECISION_I, DOT)
         lm_new = tl.maximum(lm, tl.max(logits, axis=0))
         lm_safe = tl.where(lm_new > float("-inf"), lm_new, 0.0)
         lm_old = tl.where(lm > float("-inf"), lm, lm_safe)
@@ -175,15 +212,15 @@ def _kl_kernel(
         d_iq = tl.zeros([BLOCK_I, BLOCK_DI], tl.float32)
         for s0 in range(0, KK, BLOCK_K):
             pos, valid = _slots(IDX, row, s0, KK, BLOCK_K)
-            s = _main_scores(q, K, b, pos, valid, heads, HK, G, M, scale, D, BLOCK_H, BLOCK_D, BLOCK_K, PRECISION)
+            s = _main_scores(q, K, b, pos, valid, heads, HK, G, M, scale, D, BLOCK_H, BLOCK_D, BLOCK_K, PRECISION, DOT)
             p = tl.where(head_ok[:, None] & valid[None, :], tl.exp2(s - lse[:, None]), 0.0)
             target = tl.sum(p, axis=0) / HQ
-            ikt, pre, logits = _indexer_logits(IK, iq, w, b, pos, valid, M, DI, BLOCK_DI, PRECISION_I)
+            ikt, pre, logits = _indexer_logits(IK, iq, w, b, pos, valid, M, DI, BLOCK_DI, PRECISION_I, DOT)
             d_logits = tl.where(valid, tl.exp(tl.where(valid, logits - lse_i, 0.0)) * t_sum - target, 0.0)  # [BK]
             d_w += tl.sum(d_logits[None, :] * tl.maximum(pre, 0.0), axis=1)
             d_pre = tl.where(pre > 0, d_logits[None, :] * w[:, None], 0.0)  # [BI, BK]
-            d_iq += tl.dot(d_pre, ikt, input_precision=PRECISION_I)
-            d_ik = tl.dot(tl.trans(d_pre), iq, input_precision=PRECISION_I)  # [BK, BDI]
+            d_iq += _dot_nn(d_pre, ikt, DOT, PRECISION_I)
+            d_ik = _dot_tn(d_pre, iq, DOT, PRECISION_I)  # [BK, BDI]
             rows = (b.to(tl.int64) * M + tl.where(valid, pos, 0)) * DI
             tl.atomic_add(
                 DIK + rows[:, None] + offs_e[None, :], d_ik, mask=valid[:, None] & (offs_e[None, :] < DI), sem="relaxed"
@@ -209,11 +246,20 @@ def slots_per_tile(q_heads: int, dim: int, heads: int, idim: int) -> int | None:
     return None
 
 
-def launch_shape(q_heads: int, dim: int, heads: int, idim: int, list_length: int) -> tuple[int, int]:
-    """(list slots a CUDA program takes at a time, warps) for lists of ``list_length`` slots: the
-    ``slots_per_tile`` limit, but no wider than the padded list (the laboratory's lists of 5 read
-    16 slots, not 64 of which 59 are empty), and one warp where both tiles hold at most 512
-    elements. A ValueError where the tiles do not fit a program at all."""
+def launch_shape(q_heads: int, dim: int, heads: int, idim: int, list_length: int) -> tuple[int, int, bool]:
+    """(list slots a CUDA program takes at a time, warps, whether it multiplies with ``tl.dot``)
+    for lists of ``list_length`` slots. Rows whose products hold at most ``SMALL_PRODUCT``
+    elements take the register path, as many slots as the padded list, one warp. Otherwise the
+    ``slots_per_tile`` limit, but no wider than the padded list (lists of 40 read 64 slots), and
+    one warp where both tiles hold at most 512 elements. A ValueError where the tiles do not fit
+    a program at all."""
+    width = triton.next_power_of_2(max(1, list_length))
+    biggest = max(
+        triton.next_power_of_2(q_heads) * triton.next_power_of_2(dim),
+        triton.next_power_of_2(heads) * triton.next_power_of_2(idim),
+    )
+    if biggest * width <= SMALL_PRODUCT:
+        return width, 1, False
     slots = slots_per_tile(q_heads, dim, heads, idim)
     if slots is None:
         raise ValueError(
@@ -221,7 +267,7 @@ def launch_shape(q_heads: int, dim: int, heads: int, idim: int, list_length: int
         )
     slots = min(slots, _pow2(list_length))
     small = _pow2(q_heads) * slots <= 512 and _pow2(heads) * slots <= 512
-    return slots, 1 if small else 4
+    return slots, 1 if small else 4, True
 
 
 @torch.library.custom_op("sparsefocus::indexer_kl", mutates_args=())
@@ -239,14 +285,16 @@ def _indexer_kl_op(
     d_ik = torch.zeros_like(ik)
     if n_rows == 0:
         return kl, has, d_iq, d_ik, d_w
-    # the interpreter: 16 slots, so that test-sized lists span several tiles
-    slots, warps = launch_shape(q_heads, dim, heads, idim, index.shape[-1]) if q.is_cuda else (16, 1)
+    slots, warps, dot = launch_shape(q_heads, dim, heads, idim, index.shape[-1])
+    if not q.is_cuda:  # the interpreter: at most 16 slots, so that test-sized lists span several tiles
+        slots, warps = min(slots, 16), 1
+    pad = _pow2 if dot else triton.next_power_of_2  # tl.dot needs 16 rows and columns
     _kl_kernel[(n_rows, batch)](
         q, k, index, iq, ik, w, kl, has, d_iq, d_w, d_ik,
         q_heads, kv_heads, n_rows, n_keys, index.shape[-1], heads, scale,
-        D=dim, DI=idim, BLOCK_H=_pow2(q_heads), BLOCK_D=_pow2(dim), BLOCK_I=_pow2(heads), BLOCK_DI=_pow2(idim),
+        D=dim, DI=idim, BLOCK_H=pad(q_heads), BLOCK_D=pad(dim), BLOCK_I=pad(heads), BLOCK_DI=pad(idim),
         BLOCK_K=slots, GRADS=grads,
-        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", PRECISION_I="tf32x3",
+        PRECISION="tf32x3" if q.dtype == torch.float32 else "tf32", PRECISION_I="tf32x3", DOT=dot,
         num_warps=warps,
     )  # fmt: skip
     return kl, has, d_iq, d_ik, d_w

@@ -126,9 +126,14 @@ def test_dsa_per_group_calls_equal_one_call(monkeypatch):
         torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("path", ["dot", "registers"])
 @pytest.mark.parametrize("q_heads, kv_heads, dtype", [(4, 2, torch.float32), (16, 1, torch.float16), (3, 3, torch.float32)])
-def test_fused_kl_op_equals_the_chunked_loss_and_gradients(q_heads, kv_heads, dtype):
+def test_fused_kl_op_equals_the_chunked_loss_and_gradients(q_heads, kv_heads, dtype, path, monkeypatch):
+    """Both ways a program multiplies its tiles: ``tl.dot``, or products summed in registers."""
+    from sparsefocus.kernels import indexer_kl as indexer_kl_module
     from sparsefocus.kernels.indexer_kl import indexer_kl
+
+    monkeypatch.setattr(indexer_kl_module, "SMALL_PRODUCT", 0 if path == "dot" else 2**30)
 
     batch, n, slots, heads, idim = 2, 37, 21, 3, 8
     q, k = torch.randn(batch, q_heads, n, 16, dtype=dtype), torch.randn(batch, kv_heads, n, 16, dtype=dtype)
@@ -177,13 +182,14 @@ def test_fused_kl_tiles_shrink_with_the_heads_and_give_way_beyond_them():
 
 
 def test_fused_kl_launch_reads_short_lists_in_narrow_tiles_with_one_warp():
-    """Lists shorter than a tile take a tile as wide as the padded list (16 slots for the
-    laboratory's 5 keys, not 64), and small tiles one warp; long lists keep the shared-memory limit."""
+    """Small rows (the laboratory's one head and lists of 5) take the register path with tiles as
+    wide as the padded list and one warp; larger ones tl.dot tiles no wider than the padded list
+    (64 slots for 40 keys), one warp for small tiles, and the shared-memory limit for long lists."""
     from sparsefocus.kernels.indexer_kl import launch_shape
 
-    assert launch_shape(1, 64, 4, 16, 5) == (16, 1)  # the laboratory's ListOps DSA
-    assert launch_shape(1, 64, 4, 16, 40) == (64, 4)
-    assert launch_shape(16, 64, 4, 64, 2048) == (64, 4)  # the benchmark's top-2048
-    assert launch_shape(128, 128, 64, 128, 2048) == (16, 4)
+    assert launch_shape(1, 64, 4, 16, 5) == (8, 1, False)  # the laboratory's ListOps DSA
+    assert launch_shape(1, 64, 4, 16, 40) == (64, 4, True)
+    assert launch_shape(16, 64, 4, 64, 2048) == (64, 4, True)  # the benchmark's top-2048
+    assert launch_shape(128, 128, 64, 128, 2048) == (16, 4, True)
     with pytest.raises(ValueError, match="do not fit one program's tiles"):
         launch_shape(128, 192, 64, 128, 5)
