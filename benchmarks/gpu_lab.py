@@ -228,6 +228,7 @@ def throughput(
     path: Path = LISTOPS,
     done: dict | None = None,
     on_case: Callable[[dict], None] | None = None,
+    top: int = 12,
 ) -> dict:
     """ms per training step and seconds per whole evaluation, 10 seeds folded, per mechanism and,
     with ``forms``, per ``train.fast_attention`` (cases "MECHANISM/PRECISION/FORM", timed one
@@ -243,7 +244,7 @@ def throughput(
                     continue
                 more = [f"train.compile={compile_mode}", *([f"train.fast_attention={form}"] if form else [])]
                 config = experiment_config(out, path.stem, [mechanism], PAPER_SEEDS, precision, extra, *more, path=path)
-                results[case] = _time_case(config, mechanism, precision, steps)
+                results[case] = _time_case(config, mechanism, precision, steps, top)
                 if DEVICE == "cuda":
                     torch.cuda.empty_cache()
                 print(f"throughput {case}: {results[case]}", flush=True)
@@ -252,20 +253,20 @@ def throughput(
     return results
 
 
-def _time_case(config, mechanism: str, precision: tuple[str, str], steps: int) -> dict:
+def _time_case(config, mechanism: str, precision: tuple[str, str], steps: int, top: int = 12) -> dict:
     """One throughput case, or ``{"error": ...}`` when it fails (its traceback printed), so that
     the cases timed before and after it are kept."""
     try:
         with matmul_precision(precision[0]), fast_attention(config.train.fast_attention):
             if DEVICE == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            return _time_trainer(trainer_for(config, mechanism, PAPER_SEEDS), steps)
+            return _time_trainer(trainer_for(config, mechanism, PAPER_SEEDS), steps, top)
     except Exception as error:  # any failure of one case is recorded, not fatal
         traceback.print_exc()
         return {"error": f"{type(error).__name__}: {error}"[:2000]}
 
 
-def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
+def _time_trainer(trainer: GroupTrainer, steps: int, top: int = 12) -> dict:
     params = list(trainer.model.parameters())
     batch = trainer.train_cfg.batch_size
     order = torch.stack([torch.randperm(trainer.train_inputs.shape[1], device=DEVICE) for _ in range(trainer.runs)])
@@ -322,7 +323,7 @@ def _time_trainer(trainer: GroupTrainer, steps: int) -> dict:
             f"{name}_profile": {
                 "device_ms": device_ms(events, device),
                 "kernels": count_kernels(events),
-                "top_kernels": top_kernels(events, device, 12),
+                "top_kernels": top_kernels(events, device, top),
             }
             for name, events in profiles.items()
         },
@@ -469,6 +470,9 @@ def parse_args() -> argparse.Namespace:
         "--constant", action="append", default=[], metavar="MODULE.NAME=VALUE", help="a sparsefocus module constant to set"
     )
     parser.add_argument("--only-throughput", action="store_true", help="time the step and stop: no check, fidelity or study")
+    parser.add_argument(
+        "--top-kernels", type=int, default=12, help="heaviest kernels listed per profiled step and evaluation chunk (default 12)"
+    )
     args = parser.parse_args()
     for mechanism in args.throughput_mechanism or ():
         try:
@@ -543,6 +547,7 @@ def main() -> int:
             args.throughput_config,
             done=state.get("throughput"),
             on_case=keep,
+            top=args.top_kernels,
         )
     elif "throughput" not in state:
         print(f"throughput not started: {left():.0f} s of the budget left, --min-stage needs {args.min_stage:.0f}", flush=True)
