@@ -78,6 +78,20 @@ def test_key_lists_equal_dense_definition_when_lengths_differ(n, m):
     assert torch.equal(dense, lists)
 
 
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_key_lists_hold_each_kept_key_once(rounds, causal):
+    """The lists give the definition's mask and list no key twice: one round's own position,
+    when its bucket window holds it too, is dropped without sorting; several rounds are deduplicated."""
+    q, k = random_qk(45, seed=7)
+    spec = sf.parse_pattern(f"lsh:buckets=2,chunk=6,rounds={rounds}")
+    index = spec.indices(q, k, causal, None, None)
+    assert torch.equal(mask_from_indices(index, 45), spec.full_mask(q, k, causal, None, None))
+    ordered = index.sort(-1).values
+    repeats = (ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)
+    assert not repeats.any()
+
+
 def test_causal_selection_of_past_rows_ignores_future_queries_and_keys():
     q, k = random_qk(40, seed=5)
     before = sf.selection_mask("lsh:buckets=4,chunk=3,rounds=2", q, k, causal=True)
