@@ -127,7 +127,9 @@ def test_dsa_per_group_calls_equal_one_call(monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["dot", "registers"])
-@pytest.mark.parametrize("q_heads, kv_heads, dtype", [(4, 2, torch.float32), (16, 1, torch.float16), (3, 3, torch.float32)])
+@pytest.mark.parametrize(
+    "q_heads, kv_heads, dtype", [(4, 2, torch.float32), (16, 1, torch.float16), (3, 3, torch.float32), (1, 1, torch.float32)]
+)
 def test_fused_kl_op_equals_the_chunked_loss_and_gradients(q_heads, kv_heads, dtype, path, monkeypatch):
     """Both ways a program multiplies its tiles: ``tl.dot``, or products summed in registers."""
     from sparsefocus.kernels import indexer_kl as indexer_kl_module
