@@ -193,13 +193,14 @@ class LSH(IndexedPattern):
         with torch.no_grad():
             lists = [self.round_indices(qb, kb) for qb, kb in self._round_buckets(q, k, key_padding_mask)]
             own = own_position(q.shape[-2], k.shape[-2], q.device).expand(*lists[0].shape[:-1], 1)
-            if len(lists) == 1:  # one round's slots are distinct keys: only the own position can repeat one
+            one_round = len(lists) == 1  # its slots are distinct keys: only the own position can repeat one
+            if one_round:
                 own = torch.where((lists[0] == own).any(-1, keepdim=True), torch.full_like(own, -1), own)
             index = torch.cat(lists + [own], dim=-1)  # [B, H, N, 2 C R + 1]
             if causal:
                 query_pos = torch.arange(q.shape[-2], device=q.device)[:, None]
                 index = torch.where(index > query_pos, torch.full_like(index, -1), index)
-            return index if len(lists) == 1 else dedupe_indices(index)
+            return index if one_round else dedupe_indices(index)
 
 
 @torch.library.custom_op("sparsefocus::lsh_key_lists", mutates_args=())
