@@ -20,7 +20,6 @@ LN2 = math.log(2.0)
 ROW_TOPK = "auto"
 """``top_positions`` on short rows: "auto" (the Triton kernel ``row_topk`` on CUDA), "triton" (the
 kernel everywhere; the CPU through Triton's interpreter, for tests) or "torch" (``torch.topk``)."""
-ROW_DOT_ELEMENTS = 2**24  # largest chunk of fp32 products ``row_dot`` makes at once (64 MiB)
 
 
 def op_name(name: str) -> str:
@@ -43,19 +42,6 @@ def lse_from_weight_sum(total: Tensor) -> Tensor:
     """Cauchy rows: log of the sum of the weights (0 for a row with no key: -inf). A Cauchy weight
     is exp(log w), so this is the log-sum-exp of the scores log w and merges like a softmax's."""
     return total.log()
-
-
-def row_dot(a: Tensor, b: Tensor) -> Tensor:
-    """sum(a * b, -1) in fp32 for [..., D] tensors (a backward's delta = rowsum(out * grad_out)),
-    in chunks of rows: the whole fp32 copies of out and grad_out and their product (3 GiB at
-    B=4, H=16, N=64K, D=64) would set a backward's peak memory."""
-    width = a.shape[-1]
-    flat_a, flat_b = a.reshape(-1, width), b.reshape(-1, width)  # [R, D]
-    out = torch.empty(flat_a.shape[0], dtype=torch.float32, device=a.device)
-    step = max(1, ROW_DOT_ELEMENTS // max(1, width))
-    for start in range(0, flat_a.shape[0], step):
-        out[start : start + step] = (flat_a[start : start + step].float() * flat_b[start : start + step].float()).sum(-1)
-    return out.view(a.shape[:-1])
 
 
 def kernel_chosen(choice: str, like: Tensor) -> bool:

@@ -42,7 +42,7 @@ import triton.language as tl
 from torch import Tensor
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import row_dot
+from sparsefocus.kernels.row_delta import row_delta
 
 GROUP_TILE = 0
 LOG2E = 1.4426950408889634
@@ -725,7 +725,7 @@ def block_sparse_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Backward op of ``block_sparse_fwd``: (dq, dk, dv) in the inputs' dtypes."""
     run = _Launch(q, k, v, blocks, block_size, tile)
-    delta = row_dot(out, grad_out) - grad_lse.float()  # [B, Hq, N]
+    delta = row_delta(out, grad_out, grad_lse)  # [B, Hq, N] fp32
     real = _real_arg(key_real, q)
     flags = run.constexprs(causal, key_real is not None, window, row_bits is not None)
     sizes = (run.n, run.m)

@@ -39,7 +39,8 @@ from torch import Tensor
 
 from sparsefocus.attention.common import gather_keys, indexed_scores, masked_softmax, upcast
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import lse_from_log2, row_dot
+from sparsefocus.kernels._ops import lse_from_log2
+from sparsefocus.kernels.row_delta import row_delta
 
 LOG2E = 1.4426950408889634
 MIN_ROWS = 16  # the fewest rows a tl.dot tile takes: groups of fewer heads are padded
@@ -246,7 +247,7 @@ def group_indexed_bwd(
     """Backward op of ``group_indexed_fwd`` (grad_lse: the gradient of the natural-log lse)."""
     dim, dv = q.shape[3], v.shape[3]
     # d lse / d s = p, so the lse's gradient enters ds = p * (dp - delta) as -grad_lse in delta
-    delta = (row_dot(grad_out, out) - grad_lse).contiguous()  # [B, Hq, N]
+    delta = row_delta(grad_out, out, grad_lse)  # [B, Hq, N] fp32, contiguous
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv_buf = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
