@@ -353,4 +353,3 @@ def test_public_functions_make_no_host_sync():
         every_kernel(*inputs)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-
