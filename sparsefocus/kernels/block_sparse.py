@@ -671,14 +671,123 @@ def _entry_bits(row_bits: Optional[Tensor], order: Tensor) -> Tensor:
     return torch.gather(row_bits.reshape(order.shape[0], -1), 1, order).contiguous()
 
 
-def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, Tensor]:
+@triton.jit
+def _inverse_kernel(
+    FLAT,
+    ROW_BITS,
+    CODES,
+    ENTRY_BITS,
+    ITEM_BLOCK,
+    ITEM_START,
+    ITEM_END,
+    XOFF,
+    L,
+    NB,
+    W,
+    SLOTS,
+    E,
+    HAS_BITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
+    """``inverse_lists`` of one row FLAT[bhk] [L] in one program (see ``_inverse_lists_torch``).
+
+    The stable sort by block is one sort of keys block * BLOCK_L + slot (unused slots as block NB,
+    padding lanes NB + 1, so both come last); block offsets are an exclusive scan of a histogram."""
+    bhk = tl.program_id(0)
+    lane = tl.arange(0, BLOCK_L)  # [BL]
+    inside = lane < L
+    blk = tl.load(FLAT + bhk * L + lane, mask=inside, other=-1)
+    keyed = tl.where(inside, tl.where(blk >= 0, blk, NB), NB + 1)  # [BL] in [0, NB + 1]
+    ordered = tl.sort(keyed * BLOCK_L + lane)  # stable: equal blocks keep their slot order
+    order = ordered % BLOCK_L  # [BL] the slot each sorted entry came from (the first L are real)
+    tl.store(CODES + bhk * L + lane, order // SLOTS, mask=inside)
+    if HAS_BITS:
+        tl.store(ENTRY_BITS + bhk * L + lane, tl.load(ROW_BITS + bhk * L + order, mask=inside, other=0), mask=inside)
+    counts = tl.histogram(keyed, BLOCK_B)  # [BB] entries per block (bins NB, NB + 1: unused, padding)
+    ids = tl.arange(0, BLOCK_B)
+    counts = tl.where(ids < NB, counts, 0)
+    ends = tl.cumsum(counts, 0)  # [BB] offsets[b + 1]
+    starts = ends - counts  # [BB] offsets[b]; offsets[NB] = the used entries
+    extra = tl.where(ids < NB, tl.maximum((counts + E - 1) // E - 1, 0), 0)  # further items of a busy block
+    xoff = tl.cumsum(extra, 0) - extra  # [BB] exclusive: xoff[b]
+    tl.store(XOFF + bhk * (NB + 1) + ids, xoff, mask=ids <= NB)
+    first = ids < NB  # item b < NB: block b's first run of at most E entries
+    tl.store(ITEM_BLOCK + bhk * W + ids, ids, mask=first)
+    tl.store(ITEM_START + bhk * W + ids, starts, mask=first)
+    tl.store(ITEM_END + bhk * W + ids, tl.minimum(starts + E, ends), mask=first)
+    x = tl.arange(0, BLOCK_X)  # [BX] further item x: run part of block x_block
+    seen = (xoff[None, :] <= x[:, None]) & (ids[None, :] <= NB)  # [BX, BB]
+    x_block = tl.minimum(tl.maximum(tl.sum(seen.to(tl.int32), 1) - 1, 0), NB - 1)  # [BX]
+    at = ids[None, :] == x_block[:, None]  # [BX, BB] one-hot gathers of the block's facts
+    part = x - tl.sum(tl.where(at, xoff[None, :], 0), 1) + 1
+    block_end = tl.sum(tl.where(at, ends[None, :], 0), 1)
+    start = tl.minimum(tl.sum(tl.where(at, starts[None, :], 0), 1) + part * E, block_end)
+    further = NB + x < W
+    tl.store(ITEM_BLOCK + bhk * W + NB + x, x_block, mask=further)
+    tl.store(ITEM_START + bhk * W + NB + x, start, mask=further)
+    tl.store(ITEM_END + bhk * W + NB + x, tl.minimum(start + E, block_end), mask=further)
+
+
+INVERSE_KERNEL_ENTRIES = 4096
+"""Longest flattened lists (entries per kv row) whose inverse lists one Triton program builds
+(``_inverse_kernel``: the row's entries, sorted, in registers); longer ones, and more than
+``INVERSE_KERNEL_BLOCKS`` key blocks, take the PyTorch sort. 0 turns the kernel off."""
+INVERSE_KERNEL_BLOCKS = 510
+
+
+def inverse_lists(
+    blocks: Tensor, run: _Launch, row_bits: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, Tensor]:
     """The (block -> query tiles) lists the dk/dv pass reads, built on device with fixed sizes.
 
     Returns (codes [BHk, L] tile codes sorted by block, item_block, item_start, item_end [BHk, W]
-    int32, xoff [BHk, nb + 1] int32 offsets of each block's extra items, W, order [BHk, L] the
-    flat list slot of each sorted entry). A tile code is the
-    position (group tiles) or g * T + t (query head kv * G + g, tile t). Item j < nb is block j's
-    first run of at most E entries; items nb + x are the further runs of the busy blocks."""
+    int32, xoff [BHk, nb + 1] int32 offsets of each block's extra items, W, entry_bits [BHk, L]
+    int32 row masks of the sorted entries, or a placeholder without ``row_bits``). A tile code is
+    the position (group tiles) or g * T + t (query head kv * G + g, tile t). Item j < nb is block
+    j's first run of at most E entries; items nb + x are the further runs of the busy blocks.
+    Short lists (``INVERSE_KERNEL_ENTRIES``) take one Triton launch, longer ones some twenty
+    PyTorch ops (``_inverse_lists_torch``, the same tensors)."""
+    bhk, nb = run.batch * run.kv_heads, run.n_blocks
+    length = blocks.numel() // bhk if bhk else 0  # L: entries of one kv row's lists
+    if not (0 < length <= INVERSE_KERNEL_ENTRIES and 0 < nb <= INVERSE_KERNEL_BLOCKS and bhk > 0):
+        return _inverse_lists_torch(blocks, run, row_bits)
+    entries = max(1, ENTRY_ROWS // run.block_m)
+    n_extra = -(-length // entries)
+    width = nb + n_extra
+    flat = blocks.reshape(bhk, length)  # [BHk, L]
+    codes = torch.empty(bhk, length, dtype=torch.int32, device=blocks.device)
+    entry_bits = codes.new_zeros(1) if row_bits is None else torch.empty_like(codes)
+    item_block, item_start, item_end = (torch.empty(bhk, width, dtype=torch.int32, device=blocks.device) for _ in range(3))
+    xoff = torch.empty(bhk, nb + 1, dtype=torch.int32, device=blocks.device)
+    _inverse_kernel[(bhk,)](
+        flat,
+        entry_bits if row_bits is None else row_bits.reshape(bhk, length).contiguous(),
+        codes,
+        entry_bits,
+        item_block,
+        item_start,
+        item_end,
+        xoff,
+        length,
+        nb,
+        width,
+        run.slots,
+        entries,
+        HAS_BITS=row_bits is not None,
+        BLOCK_L=max(16, triton.next_power_of_2(length)),
+        BLOCK_B=max(16, triton.next_power_of_2(nb + 2)),
+        BLOCK_X=max(16, triton.next_power_of_2(n_extra)),
+        num_warps=4 if blocks.is_cuda else 1,
+    )
+    return codes, item_block, item_start, item_end, xoff, width, entry_bits
+
+
+def _inverse_lists_torch(
+    blocks: Tensor, run: _Launch, row_bits: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, int, Tensor]:
+    """``inverse_lists`` by a stable PyTorch sort, searchsorted and gathers (any length)."""
     bhk, nb = run.batch * run.kv_heads, run.n_blocks
     flat = blocks.reshape(bhk, -1)  # [BHk, L] (G heads x T tiles x S slots, or N positions x S slots)
     keyed = torch.where(flat >= 0, flat, torch.full_like(flat, nb))
@@ -700,7 +809,7 @@ def inverse_lists(blocks: Tensor, run: _Launch) -> tuple[Tensor, Tensor, Tensor,
     item_start = (block_start + part * entries).clamp(max=block_end)
     item_end = torch.minimum(item_start + entries, block_end)
     item_block, item_start, item_end, xoff = (t.to(torch.int32).contiguous() for t in (item_block, item_start, item_end, xoff))
-    return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra, order
+    return codes.contiguous(), item_block, item_start, item_end, xoff, nb + n_extra, _entry_bits(row_bits, order)
 
 
 @torch.library.custom_op("sparsefocus::block_sparse_bwd", mutates_args=())
@@ -759,8 +868,7 @@ def block_sparse_bwd(
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if run.m == 0:
         return dq, dk, dv
-    codes, item_block, item_start, item_end, xoff, width, order = inverse_lists(blocks, run)
-    entry_bits = _entry_bits(row_bits, order)
+    codes, item_block, item_start, item_end, xoff, width, entry_bits = inverse_lists(blocks, run, row_bits)
     bhk, span = run.batch * run.kv_heads, run.n_sub * run.block_n
     part_k = torch.empty(bhk, width, span, run.block_d, dtype=torch.float32, device=q.device)
     part_v = torch.empty(bhk, width, span, run.block_dv, dtype=torch.float32, device=q.device)

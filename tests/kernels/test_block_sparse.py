@@ -6,6 +6,7 @@ error; the ops pass ``torch.library.opcheck``. On CPU the kernel runs in Triton'
 import pytest
 import torch
 
+from sparsefocus.kernels import block_sparse
 from sparsefocus.kernels.block_sparse import (
     GROUP_TILE,
     block_sparse_attention,
@@ -119,6 +120,49 @@ def test_rows_without_keys_are_zero_and_lse_minus_inf():
     assert (out[:, :, :16] == 0).all() and torch.isinf(lse[:, :, :16]).all()
     mask = block_sparse_mask(q, k, blocks, 16, 16, False, None, 0, 1, 0)
     assert mask[:, :, :16].sum() == 0 and mask[:, :, 16:].any()
+
+
+def busy_lists(batch, heads, tiles, slots, crowd):
+    """Distinct ids per list drawn from the first ``crowd`` blocks only: with short items those
+    blocks have several further items, and the later blocks none."""
+    return random_lists(batch, heads, tiles, crowd, slots)
+
+
+@pytest.mark.parametrize("entry_rows", [block_sparse.ENTRY_ROWS, 32, 16])
+@pytest.mark.parametrize("tile,with_bits", [(GROUP_TILE, False), (16, True), (32, False)])
+def test_inverse_lists_kernel_equals_the_torch_sort(monkeypatch, entry_rows, tile, with_bits):
+    """The one-program inverse lists (sorted tile codes, items, extra-item offsets, row masks) are
+    the stable PyTorch sort's, with unused slots, crowded blocks and items of 1-2 entries."""
+    monkeypatch.setattr(block_sparse, "ENTRY_ROWS", entry_rows)
+    q, k, v, _, _ = make_case(n=83, block_size=8, tile=tile, group=2, kv_heads=2, slots=5, padded=False)
+    heads, tiles = (2, 83) if tile == GROUP_TILE else (4, -(-83 // tile))
+    blocks = busy_lists(2, heads, tiles, 5, crowd=6)  # of 11 blocks
+    blocks[:, :, 1] = -1  # a list of unused slots only
+    bits = random_row_bits(blocks, tile) if with_bits else None
+    run = block_sparse._Launch(q, k, v, blocks, 8, tile)
+    got = block_sparse.inverse_lists(blocks, run, bits)
+    want = block_sparse._inverse_lists_torch(blocks, run, bits)
+    assert got[5] == want[5]  # the item count
+    for name, x, y in zip(["codes", "item_block", "item_start", "item_end", "xoff", "width", "entry_bits"], got, want):
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+
+
+def test_gradients_through_the_torch_inverse_lists(monkeypatch):
+    """Lists longer than ``INVERSE_KERNEL_ENTRIES`` take the PyTorch sort; every gradient still
+    matches the reference, with row masks and many short items."""
+    monkeypatch.setattr(block_sparse, "INVERSE_KERNEL_ENTRIES", 0)
+    monkeypatch.setattr(block_sparse, "ENTRY_ROWS", 32)
+    q, k, v, blocks, padding = make_case(n=77, block_size=8, tile=16, group=2, kv_heads=1, slots=6)
+    bits = random_row_bits(blocks, 16)
+    compare(q, k, v, blocks, block_size=8, tile=16, causal=True, key_padding_mask=padding, row_bits=bits)
+
+
+def test_gradients_with_many_items_on_the_inverse_kernel(monkeypatch):
+    monkeypatch.setattr(block_sparse, "ENTRY_ROWS", 32)  # items of 2 tiles of 16 rows
+    q, k, v, _, padding = make_case(n=77, block_size=8, tile=16, group=2, kv_heads=1, slots=6)
+    blocks = busy_lists(2, 2, 5, 6, crowd=7)  # of 10 blocks
+    compare(q, k, v, blocks, block_size=8, tile=16, causal=True, key_padding_mask=padding)
 
 
 @pytest.mark.parametrize("tile", [GROUP_TILE, 16])
