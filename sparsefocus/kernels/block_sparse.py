@@ -187,12 +187,20 @@ def _score_mask(
 
 
 @triton.jit
+def _list_end(list_ptr, S, BLOCK_S: tl.constexpr):
+    """One past the last used slot of a list of S block ids (0 for an empty list), so a kernel
+    stops there instead of reading a tail of -1 slots (query-tile unions are mostly tail)."""
+    slot = tl.arange(0, BLOCK_S)
+    ids = tl.load(list_ptr + slot, mask=slot < S, other=-1)
+    return tl.max(tl.where(ids >= 0, slot + 1, 0), 0)
+
+
+@triton.jit
 def _fwd_kernel(
     Q,
     K,
     V,
     BLOCKS,
-    ENDS,
     BITS,
     REAL,
     OUT,
@@ -234,6 +242,7 @@ def _fwd_kernel(
     BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_SEL, bh % H_SEL
@@ -247,7 +256,7 @@ def _fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = scale * 1.4426950408889634
     list_ptr = BLOCKS + (bh * T + t) * S
-    for s in range(tl.load(ENDS + bh * T + t)):  # the slots up to the list's last used one
+    for s in range(_list_end(list_ptr, S, BLOCK_S)):  # the slots up to the list's last used one
         blk = tl.load(list_ptr + s)
         if blk >= 0:
             row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
@@ -301,7 +310,6 @@ def _bwd_dq_kernel(
     LSE,
     DELTA,
     BLOCKS,
-    ENDS,
     BITS,
     REAL,
     DQ,
@@ -342,6 +350,7 @@ def _bwd_dq_kernel(
     BLOCK_DV: tl.constexpr,
     N_SUB: tl.constexpr,
     PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     t, bh = tl.program_id(0), tl.program_id(1)
     b, h = bh // H_SEL, bh % H_SEL
@@ -363,7 +372,7 @@ def _bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     qk_scale = scale * 1.4426950408889634
     list_ptr = BLOCKS + (bh * T + t) * S
-    for s in range(tl.load(ENDS + bh * T + t)):  # the slots up to the list's last used one
+    for s in range(_list_end(list_ptr, S, BLOCK_S)):  # the slots up to the list's last used one
         blk = tl.load(list_ptr + s)
         if blk >= 0:
             row_in = _slot_rows(BITS + (bh * T + t) * S + s, row_ok, BLOCK_M, HAS_BITS)
@@ -558,6 +567,7 @@ class _Launch:
         self.h_sel = self.kv_heads if self.grouped else self.q_heads
         self.tiles = self.n if self.grouped else -(-self.n // tile)
         self.slots = blocks.shape[-1]
+        self.block_s = max(16, triton.next_power_of_2(self.slots))  # a list's slots, read at once for its end
         self.block_n = min(64, max(16, triton.next_power_of_2(block_size)))
         self.n_sub = -(-block_size // self.block_n)
         self.n_blocks = -(-self.m // block_size)
@@ -593,15 +603,6 @@ def _real_arg(key_real: Optional[Tensor], q: Tensor) -> Tensor:
     return q.new_zeros(1, dtype=torch.int8) if key_real is None else key_real.to(torch.int8).contiguous()
 
 
-def _list_ends(blocks: Tensor) -> Tensor:
-    """[B, H, T] int32: one past each list's last used slot (0 for an empty list), so a kernel
-    stops there instead of reading a tail of -1 slots (query-tile unions are mostly tail)."""
-    if blocks.shape[-1] == 0:
-        return blocks.new_zeros(blocks.shape[:-1], dtype=torch.int32)
-    slots = torch.arange(1, blocks.shape[-1] + 1, device=blocks.device, dtype=torch.int32)
-    return torch.where(blocks >= 0, slots, 0).amax(-1).to(torch.int32).contiguous()
-
-
 def _bits_arg(row_bits: Optional[Tensor], q: Tensor) -> Tensor:
     return q.new_zeros(1, dtype=torch.int32) if row_bits is None else row_bits
 
@@ -634,7 +635,6 @@ def block_sparse_fwd(
         k,
         v,
         blocks,
-        _list_ends(blocks),
         _bits_arg(row_bits, q),
         _real_arg(key_real, q),
         out,
@@ -653,6 +653,7 @@ def block_sparse_fwd(
         key_offset,
         block_size,
         **run.constexprs(causal, key_real is not None, window, row_bits is not None),
+        BLOCK_S=run.block_s,
     )
     return out, lse
 
@@ -847,7 +848,6 @@ def block_sparse_bwd(
         lse,
         delta,
         blocks,
-        _list_ends(blocks),
         _bits_arg(row_bits, q),
         real,
         dq,
@@ -864,6 +864,7 @@ def block_sparse_bwd(
         key_offset,
         block_size,
         **flags,
+        BLOCK_S=run.block_s,
     )
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     if run.m == 0:
