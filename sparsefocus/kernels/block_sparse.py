@@ -25,8 +25,9 @@ compressed keys sit at the last position they summarise). Entries of one list mu
   output and the log-sum-exp (natural log, -inf for a row with no key).
 * backward: dq by the same tiles (recomputing p from the LSE); dk and dv key-block-major: the
   (block, tile) pairs are sorted by block on device (fixed capacity, no host sync), each block's
-  list is cut into items of at most ``ENTRY_ROWS`` query rows, every item writes its partial sums,
-  and a reduction program per block adds its items in a fixed order (deterministic, no atomics).
+  list is cut into items of at most ``ENTRY_ROWS`` query rows; a block of one item stores its dk,
+  dv itself, and the items of a busier block write partial sums that a reduction program per
+  block adds in a fixed order (deterministic, no atomics).
 
 The slow twin is ``block_sparse_attention_ref`` (dense masked attention in fp32).
 """
@@ -414,9 +415,12 @@ def _bwd_dkdv_kernel(
     ITEM_BLOCK,
     ITEM_START,
     ITEM_END,
+    XOFF,
     REAL,
     PART_K,
     PART_V,
+    DK,
+    DV_OUT,
     sqb,
     sqh,
     sqn,
@@ -435,6 +439,7 @@ def _bwd_dkdv_kernel(
     G,
     T,
     L,
+    NB,
     W,
     scale,
     window,
@@ -498,9 +503,24 @@ def _bwd_dkdv_kernel(
         p, ds = _tile_grads(q, do, lse2, delta, kt, vt, mask, qk_scale, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
-    rows = (bhk * W + w) * (N_SUB * BLOCK_N) + inner
-    tl.store(PART_K + rows[:, None] * BLOCK_D + offs_d[None, :], dk * scale)
-    tl.store(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :], dv)
+    alone = False  # a block whose one item is its whole list: its sums are final, stored here
+    if w < NB:
+        alone = tl.load(XOFF + bhk * (NB + 1) + w + 1) == tl.load(XOFF + bhk * (NB + 1) + w)
+    if alone:
+        _store_key_rows(DK + b * skb + kv * skh, kidx, kin, offs_d, D, skn, dk * scale)
+        _store_key_rows(DV_OUT + b * svb + kv * svh, kidx, kin, offs_dv, DV, svn, dv)
+    else:
+        rows = (bhk * W + w) * (N_SUB * BLOCK_N) + inner
+        tl.store(PART_K + rows[:, None] * BLOCK_D + offs_d[None, :], dk * scale)
+        tl.store(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :], dv)
+
+
+@triton.jit
+def _store_key_rows(base, kidx, kin, offs, WIDTH, stride, x):
+    """x [BN, BLOCK] fp32 into the key rows kidx (kin: inside the block and the keys) of one
+    [M, WIDTH] matrix at ``base`` (row stride ``stride``), in the matrix's dtype."""
+    mask = kin[:, None] & (offs[None, :] < WIDTH)
+    tl.store(base + kidx[:, None] * stride + offs[None, :], x.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -533,26 +553,19 @@ def _reduce_kernel(
     offs_d, offs_dv, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
     inner = sub * BLOCK_N + offs_n
     width = N_SUB * BLOCK_N
-    rows = (bhk * W + j) * width + inner
-    dk = tl.load(PART_K + rows[:, None] * BLOCK_D + offs_d[None, :])
-    dv = tl.load(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :])
     first, last = tl.load(XOFF + bhk * (NB + 1) + j), tl.load(XOFF + bhk * (NB + 1) + j + 1)
-    for x in range(first, last):
-        rows = (bhk * W + NB + x) * width + inner
-        dk += tl.load(PART_K + rows[:, None] * BLOCK_D + offs_d[None, :])
-        dv += tl.load(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :])
-    kidx = j * block_size + inner
-    kin = (inner < block_size) & (kidx < M)
-    tl.store(
-        DK + b * skb + kv * skh + kidx[:, None] * skn + offs_d[None, :],
-        dk.to(DK.dtype.element_ty),
-        mask=kin[:, None] & (offs_d[None, :] < D),
-    )
-    tl.store(
-        DV_OUT + b * svb + kv * svh + kidx[:, None] * svn + offs_dv[None, :],
-        dv.to(DV_OUT.dtype.element_ty),
-        mask=kin[:, None] & (offs_dv[None, :] < DV),
-    )
+    if last > first:  # blocks of one item were stored by the dk/dv pass
+        rows = (bhk * W + j) * width + inner
+        dk = tl.load(PART_K + rows[:, None] * BLOCK_D + offs_d[None, :])
+        dv = tl.load(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :])
+        for x in range(first, last):
+            rows = (bhk * W + NB + x) * width + inner
+            dk += tl.load(PART_K + rows[:, None] * BLOCK_D + offs_d[None, :])
+            dv += tl.load(PART_V + rows[:, None] * BLOCK_DV + offs_dv[None, :])
+        kidx = j * block_size + inner
+        kin = (inner < block_size) & (kidx < M)
+        _store_key_rows(DK + b * skb + kv * skh, kidx, kin, offs_d, D, skn, dk)
+        _store_key_rows(DV_OUT + b * svb + kv * svh, kidx, kin, offs_dv, DV, svn, dv)
 
 
 class _Launch:
@@ -885,15 +898,19 @@ def block_sparse_bwd(
         item_block,
         item_start,
         item_end,
+        xoff,
         real,
         part_k,
         part_v,
+        dk,
+        dv,
         *_strides(q, k, v, grad_out),
         run.kv_heads,
         *sizes,
         run.group,
         run.tiles,
         codes.shape[1],
+        run.n_blocks,
         width,
         scale,
         window,
