@@ -105,7 +105,8 @@ class TrainConfig:
         concurrent_groups: folded models (groups of one setting and mechanism) the batched path
             trains at once in one process, a step of each in turn, each on its own CUDA stream so
             that small models share the GPU; each keeps its own dropout stream, so results do not
-            depend on it. Default: 1.
+            depend on it on the CPU (tested). On CUDA a pair of 10-run folds once diverged from the
+            groups alone (docs/scale.md): keep 1 there until the CUDA test passes. Default: 1.
         compile: torch.compile of the batched fast step: "auto" (default mode on CUDA, off on
             CPU), "eager" (no compile), "default", "reduce-overhead" (CUDA graphs of the forward
             and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default

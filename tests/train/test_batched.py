@@ -512,6 +512,40 @@ def test_concurrent_groups_give_what_each_group_gives_alone(one_at_a_time, width
     assert json.loads((root / "timing.json").read_text())[-1]["runs_finished"] == len(timings)
 
 
+CUDA_LAB = [
+    "task={name: listops, min_length: 40, max_length: 90, num_train: 100, num_valid: 50, data_seed: 7}",
+    "model={blocks: 2, heads: 1, dim: 16, mlp_dim: 16, dropout: 0.01, activation: relu, pooling: mean, paper_mode: false}",
+    "mechanisms=[FULL, TOPK:5]",
+    "seeds=[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]",  # runs 5-9 of a folded ten are where two lanes once disagreed
+    "optim.lr=1.0",
+    "train.epochs=2",
+    "train.batch_size=25",
+    "train.device=cuda",
+    "train.batched=true",
+    "train.batched_mode=fast",
+    "train.compile=eager-graph",
+    "train.autocast=bf16",
+    "train.matmul_precision=high",
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the lanes' CUDA streams and graphs")
+def test_concurrent_cuda_lanes_of_ten_runs_give_what_each_group_gives_alone(tmp_path):
+    """The laboratory's CUDA set-up (ten seeds folded, key padding, steps replayed from CUDA
+    graphs, bf16): two groups in lock step, each on its own stream, give every run the metrics it
+    gets when its group trains alone (to bf16 run-to-run noise, far below the 4% by which a
+    concurrent ListOps pair once moved five of ten runs' first-epoch loss)."""
+    alone = run_experiment(config(tmp_path / "alone", *CUDA_LAB), quiet=True)
+    together = run_experiment(config(tmp_path / "together", *CUDA_LAB, "train.concurrent_groups=2"), quiet=True)
+    assert_same_metrics(metrics_of(alone), metrics_of(together), rtol=2e-3)
+
+
+def test_the_cuda_lab_settings_are_a_valid_experiment(tmp_path):
+    """The CUDA test's settings load (checked on every machine, so that a typo cannot hide behind its skip)."""
+    cfg = config(tmp_path, *CUDA_LAB, "train.concurrent_groups=2")
+    assert cfg.train.concurrent_groups == 2 and len(cfg.seeds) == 10 and cfg.train.compile == "eager-graph"
+
+
 def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at_a_time, tmp_path):
     cfg = config(tmp_path, *CONCURRENT, "train.batched_max_runs=2", "train.concurrent_groups=3")
     root = run_experiment(cfg, quiet=True, budget=EpochBudget(2))  # epochs 1 and 2 of the first 3 parts
