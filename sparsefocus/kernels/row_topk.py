@@ -25,7 +25,13 @@ MAX_KEYS = 1024
 """Longest rows the kernel takes (a row's keys live in registers)."""
 MAX_PICKS = 16
 """Most picks per row (one row reduction each)."""
-TILE_KEYS = 4096  # packed keys of one program: rows per program = this // keys per row
+TILE_KEYS = 1024
+"""Packed keys of one program: rows per program = this // keys per row (at least 1, at most 64)."""
+ROW_WARPS = 1
+"""Warps of a program. One: Triton lays a row of up to 1024 keys over the 32 threads of a warp, so
+each round's row maximum is a warp reduction (``redux.sync``); with 4 warps a row of 128 keys was
+spread over all four and every round's maximum went through shared memory and barriers (53
+``bar.sync`` in the 4-warp program's PTX for 32 rows of 128 keys, 2 in the 1-warp one's)."""
 
 
 @triton.jit
@@ -58,7 +64,7 @@ def _row_top_positions_op(scores: Tensor, allowed: Tensor, count: int) -> Tensor
     block = max(16, triton.next_power_of_2(n_keys))
     block_r = max(1, min(64, TILE_KEYS // block))
     _row_top_kernel[(triton.cdiv(n_rows, block_r),)](
-        scores, allowed, out, n_rows, n_keys, KK=count, BLOCK_R=block_r, BLOCK=block, num_warps=4 if scores.is_cuda else 1
+        scores, allowed, out, n_rows, n_keys, KK=count, BLOCK_R=block_r, BLOCK=block, num_warps=ROW_WARPS
     )
     return out
 
