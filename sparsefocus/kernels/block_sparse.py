@@ -48,6 +48,7 @@ from sparsefocus.kernels.row_delta import row_delta
 GROUP_TILE = 0
 LOG2E = 1.4426950408889634
 ENTRY_ROWS = 8192
+LIST_END_SLOTS = 1024  # slots of a list a kernel reads at once to find its last used one
 IMPORTANCE_ROWS = 64
 """Query rows of an NSA importance tile on CUDA when a kv group has fewer than 16 query heads:
 64 / G consecutive positions of the group's heads (one head: 64 positions), where one position a
@@ -191,9 +192,12 @@ def _score_mask(
 def _list_end(list_ptr, S, BLOCK_S: tl.constexpr):
     """One past the last used slot of a list of S block ids (0 for an empty list), so a kernel
     stops there instead of reading a tail of -1 slots (query-tile unions are mostly tail)."""
-    slot = tl.arange(0, BLOCK_S)
-    ids = tl.load(list_ptr + slot, mask=slot < S, other=-1)
-    return tl.max(tl.where(ids >= 0, slot + 1, 0), 0)
+    end = 0
+    for s0 in range(0, S, BLOCK_S):  # BLOCK_S slots at a time (one pass for most lists)
+        slot = s0 + tl.arange(0, BLOCK_S)
+        ids = tl.load(list_ptr + slot, mask=slot < S, other=-1)
+        end = tl.maximum(end, tl.max(tl.where(ids >= 0, slot + 1, 0), 0))
+    return end
 
 
 @triton.jit
@@ -580,7 +584,7 @@ class _Launch:
         self.h_sel = self.kv_heads if self.grouped else self.q_heads
         self.tiles = self.n if self.grouped else -(-self.n // tile)
         self.slots = blocks.shape[-1]
-        self.block_s = max(16, triton.next_power_of_2(self.slots))  # a list's slots, read at once for its end
+        self.block_s = min(LIST_END_SLOTS, max(16, triton.next_power_of_2(self.slots)))  # slots read at once for a list's end
         self.block_n = min(64, max(16, triton.next_power_of_2(block_size)))
         self.n_sub = -(-block_size // self.block_n)
         self.n_blocks = -(-self.m // block_size)
@@ -709,7 +713,7 @@ def _inverse_kernel(
 
     The stable sort by block is one sort of keys block * BLOCK_L + slot (unused slots as block NB,
     padding lanes NB + 1, so both come last); block offsets are an exclusive scan of a histogram."""
-    bhk = tl.program_id(0)
+    bhk = tl.program_id(0).to(tl.int64)
     lane = tl.arange(0, BLOCK_L)  # [BL]
     inside = lane < L
     blk = tl.load(FLAT + bhk * L + lane, mask=inside, other=-1)

@@ -113,6 +113,17 @@ def test_unused_slots_anywhere_in_a_list_are_skipped():
     compare(q, k, v, blocks, block_size=16, tile=16, causal=True, key_padding_mask=padding)
 
 
+def test_list_ends_found_over_several_chunks_of_slots(monkeypatch):
+    """A list longer than the slots a kernel reads at once (here 16 of 40) ends where its last used
+    slot is, wherever that is; every gradient against the reference."""
+    monkeypatch.setattr(block_sparse, "LIST_END_SLOTS", 16)
+    q, k, v, blocks, padding = make_case(n=330, block_size=8, tile=16, group=1, kv_heads=1, slots=40, batch=1)
+    blocks[:, :, 0, 20:] = -1  # ends in the second chunk
+    blocks[:, :, 1, :-1] = -1  # only the very last slot used
+    blocks[:, :, 2, 16:] = -1  # ends exactly at a chunk's edge
+    compare(q, k, v, blocks, block_size=8, tile=16, causal=True, key_padding_mask=padding)
+
+
 def test_rows_without_keys_are_zero_and_lse_minus_inf():
     q, k, v, blocks, _ = make_case(n=40, tile=16, group=1, kv_heads=1, padded=False)
     blocks[:, :, 0] = -1  # the first tile lists nothing
