@@ -702,6 +702,12 @@ def train_part(
     return True
 
 
+LANE_STREAMS = True
+"""Concurrent groups on CUDA: each lane on a stream of its own (its kernels overlap the others').
+False: every lane on the current stream, in turn (no overlap; to tell whether the streams change
+what a group computes, which they must not)."""
+
+
 class _Lane:
     """One part of ``train_parts_together`` with its own CUDA stream and its own state of the
     default generator, swapped in around everything the part does: its dropout draws are then
@@ -712,7 +718,7 @@ class _Lane:
         self.steps_taken, self.started = 0, 0.0  # in this process, and when the first of them began
         generator = default_generator(device)
         cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.stream = torch.cuda.Stream(device) if cuda and LANE_STREAMS else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(device))  # the data were loaded there
         # CUDA: a state object of its own (a graph replay advances the state it was captured with);

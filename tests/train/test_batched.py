@@ -530,12 +530,16 @@ CUDA_LAB = [
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the lanes' CUDA streams and graphs")
-@pytest.mark.parametrize("dropout", [0.01, 0.0])  # without dropout the lanes' generator states play no part
-def test_concurrent_cuda_lanes_of_ten_runs_give_what_each_group_gives_alone(dropout, tmp_path):
+@pytest.mark.parametrize(
+    "dropout,streams",
+    [(0.01, True), (0.0, True), (0.01, False)],  # no dropout: the generator states play no part; no streams: in turn
+)
+def test_concurrent_cuda_lanes_of_ten_runs_give_what_each_group_gives_alone(dropout, streams, monkeypatch, tmp_path):
     """The laboratory's CUDA set-up (ten seeds folded, key padding, steps replayed from CUDA
     graphs, bf16): two groups in lock step, each on its own stream, give every run the metrics it
     gets when its group trains alone (to bf16 run-to-run noise, far below the 4% by which a
     concurrent ListOps pair once moved five of ten runs' first-epoch loss)."""
+    monkeypatch.setattr(driver, "LANE_STREAMS", streams)
     lab = (*CUDA_LAB, f"model.dropout={dropout}")
     alone = run_experiment(config(tmp_path / "alone", *lab), quiet=True)
     together = run_experiment(config(tmp_path / "together", *lab, "train.concurrent_groups=2"), quiet=True)
