@@ -76,7 +76,14 @@ from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
 from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
 from sparsefocus.train.driver import SETUP_LOG, STEP_GRAPH_MODES, Budget, compile_phases
-from sparsefocus.train.experiment import finished_groups, group_progress, progress_line, run_experiment, slim_finished_runs
+from sparsefocus.train.experiment import (
+    finished_groups,
+    group_progress,
+    nonfinite_runs,
+    progress_line,
+    run_experiment,
+    slim_finished_runs,
+)
 from sparsefocus.train.workers import TIMING_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -537,6 +544,7 @@ def main() -> int:
         "slimmed_checkpoints": len(slimmed),
         "progress": line,
         "groups": group_progress(config),
+        "nonfinite_runs": nonfinite_runs(config),
         "complete": complete,
         "error": failure,
         "seconds": round(time.time() - began, 1),
@@ -557,6 +565,8 @@ def main() -> int:
     }
     if record["parts_warning"]:
         print(f"gpu_studies: warning: {record['parts_warning']}", file=sys.stderr)
+    if record["nonfinite_runs"]:
+        print(f"gpu_studies: warning: runs with a non-finite loss (first epoch): {record['nonfinite_runs']}", file=sys.stderr)
     progress = out / f"{args.study}_progress.json"
     write_text_atomic(progress, json.dumps(record, indent=1))  # first, in case packing the cache is cut short
     if not args.no_compile_cache:

@@ -26,6 +26,7 @@ from sparsefocus.train.checkpoint import CheckpointError, slim_checkpoint, write
 from sparsefocus.train.config import ExperimentConfig, expand_settings, make_task_config, to_yaml
 from sparsefocus.train.driver import Budget, check_batched, group_specs, train_group, train_groups_together
 from sparsefocus.train.loop import RunSpec, check_run_folder, resolve_device, train_run
+from sparsefocus.train.report import first_nonfinite_epoch
 from sparsefocus.train.workers import TIMING_NAME, WorkerPool, append_timing, lock_runs, machine, train_timed
 
 
@@ -306,6 +307,22 @@ def group_progress(config: ExperimentConfig) -> dict[str, str]:
         reached.setdefault(f"{spec.setting}/{spec.label}", [spec.config.train.epochs]).append(done)
     spans = {group: (min(done), max(done), total) for group, (total, *done) in reached.items()}
     return {group: f"{low}/{total}" if low == high else f"{low}-{high}/{total}" for group, (low, high, total) in spans.items()}
+
+
+def nonfinite_runs(config: ExperimentConfig) -> dict[str, int]:
+    """Run (``<setting>/<label>/seed-<seed>``) -> the first epoch whose training or held-out loss
+    is not finite, for the runs of ``config`` where one is (a diverged run or a failed computation
+    keeps training on NaN weights; this names it at once)."""
+    found = {}
+    for spec in plan(config, expand_settings(config)):
+        path = spec.run_dir / "metrics.jsonl"
+        if not path.exists():
+            continue
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        epoch = first_nonfinite_epoch(lines)
+        if epoch is not None:
+            found[f"{spec.setting}/{spec.label}/seed-{spec.seed}"] = epoch
+    return found
 
 
 def finished_groups(config: ExperimentConfig) -> list[Path]:

@@ -56,8 +56,18 @@ class Curves:
         return np.percentile(self.values[key], 25, axis=0), np.percentile(self.values[key], 75, axis=0)
 
 
+def first_nonfinite_epoch(metrics: list[dict[str, Any]]) -> int | None:
+    """The first epoch whose training or held-out loss is NaN or infinite (a diverged run, or a
+    failed computation), or None."""
+    for line in metrics:
+        if not all(math.isfinite(line.get(key, 0.0)) for key in ("train_loss", "valid_loss")):
+            return int(line["epoch"])
+    return None
+
+
 def load_runs(root: Path) -> list[dict[str, Any]]:
-    """Every run folder under ``root``: its record (config.yaml) plus ``metrics`` and ``complete``."""
+    """Every run folder under ``root``: its record (config.yaml) plus ``metrics``, ``complete``
+    and ``nonfinite`` (``first_nonfinite_epoch``)."""
     runs = []
     for record_path in sorted(root.rglob("config.yaml")):
         record = yaml.safe_load(record_path.read_text())
@@ -65,6 +75,7 @@ def load_runs(root: Path) -> list[dict[str, Any]]:
         lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
         record["metrics"] = [json.loads(line) for line in lines if line.strip()]
         record["complete"] = len(record["metrics"]) >= record["config"]["train"]["epochs"]
+        record["nonfinite"] = first_nonfinite_epoch(record["metrics"])
         record["dir"] = str(record_path.parent)
         timing_path = record_path.parent / TIMING_NAME
         record["seconds"] = sum(s["seconds"] for s in json.loads(timing_path.read_text())) if timing_path.exists() else None
@@ -722,6 +733,9 @@ def write_report(
     incomplete = [run["dir"] for run in runs if not run["complete"]]
     if incomplete:
         lines += [f"Left out, not finished ({len(incomplete)}): " + ", ".join(incomplete), ""]
+    nonfinite = [f"{run['dir']} (from epoch {run['nonfinite']})" for run in runs if run["nonfinite"] is not None]
+    if nonfinite:
+        lines += ["**Non-finite loss** (the curves keep it as written): " + ", ".join(nonfinite), ""]
     pictures, settings = [], {}
     chances: dict[str, tuple[float, float] | None] = {}
     for setting, curves in grouped.items():

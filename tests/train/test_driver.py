@@ -12,7 +12,7 @@ import pytest
 from sparsefocus.train import commands, driver
 from sparsefocus.train.config import load_config
 from sparsefocus.train.driver import Budget
-from sparsefocus.train.experiment import group_progress
+from sparsefocus.train.experiment import group_progress, nonfinite_runs
 
 TINY = [
     "task={name: parity, length: 10, num_train: 30, num_valid: 15}",
@@ -284,6 +284,18 @@ def test_an_alarm_while_a_part_checkpoints_lands_after_every_run_is_saved(monkey
     finally:
         signal.signal(signal.SIGALRM, previous)
     assert saved == [spec.run_dir / "checkpoint.pt" for spec in specs]
+
+
+def test_nonfinite_runs_names_each_run_and_its_first_nan_epoch(tmp_path):
+    config = load_config(None, [f"out_dir={tmp_path}", *TINY])
+    assert nonfinite_runs(config) == {}  # nothing trained yet
+    assert train(tmp_path) == 0
+    assert nonfinite_runs(config) == {}
+    run = next((tmp_path / "exp" / "default" / "TOPK-3").glob("seed-*"))
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines[1]["train_loss"] = float("nan")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert nonfinite_runs(config) == {f"default/TOPK:3/{run.name}": 2}
 
 
 def test_group_progress_gives_each_groups_epochs_and_their_spread(tmp_path):

@@ -176,6 +176,23 @@ def assert_speed_row(cells: list[str], row: dict, label: str) -> None:
         assert shows(gap, row["max_gap"]) and shows(relative, row["max_relative_gap"]), label
 
 
+def test_report_names_the_runs_whose_loss_is_not_finite(fake):
+    """BAND:3(1)'s third seed has a NaN held-out loss at epoch 4; no other run has one."""
+    _, _, report = fake
+    line = next(text for text in report.splitlines() if text.startswith("**Non-finite loss**"))
+    named = line.split(": ", 1)[1].split(", ")
+    assert len(named) == 1 and "BAND" in named[0] and named[0].endswith(f"/seed-{SEEDS[2]} (from epoch 4)")
+
+
+def test_first_nonfinite_epoch_reads_training_and_held_out_losses():
+    from sparsefocus.train.report import first_nonfinite_epoch
+
+    line = {"train_loss": 1.0, "valid_loss": 1.0}
+    assert first_nonfinite_epoch([{"epoch": 1, **line}, {"epoch": 2, **line}]) is None
+    assert first_nonfinite_epoch([{"epoch": 1, **line}, {"epoch": 2, **line, "train_loss": float("nan")}]) == 2
+    assert first_nonfinite_epoch([{"epoch": 1, **line, "valid_loss": float("inf")}]) == 1
+
+
 def test_summary_has_each_runs_curves_and_their_median_and_quartiles(fake):
     root, summary, _ = fake
     assert {key: summary[key] for key in ("experiment", "task", "epoch_base", "incomplete")} == {
