@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 SCORE_KINDS = ("dot", "neg_sqeuclid", "cauchy")
@@ -78,6 +80,34 @@ def rows_of_groups(value: Tensor, batch: int) -> Tensor:
     if batch % value.shape[0]:
         raise ValueError(f"rows_of_groups: {value.shape[0]} groups do not split a batch of {batch}")
     return value.repeat_interleave(batch // value.shape[0], dim=0)
+
+
+CUDNN_MASKED_BAD_REMAINDER = 64
+"""Key lengths of 64 past a multiple of 128 where cuDNN's SDPA backward, given a mask tensor, returns
+non-finite dq once every logit of a row is far below 0 (its log-sum-exp under -88.7): measured on an
+H100 with torch 2.11 at 576 and 704 keys, clean at 512, 599, 600 and 640
+(``benchmarks/results/h100_lab_concurrent_nan_ae5581c.json``)."""
+MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def cudnn_masked_unsafe(n_keys: int) -> bool:
+    """Whether cuDNN's masked SDPA backward can fail over ``n_keys`` keys (``CUDNN_MASKED_BAD_REMAINDER``)."""
+    return n_keys % 128 == CUDNN_MASKED_BAD_REMAINDER
+
+
+def avoids_cudnn(q: Tensor, n_keys: int) -> bool:
+    """Whether a masked SDPA call over ``n_keys`` keys on q's device keeps off cuDNN's backend."""
+    return q.is_cuda and cudnn_masked_unsafe(n_keys)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, **kwargs) -> Tensor:
+    """``F.scaled_dot_product_attention`` with a mask tensor, off cuDNN's backend at the key lengths
+    where its backward can return NaN (``avoids_cudnn``; the memory-efficient backend then, which
+    also takes a mask); elsewhere SDPA picks its backend as usual."""
+    if avoids_cudnn(q, k.shape[-2]):
+        with sdpa_kernel(MASKED_SDPA_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
 
 
 def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from sparsefocus.attention.common import (
+    masked_sdpa,
     DEFAULT_ROW_CHUNK,
     apply_key_padding,
     dense_masked_attention,
@@ -128,7 +129,9 @@ def decode_attention(
     if impl == "lean" and mode == "rows" and key_padding_mask is None:
         if isinstance(spec, Full):
             mask = None if n_queries == 1 else bottom_right_mask(n_queries, n_keys, q.device)  # one row sees every key
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+            return masked_sdpa(q, k, v, mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         window = key_window(spec, n_queries, n_keys)
         if window is not None:
             return window_attention(spec, q, k, v, window, scale=scale)
@@ -196,7 +199,7 @@ def window_attention(spec: Pattern, q: Tensor, k: Tensor, v: Tensor, window: Key
     keys = torch.arange(window.lo, window.hi, device=q.device)  # [W]
     mask = (keys[None, :] >= first[:, None]) & (keys[None, :] < end[:, None])  # [N, W]
     if window.nonempty:
-        return F.scaled_dot_product_attention(q, keys_k, keys_v, attn_mask=mask, scale=scale)
+        return masked_sdpa(q, keys_k, keys_v, mask, scale=scale)
     return dense_masked_attention(q, keys_k, keys_v, mask, scale)
 
 

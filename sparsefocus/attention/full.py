@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sparsefocus.attention.common import causal_row_mask
+from sparsefocus.attention.common import causal_row_mask, masked_sdpa
 from sparsefocus.attention.patterns import Pattern, register
 
 
@@ -17,7 +17,7 @@ from sparsefocus.attention.patterns import Pattern, register
 @dataclass(frozen=True)
 class Full(Pattern):
     """``FULL``: dense softmax attention. The lean path is PyTorch SDPA (with padded keys, SDPA with a
-    boolean mask: cuDNN or memory-efficient attention on CUDA)."""
+    boolean mask: cuDNN or memory-efficient attention on CUDA; ``common.masked_sdpa``)."""
 
     examples: ClassVar[tuple[str, ...]] = ("FULL",)
     name: ClassVar[str] = "full"
@@ -56,5 +56,5 @@ def _padded_sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, ke
     has_key = allowed.any(dim=-1, keepdim=True)  # [B, 1, N or 1, 1]
     first_key = torch.arange(k.shape[-2], device=q.device) == 0  # [M]
     allowed = allowed | (~has_key & first_key)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+    out = masked_sdpa(q, k, v, allowed, scale=scale)
     return out.masked_fill(~has_key, 0.0)

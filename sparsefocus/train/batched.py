@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sparsefocus.attention import selection_mask, sparse_attention
-from sparsefocus.attention.common import expand_kv, run_bias_add_ref, run_layer_norm_ref
+from sparsefocus.attention.common import expand_kv, masked_sdpa, run_bias_add_ref, run_layer_norm_ref
 from sparsefocus.attention.full import Full
 from sparsefocus.attention.patterns import AUX_KEY, RUNS_KEY, IndexedPattern, parse_pattern
 from sparsefocus.attention.topk import BottomK, TopK
@@ -568,13 +568,13 @@ def fused_paper_attention(
     if plain and fixed_index is not None:
         return listed_attention(q, k, v, pattern, fixed_index, scale, dropout_p)
     if plain and fixed_mask is not None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=fixed_mask, dropout_p=dropout_p, scale=scale)
+        return masked_sdpa(q, k, v, fixed_mask, dropout_p=dropout_p, scale=scale)
     if plain and isinstance(pattern, (TopK, BottomK)):
         index = _select(q, k, pattern, topk_select)  # [B, H, N, K]
         if k.shape[-2] > MASKED_SELECTION_MAX_KEYS or not torch.is_grad_enabled():
             return gathered_attention(q, k, v, index, scale, dropout_p)
         keep = torch.zeros(*index.shape[:-1], k.shape[-2], dtype=torch.bool, device=q.device).scatter_(-1, index, True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=scale)
+        return masked_sdpa(q, k, v, keep, dropout_p=dropout_p, scale=scale)
     keep = selection_mask(pattern, q, k, causal=causal, key_padding_mask=key_padding_mask)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, N, M]
     weights = F.dropout(scores.masked_fill(~keep, PAPER_FILL).softmax(dim=-1), dropout_p, training=True)
