@@ -87,7 +87,7 @@ CUDNN_MASKED_BAD_REMAINDER = 64
 non-finite dq once every logit of a row is far below 0 (its log-sum-exp under -88.7): measured on an
 H100 with torch 2.11 at 576 and 704 keys, clean at 512, 599, 600 and 640
 (``benchmarks/results/h100_lab_concurrent_nan_ae5581c.json``)."""
-MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+MASKED_SDPA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # the backends that take a mask, less cuDNN
 
 
 def cudnn_masked_unsafe(n_keys: int) -> bool:

@@ -769,7 +769,7 @@ def inverse_lists(
     PyTorch ops (``_inverse_lists_torch``, the same tensors)."""
     bhk, nb = run.batch * run.kv_heads, run.n_blocks
     length = blocks.numel() // bhk if bhk else 0  # L: entries of one kv row's lists
-    if not (0 < length <= INVERSE_KERNEL_ENTRIES and 0 < nb <= INVERSE_KERNEL_BLOCKS and bhk > 0):
+    if not (0 < length <= INVERSE_KERNEL_ENTRIES and 0 < nb <= INVERSE_KERNEL_BLOCKS):
         return _inverse_lists_torch(blocks, run, row_bits)
     entries = max(1, ENTRY_ROWS // run.block_m)
     n_extra = -(-length // entries)

@@ -33,7 +33,7 @@ def test_masked_sdpa_equals_sdpa_with_its_mask_and_compiles(avoid, monkeypatch):
             torch.testing.assert_close(g, w)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN's backend is a CUDA one")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cuDNN's SDPA backend exists only there")
 @pytest.mark.parametrize("n_keys", [576, 599, 704])
 def test_masked_sdpa_gradients_stay_finite_when_every_logit_is_far_below_zero(n_keys):
     """The case where cuDNN's masked backward gave non-finite dq (576 and 704 keys, every logit

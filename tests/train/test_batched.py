@@ -529,7 +529,7 @@ CUDA_LAB = [
 ]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the lanes' CUDA streams and graphs")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the lanes' streams and CUDA graphs exist only there")
 @pytest.mark.parametrize(
     "dropout,streams",
     [(0.01, True), (0.0, True), (0.01, False)],  # no dropout: the generator states play no part; no streams: in turn
