@@ -105,8 +105,10 @@ class TrainConfig:
         concurrent_groups: folded models (groups of one setting and mechanism) the batched path
             trains at once in one process, a step of each in turn, each on its own CUDA stream so
             that small models share the GPU; each keeps its own dropout stream, so results do not
-            depend on it on the CPU (tested). On CUDA a pair of 10-run folds once diverged from the
-            groups alone (docs/scale.md): keep 1 there until the CUDA test passes. Default: 1.
+            depend on it on the CPU (tested). On CUDA, lanes whose step graphs shared a capture
+            stream moved the later runs of 10-run folds (docs/scale.md); each graph now has a
+            stream of its own, not yet checked on a GPU: keep 1 there until the CUDA test passes.
+            Not with ``compile="reduce-overhead"``. Default: 1.
         compile: torch.compile of the batched fast step: "auto" (default mode on CUDA, off on
             CPU), "eager" (no compile), "default", "reduce-overhead" (CUDA graphs of the forward
             and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default
@@ -196,6 +198,13 @@ class TrainConfig:
         _positive("train.concurrent_groups", self.concurrent_groups)
         if self.concurrent_groups > 1 and not self.batched:
             raise ValueError("train.concurrent_groups is read by the batched path only: set train.batched=true")
+        if self.concurrent_groups > 1 and self.compile == "reduce-overhead":
+            # Inductor's CUDA graph trees capture every graph on one stream into one memory pool and
+            # assume one replay at a time; concurrent groups replay theirs at once on their own streams
+            raise ValueError(
+                "train.concurrent_groups > 1 cannot take train.compile=reduce-overhead (its CUDA graphs share one"
+                " memory pool and assume one replay at a time): use step-graph or eager-graph"
+            )
         if not self.batched and self.autocast != "none":
             raise ValueError("train.autocast is read by the batched path only: set train.batched=true")
         if self.fast_attention != "masks" and not (self.batched and self.batched_mode == "fast"):

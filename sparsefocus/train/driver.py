@@ -285,6 +285,13 @@ class StepGraph:
     steps run uncaptured on a side stream (they compile the forward and settle the allocator), as
     torch.cuda.graphs asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
     ``torch.optim.SGD`` computes without momentum or weight decay; the optimiser then has no state.
+
+    The warm-ups, the capture and every replay run on one stream of the graph's own, ordered after
+    the caller's stream and before its next work. A captured graph embeds the cuBLAS workspace that
+    PyTorch keys by the capture stream, so two graphs captured on one stream (torch.cuda.graph's
+    shared default) and replayed at once on two streams (concurrent groups) write each other's
+    split-K partial sums (on an H100, two 10-run lanes then moved their later runs' losses by up to 0.06).
+    Replaying where it was captured keeps every use of that workspace in one stream's order.
     """
 
     def __init__(self, trainer: "GroupTrainer", warmup: int = 2) -> None:
@@ -296,6 +303,7 @@ class StepGraph:
         self.loss_sum = torch.zeros(trainer.runs, dtype=torch.float64, device=device)
         self.correct = torch.zeros(trainer.runs, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.stream: torch.cuda.Stream | None = None  # made at the first step, inside the caller's device context
         self.steps = 0
 
     def _body(self) -> None:
@@ -326,23 +334,31 @@ class StepGraph:
         """One training step on the rows ``index`` [R, B] at learning rate ``lr``."""
         self._load(index, lr, fresh_grads=self.graph is None)
         if self.graph is not None:
-            self.graph.replay()
+            self._on_own_stream(self.graph.replay)
             return
         began, group = time.perf_counter(), self.trainer.label
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
         if self.steps < self.warmup:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._body()
-            torch.cuda.current_stream().wait_stream(side)
+            self._on_own_stream(self._body)
             self.steps += 1
             _log_setup(group, f"warm-up step {self.steps}", began, self.trainer.device)
             return
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self.stream):
             self._body()
-        self.graph.replay()  # capturing records the step without running it
+        self.graph = graph
+        self._on_own_stream(graph.replay)  # capturing records the step without running it
         _log_setup(group, "capture and first replay", began, self.trainer.device)
+
+    def _on_own_stream(self, work: Callable[[], None]) -> None:
+        """``work`` on the graph's stream, after what the current stream has queued and before
+        what it queues next."""
+        stream, current = cast(torch.cuda.Stream, self.stream), torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            work()
+        current.wait_stream(stream)
 
     def run_uncaptured(self, index: Tensor, lr: float) -> None:
         """One step outside the graph, with the same compiled kernels: for profilers, which do not
