@@ -286,3 +286,46 @@ def test_verify_runs_the_tests_first_and_trains_nothing_when_one_fails(studies, 
     assert studies.main() == 3
     assert "--verify tests failed" in capsys.readouterr().err
     assert "1 failed" in (out / "even_pairs_verify.txt").read_text() and not work.exists()
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_a_failed_concurrency_check_trains_one_group_at_a_time(studies, passed, tmp_path, monkeypatch, capsys):
+    widths = []
+
+    def train(config, quiet, budget):
+        widths.append(config.train.concurrent_groups)
+        (Path(config.out_dir) / config.name).mkdir(parents=True)
+
+    monkeypatch.setattr(studies, "check_concurrent", lambda *args: {"passed": passed})
+    monkeypatch.setattr(studies, "run_experiment", train)
+    out, work = tmp_path / "o", tmp_path / "w"
+    argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(work), "--no-compile-cache"]
+    monkeypatch.setattr(studies.sys, "argv", [*argv, "--inbox", str(tmp_path / "none"), "--check", "--concurrent", "3"])
+    assert studies.main() == 0
+    assert widths == [3 if passed else 1]
+    assert json.loads((out / "even_pairs_progress.json").read_text())["settings"]["concurrent"] == (3 if passed else 1)
+    assert ("training one group at a time" in capsys.readouterr().err) is not passed
+
+
+def test_the_concurrency_check_passes_only_within_its_tolerance(studies, tmp_path, monkeypatch):
+    """The check's verdict from the largest loss differences (its training replaced by fixed metrics)."""
+    shift = {"value": 0.0}
+
+    def fake_run(config, quiet):
+        root = Path(config.out_dir) / config.name
+        width = config.train.concurrent_groups
+        for seed in config.seeds:
+            run = root / "default" / "FULL" / f"seed-{seed}"
+            run.mkdir(parents=True)
+            loss = 1.0 + (shift["value"] if width > 1 and seed == config.seeds[-1] else 0.0)
+            line = {"train_loss": loss, "train_acc": 0.5, "valid_loss": 1.0, "valid_acc": 0.5}
+            (run / "metrics.jsonl").write_text("\n".join(json.dumps(line) for _ in range(3)) + "\n")
+        return root
+
+    monkeypatch.setattr(studies, "run_experiment", fake_run)
+    for value, passed in [(0.0, True), (studies.CHECK_TOLERANCE / 2, True), (studies.CHECK_TOLERANCE * 2, False)]:
+        shift["value"] = value
+        out = tmp_path / f"out-{value}"
+        out.mkdir()
+        record = studies.check_concurrent(out, tmp_path / f"work-{value}", "step-graph")
+        assert record["passed"] is passed and record["max_abs_diff"]["train_loss"] == pytest.approx(value)
