@@ -539,8 +539,8 @@ def test_concurrent_cuda_lanes_of_ten_runs_give_what_each_group_gives_alone(drop
     graphs, bf16): two groups in lock step, each on its own stream, give every run the metrics it
     gets when its group trains alone (to bf16 run-to-run noise, far below the 4% by which a
     concurrent ListOps pair once moved five of ten runs' first-epoch loss). With both groups' step
-    graphs captured on one stream (sharing its cuBLAS workspace) the later runs moved by up to
-    0.06 in loss, with or without dropout, and not with the lanes in turn."""
+    graphs captured on one stream (so, by PyTorch's code, sharing one cuBLAS workspace) the later
+    runs moved by up to 0.06 in loss, with or without dropout, and not with the lanes in turn."""
     monkeypatch.setattr(driver, "LANE_STREAMS", streams)
     lab = (*CUDA_LAB, f"model.dropout={dropout}")
     alone = run_experiment(config(tmp_path / "alone", *lab), quiet=True)
