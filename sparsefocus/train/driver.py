@@ -282,16 +282,17 @@ class StepGraph:
 
     The step reads the batch's row indices from a static [R, B] buffer and the learning rate from a
     0-d device tensor, both refreshed before each replay without a host sync. The first ``warmup``
-    steps run uncaptured on a side stream (they compile the forward and settle the allocator), as
-    torch.cuda.graphs asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
+    steps run uncaptured on a side stream, the graph's own (they compile the forward and settle the
+    allocator), as torch.cuda.graphs asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
     ``torch.optim.SGD`` computes without momentum or weight decay; the optimiser then has no state.
 
     The warm-ups, the capture and every replay run on one stream of the graph's own, ordered after
     the caller's stream and before its next work. A captured graph embeds the cuBLAS workspace that
     PyTorch keys by the capture stream, so two graphs captured on one stream (torch.cuda.graph's
-    shared default) and replayed at once on two streams (concurrent groups) write each other's
-    split-K partial sums (on an H100, two 10-run lanes then moved their later runs' losses by up to 0.06).
-    Replaying where it was captured keeps every use of that workspace in one stream's order.
+    shared default) and replayed at once on two streams (concurrent groups) can overwrite each
+    other's partial sums there (on an H100, two 10-run lanes captured so moved their later runs'
+    losses by up to 0.06). Replaying where it was captured keeps every use of that workspace in one
+    stream's order.
     """
 
     def __init__(self, trainer: "GroupTrainer", warmup: int = 2) -> None:
