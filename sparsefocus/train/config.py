@@ -139,8 +139,9 @@ class TrainConfig:
             take BLOC:5's step from 14.2 to 11.1 ms and TOPK's attention over its chosen keys
             alone was slower than the masked form; docs/performance.md). Default: "masks".
         task_cache: the batched path keeps each seed's built task data under
-            ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source)
-            and builds missing seeds in parallel processes. Default: False.
+            ``<out_dir>/.task-cache`` (keyed by the task config and its generator's source; one
+            file for every seed when ``task.data_seed`` is set) and builds missing seeds in
+            parallel processes. Default: False.
         shuffle: reshuffle the training examples every epoch; false feeds them in the task's order
             every epoch (corpus order for ``lm_window``, as the Semantic Focus PTB runs). Default: true.
     """

@@ -138,14 +138,15 @@ TASK_SCALARS = ("name", "kind", "vocab_size", "num_classes", "pad_id")
 
 def task_cache_path(config: ExperimentConfig, seed: int) -> Path:
     """Where the task cache keeps ``seed``'s data: keyed by the task config and the source of the
-    module that generates it, so an edited generator never serves stale data."""
+    module that generates it, so an edited generator never serves stale data, and by the seed the
+    data are drawn from (with ``task.data_seed`` one file serves every training seed)."""
     task = make_task_config(config.task)
     source_file = inspect.getsourcefile(type(task))
     if source_file is None:
         raise ValueError(f"task cache: the source of {type(task).__name__} is not in a file, so it cannot key the cache")
     source = Path(source_file).read_bytes()
     key = hashlib.sha256(json.dumps(config.task, sort_keys=True, default=str).encode() + source).hexdigest()[:16]
-    return Path(config.out_dir) / ".task-cache" / key / f"seed-{seed}.pt"
+    return Path(config.out_dir) / ".task-cache" / key / f"seed-{task.seed_for_data(seed)}.pt"
 
 
 def _build_into_cache(config: ExperimentConfig, seed: int) -> None:
@@ -180,7 +181,8 @@ def build_datas(config: ExperimentConfig, seeds: list[int], device: torch.device
     parallel processes (one per core at most) into the cache, then all are read from it."""
     if not config.train.task_cache:
         return [build_data(config, seed, device) for seed in seeds]
-    missing = [seed for seed in seeds if not task_cache_path(config, seed).exists()]
+    paths = {task_cache_path(config, seed): seed for seed in seeds}  # one seed per file to build
+    missing = [seed for path, seed in paths.items() if not path.exists()]
     if len(missing) == 1:
         _build_into_cache(config, missing[0])
     elif missing:

@@ -148,6 +148,24 @@ def test_task_cache_serves_the_built_data(tmp_path):
     assert (again.vocab_size, again.num_classes, again.pad_id) == (fresh.vocab_size, fresh.num_classes, fresh.pad_id)
 
 
+def test_task_cache_builds_a_shared_data_seed_once(tmp_path, monkeypatch):
+    import torch
+
+    from sparsefocus.train import driver
+    from sparsefocus.train.config import load_config
+    from sparsefocus.train.loop import build_data
+
+    built, build = [], driver._build_into_cache
+    monkeypatch.setattr(driver, "_build_into_cache", lambda config, seed: built.append(seed) or build(config, seed))
+    task = "task={name: parity, length: 10, num_train: 30, num_valid: 15, data_seed: 9}"
+    config = load_config(None, [f"out_dir={tmp_path}", *TINY, task, "train.batched=true", "train.task_cache=true"])
+    datas = driver.build_datas(config, [4, 5, 6], torch.device("cpu"))
+    assert len(built) == 1 and driver.task_cache_path(config, 4) == driver.task_cache_path(config, 6)
+    fresh = build_data(config, 5, torch.device("cpu"))
+    for data in datas:
+        assert torch.equal(data.train_inputs, fresh.train_inputs) and torch.equal(data.valid_targets, fresh.valid_targets)
+
+
 def test_setup_log_names_each_groups_first_evaluation_once(tmp_path, monkeypatch):
     from sparsefocus.train import driver
 
