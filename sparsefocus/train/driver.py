@@ -284,8 +284,8 @@ class StepGraph:
 
     The step reads the batch's row indices from a static [R, B] buffer and the learning rate from a
     0-d device tensor, both refreshed before each replay without a host sync. The first ``warmup``
-    steps run uncaptured (they compile the forward and settle the allocator), as torch.cuda.graphs
-    asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
+    steps run uncaptured on a side stream, the graph's own (they compile the forward and settle the
+    allocator), as torch.cuda.graphs asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
     ``torch.optim.SGD`` computes without momentum or weight decay; the optimiser then has no state.
 
     The warm-ups, the capture and every replay run on one stream of the graph's own, ordered after
@@ -306,7 +306,7 @@ class StepGraph:
         self.loss_sum = torch.zeros(trainer.runs, dtype=torch.float64, device=device)
         self.correct = torch.zeros(trainer.runs, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.stream = torch.cuda.Stream(device)  # warm-ups, capture and replays (see above)
+        self.stream: torch.cuda.Stream | None = None  # made at the first step, inside the caller's device context
         self.steps = 0
 
     def _body(self) -> None:
@@ -340,6 +340,8 @@ class StepGraph:
             self._on_own_stream(self.graph.replay)
             return
         began, group = time.perf_counter(), self.trainer.label
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()
         if self.steps < self.warmup:
             self._on_own_stream(self._body)
             self.steps += 1
@@ -355,11 +357,11 @@ class StepGraph:
     def _on_own_stream(self, work: Callable[[], None]) -> None:
         """``work`` on the graph's stream, after what the current stream has queued and before
         what it queues next."""
-        current = torch.cuda.current_stream()
-        self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
+        stream, current = cast(torch.cuda.Stream, self.stream), torch.cuda.current_stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
             work()
-        current.wait_stream(self.stream)
+        current.wait_stream(stream)
 
     def run_uncaptured(self, index: Tensor, lr: float) -> None:
         """One step outside the graph, with the same compiled kernels: for profilers, which do not
