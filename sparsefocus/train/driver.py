@@ -284,8 +284,8 @@ class StepGraph:
 
     The step reads the batch's row indices from a static [R, B] buffer and the learning rate from a
     0-d device tensor, both refreshed before each replay without a host sync. The first ``warmup``
-    steps run uncaptured on a side stream, the graph's own (they compile the forward and settle the
-    allocator), as torch.cuda.graphs asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
+    steps run uncaptured (they compile the forward and settle the allocator), as torch.cuda.graphs
+    asks; they are real steps of the epoch. Plain SGD is ``p -= lr * g``, what
     ``torch.optim.SGD`` computes without momentum or weight decay; the optimiser then has no state.
 
     The warm-ups, the capture and every replay run on one stream of the graph's own, ordered after
@@ -306,7 +306,7 @@ class StepGraph:
         self.loss_sum = torch.zeros(trainer.runs, dtype=torch.float64, device=device)
         self.correct = torch.zeros(trainer.runs, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.stream: torch.cuda.Stream | None = None  # made at the first step, inside the caller's device context
+        self.stream: torch.cuda.Stream | None = None  # made at the first step: the body alone also runs on the CPU
         self.steps = 0
 
     def _body(self) -> None:
