@@ -62,14 +62,17 @@ def params_of(root: Path) -> dict[str, dict[str, torch.Tensor]]:
     return {str(p.parent.relative_to(root)): load_checkpoint(p)["model"] for p in sorted(root.glob("*/*/seed-*/checkpoint.pt"))}
 
 
-def assert_same_metrics(expected: dict, actual: dict, rtol: float) -> None:
+def assert_same_metrics(expected: dict, actual: dict, rtol: float, acc_steps: dict[str, float] | None = None) -> None:
+    """Every run's metrics agree to ``rtol``; an accuracy named in ``acc_steps`` may instead move by
+    at most its step (one example of its set: an argmax near a tie flips with summation order)."""
     assert expected.keys() == actual.keys() and expected
     for run, lines in expected.items():
         assert len(lines) == len(actual[run]), run
         for want, got in zip(lines, actual[run]):
             assert want["epoch"] == got["epoch"]
             for key in METRICS:
-                assert got[key] == pytest.approx(want[key], rel=rtol, abs=rtol), (run, want["epoch"], key)
+                tol = max(rtol, (acc_steps or {}).get(key, 0.0) * (1 + 1e-6))
+                assert got[key] == pytest.approx(want[key], rel=rtol, abs=tol), (run, want["epoch"], key)
 
 
 def assert_same_params(expected: dict, actual: dict, atol: float) -> None:
@@ -527,6 +530,7 @@ CUDA_LAB = [
     "train.autocast=bf16",
     "train.matmul_precision=high",
 ]
+CUDA_LAB_ACC_STEPS = {"train_acc": 1 / 100, "valid_acc": 1 / 50}  # one example of CUDA_LAB's sets
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the lanes' streams and CUDA graphs exist only there")
@@ -540,18 +544,22 @@ def test_concurrent_cuda_lanes_of_ten_runs_give_what_each_group_gives_alone(drop
     gets when its group trains alone (to bf16 run-to-run noise, far below the 4% by which a
     concurrent ListOps pair once moved five of ten runs' first-epoch loss). With both groups' step
     graphs captured on one stream (so, by PyTorch's code, sharing one cuBLAS workspace) the later
-    runs moved by up to 0.06 in loss, with or without dropout, and not with the lanes in turn."""
+    runs moved by up to 0.06 in loss, with or without dropout, and not with the lanes in turn.
+    Accuracies may differ by one example: trained alone twice, a run's held-out accuracy moved by
+    one of the 50 examples too (H200), while its losses stayed within 5e-4."""
     monkeypatch.setattr(driver, "LANE_STREAMS", streams)
     lab = (*CUDA_LAB, f"model.dropout={dropout}")
     alone = run_experiment(config(tmp_path / "alone", *lab), quiet=True)
     together = run_experiment(config(tmp_path / "together", *lab, "train.concurrent_groups=2"), quiet=True)
-    assert_same_metrics(metrics_of(alone), metrics_of(together), rtol=2e-3)
+    assert_same_metrics(metrics_of(alone), metrics_of(together), rtol=2e-3, acc_steps=CUDA_LAB_ACC_STEPS)
 
 
 def test_the_cuda_lab_settings_are_a_valid_experiment(tmp_path):
     """The CUDA test's settings load (checked on every machine, so that a typo cannot hide behind its skip)."""
     cfg = config(tmp_path, *CUDA_LAB, "train.concurrent_groups=2")
     assert cfg.train.concurrent_groups == 2 and len(cfg.seeds) == 10 and cfg.train.compile == "eager-graph"
+    sizes = {"train_acc": cfg.task["num_train"], "valid_acc": cfg.task["num_valid"]}
+    assert {key: round(1 / step) for key, step in CUDA_LAB_ACC_STEPS.items()} == sizes
 
 
 def test_interrupted_concurrent_groups_resume_to_the_uninterrupted_result(one_at_a_time, tmp_path):
