@@ -43,13 +43,15 @@ seeds). ``--slim`` keeps only the metrics of finished runs (not the paper's anal
 repository, is the unfinished runs' checkpoints and about 16 KB per finished run.
 
 The mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
-each in turn, each on its own CUDA stream; default 1, since a 10-run pair on CUDA once diverged
-from the groups alone, docs/scale.md). ``--check`` first trains a small even-pairs grid with
-dropout, 10 seeds folded, both one group at a time and concurrently and records how far the two
-differ (``<out>/concurrent_check.json``): each group keeps its own dropout stream, so they should
-differ only by the GPU's non-deterministic summation order. A check whose losses differ by more
-than ``CHECK_TOLERANCE`` trains the call's groups one at a time instead (said on stderr and in
-the progress line's settings). ``--verify TESTS`` (repeatable pytest paths) runs
+each in turn, each on its own CUDA stream, each step graph captured and replayed on a stream of its
+own; default 1: lanes whose graphs shared a capture stream once moved the later runs of 10-run
+folds, docs/scale.md). ``--check`` first trains a small even-pairs grid with dropout, 10 seeds
+folded, one group at a time twice and then concurrently, and records how far the concurrent runs
+and the second lone runs differ from the first (``<out>/concurrent_check.json``): each group keeps
+its own dropout stream, so all three should differ only by the GPU's non-deterministic summation
+order. A check whose concurrent losses move by more than ``CHECK_TOLERANCE`` and more than
+``CHECK_NOISE_FACTOR`` times the lone runs' own change trains the call's groups one at a time
+instead (said on stderr and in the progress line's settings). ``--verify TESTS`` (repeatable pytest paths) runs
 those tests on the machine first and trains nothing unless they pass (exit status 3; their output
 in ``<out>/<study>_verify.txt``): a kernel a study trains with is checked on the GPU it trains on.
 
@@ -177,16 +179,35 @@ def epochs_override(epochs: int | None) -> tuple[str, ...]:
 
 
 CHECK_TOLERANCE = 2e-3
-"""``--check``: the largest change of a run's train or held-out loss that concurrent training may
+"""``--check``: the change of a run's train or held-out loss that concurrent training may always
 make against the groups alone (the CUDA test's tolerance; when lanes' CUDA graphs shared a cuBLAS
 workspace, later runs moved by up to 0.06)."""
+
+CHECK_NOISE_FACTOR = 2.0
+"""``--check``: concurrent training may also move a run by up to this many times the largest change
+between the groups trained alone twice. The check's grid trains in fp32 with dropout at the
+paper's learning rate, where the GPU's summation order alone moved a run by 0.006 in 3 epochs
+(H200, ``benchmarks/results/h200_lab_check_noise_a6d4897.json``)."""
+
+CHECK_KEYS = ("train_loss", "train_acc", "valid_loss", "valid_acc")
+
+
+def _largest_changes(reference: dict, other: dict) -> dict:
+    """Per metric, the largest absolute change of any run and epoch from ``reference`` to ``other``."""
+    worst = {key: 0.0 for key in CHECK_KEYS}
+    for run, lines in reference.items():
+        for want, got in zip(lines, other[run], strict=True):
+            for key in worst:
+                worst[key] = max(worst[key], abs(want[key] - got[key]))
+    return worst
 
 
 def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = "masks") -> dict:
     """FULL, TOPK:5 and BAND:5(1) on a small even-pairs grid with dropout, 10 seeds (a fault once
-    reached only the later runs of a 10-run fold), 3 epochs: one group at a time against all three
-    concurrently. Returns the largest differences and whether the losses stay within
-    ``CHECK_TOLERANCE`` (``passed``)."""
+    reached only the later runs of a 10-run fold), 3 epochs: one group at a time, twice, and all
+    three concurrently. Concurrent training passes (``passed``) when no run's loss moves from the
+    first lone training by more than ``CHECK_TOLERANCE`` or ``CHECK_NOISE_FACTOR`` times the
+    largest change between the two lone trainings, whichever is larger."""
     tiny = [
         "task.num_train=500",
         "task.num_valid=200",
@@ -196,27 +217,27 @@ def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = 
         'mechanisms=["FULL", "TOPK:5", "BAND:5(1)"]',
     ]
     metrics = {}
-    for width in (1, 3):
+    for name, width in (("alone-1", 1), ("alone-2", 1), ("together", 3)):
         config = study_config(
-            "even_pairs", work / "check", "highest", "none", compile_mode, width, (f"name=width-{width}", *tiny), attention
+            "even_pairs", work / "check", "highest", "none", compile_mode, width, (f"name={name}", *tiny), attention
         )
         root = run_experiment(config, quiet=True)
-        metrics[width] = {
+        metrics[name] = {
             str(path.parent.relative_to(root)): [json.loads(line) for line in path.read_text().splitlines()]
             for path in sorted(root.glob("*/*/seed-*/metrics.jsonl"))
         }
-    worst = {key: 0.0 for key in ("train_loss", "train_acc", "valid_loss", "valid_acc")}
-    for run, lines in metrics[1].items():
-        for want, got in zip(lines, metrics[3][run], strict=True):
-            for key in worst:
-                worst[key] = max(worst[key], abs(want[key] - got[key]))
-    passed = max(worst["train_loss"], worst["valid_loss"]) <= CHECK_TOLERANCE  # accuracies move in steps of one example
+    moved, noise = (_largest_changes(metrics["alone-1"], metrics[name]) for name in ("together", "alone-2"))
+    losses = ("train_loss", "valid_loss")  # accuracies move in steps of one example
+    allowed = max(CHECK_TOLERANCE, CHECK_NOISE_FACTOR * max(noise[key] for key in losses))
     record = {
-        "runs": len(metrics[1]),
+        "runs": len(metrics["alone-1"]),
         "epochs": 3,
-        "max_abs_diff": worst,
+        "max_abs_diff": moved,
+        "alone_vs_alone": noise,
         "tolerance": CHECK_TOLERANCE,
-        "passed": passed,
+        "noise_factor": CHECK_NOISE_FACTOR,
+        "allowed": allowed,
+        "passed": max(moved[key] for key in losses) <= allowed,
         "compile": compile_mode,
         "fast_attention": attention,
     }
