@@ -92,6 +92,7 @@ from sparsefocus.train.experiment import (
 from sparsefocus.train.workers import TIMING_NAME
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENT_FILE = "experiment.yaml"  # what run_experiment writes into an experiment folder
 FIGURE_1 = ["FULL", "TOPK:5", "BAND:5", "BAND:5(1)", "BLOC:5", "BLOC:5(1)"]
 STUDIES = {
     "even_pairs": "nnch_even_pairs.yaml",
@@ -330,7 +331,9 @@ def replace_tree(source: Path, target: Path) -> None:
 def adopt(config, inbox: Path, into: Path) -> list[str]:
     """Unpack ``inbox``'s study parts into the folder ``config`` trains in and copy every mechanism
     group whose runs have all finished into the kept folder ``into``, with the study's timing
-    record; no training. Returns the groups copied (``<setting>/<mechanism>``).
+    record, and its ``experiment.yaml`` where ``into`` has none yet (so that a new kept folder is an
+    experiment folder ``sparsefocus report`` reads); no training. Returns the groups copied
+    (``<setting>/<mechanism>``).
 
     Raises:
         ValueError: ``inbox`` holds no parts of the study."""
@@ -343,6 +346,8 @@ def adopt(config, inbox: Path, into: Path) -> list[str]:
         replace_tree(group, into / group.relative_to(root))
     if groups:
         write_text_atomic(into / TIMING_NAME, (root / TIMING_NAME).read_text())
+        if not (into / EXPERIMENT_FILE).exists():
+            write_text_atomic(into / EXPERIMENT_FILE, (root / EXPERIMENT_FILE).read_text())
     return [str(group.relative_to(root)) for group in groups]
 
 

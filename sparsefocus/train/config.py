@@ -107,8 +107,8 @@ class TrainConfig:
             that small models share the GPU; each keeps its own dropout stream, so results do not
             depend on it on the CPU (tested). On CUDA, lanes whose step graphs shared a capture
             stream moved the later runs of 10-run folds (docs/scale.md); each graph now has a
-            stream of its own, not yet checked on a GPU: keep 1 there until the CUDA test passes.
-            Not with ``compile="reduce-overhead"``. Default: 1.
+            stream of its own, and the CUDA test's concurrent runs move no more than lone runs
+            trained twice (H200). Not with ``compile="reduce-overhead"``. Default: 1.
         compile: torch.compile of the batched fast step: "auto" (default mode on CUDA, off on
             CPU), "eager" (no compile), "default", "reduce-overhead" (CUDA graphs of the forward
             and backward), or "step-graph" (CUDA only, plain SGD: the forward compiled in default
