@@ -318,9 +318,11 @@ def test_the_concurrency_check_passes_within_its_tolerance_or_the_lone_runs_nois
     the two lone trainings where that is larger."""
     tol, factor = studies.CHECK_TOLERANCE, studies.CHECK_NOISE_FACTOR
     shift = {"together": 0.0, "alone-2": 0.0}
+    widths = {}
 
     def fake_run(config, quiet):
         root = Path(config.out_dir) / config.name
+        widths[config.name] = config.train.concurrent_groups
         for seed in config.seeds:
             run = root / "default" / "FULL" / f"seed-{seed}"
             run.mkdir(parents=True)
@@ -347,3 +349,4 @@ def test_the_concurrency_check_passes_within_its_tolerance_or_the_lone_runs_nois
         assert record["alone_vs_alone"]["train_loss"] == pytest.approx(alone)
         assert record["allowed"] == pytest.approx(max(tol, factor * alone))
         assert json.loads((out / "concurrent_check.json").read_text())["passed"] is passed
+    assert widths == {"alone-1": 1, "alone-2": 1, "together": 3}
