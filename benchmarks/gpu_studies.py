@@ -51,7 +51,10 @@ and the second lone runs differ from the first (``<out>/concurrent_check.json``)
 its own dropout stream, so all three should differ only by the GPU's non-deterministic summation
 order. A check whose concurrent losses move by more than ``CHECK_TOLERANCE`` and more than
 ``CHECK_NOISE_FACTOR`` times the lone runs' own change trains the call's groups one at a time
-instead (said on stderr and in the progress line's settings). ``--verify TESTS`` (repeatable pytest paths) runs
+instead (said on stderr and in the progress line's settings). A passed check that an earlier call
+returned, copied into the inbox with the parts, is reused (``"reused": true``) when it ran on the
+same device name, torch, code (a hash of the package's sources and this script), compile mode,
+attention and rule; a call that lands on another card checks again. ``--verify TESTS`` (repeatable pytest paths) runs
 those tests on the machine first and trains nothing unless they pass (exit status 3; their output
 in ``<out>/<study>_verify.txt``): a kernel a study trains with is checked on the GPU it trains on.
 
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -74,6 +78,8 @@ import tarfile
 import time
 import traceback
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -203,6 +209,45 @@ def _largest_changes(reference: dict, other: dict) -> dict:
     return worst
 
 
+CHECK_NAME = "concurrent_check.json"
+
+
+def code_fingerprint() -> str:
+    """sha256 of the package's Python sources and this script (paths and contents, sorted): what a
+    concurrency check's verdict depends on besides the machine and the libraries."""
+    digest = hashlib.sha256()
+    for path in sorted([*(ROOT / "sparsefocus").rglob("*.py"), Path(__file__).resolve()]):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def check_identity(compile_mode: str, attention: str) -> dict:
+    """What a concurrency check was run on and with: the same identity lets a later call reuse it."""
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "code": code_fingerprint(),
+        "compile": compile_mode,
+        "fast_attention": attention,
+        "tolerance": CHECK_TOLERANCE,
+        "noise_factor": CHECK_NOISE_FACTOR,
+    }
+
+
+def reusable_check(inbox: Path, compile_mode: str, attention: str) -> dict | None:
+    """A passed check that an earlier call returned (``<inbox>/concurrent_check.json``) on the same
+    device name, torch, code, compile mode, attention and rule; None when there is none or it
+    differs in any of them (a call that lands on another card checks again)."""
+    try:
+        earlier = json.loads((inbox / CHECK_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    identity = check_identity(compile_mode, attention)
+    if earlier.get("passed") is not True or any(earlier.get(key) != value for key, value in identity.items()):
+        return None
+    return earlier
+
+
 def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = "masks") -> dict:
     """FULL, TOPK:5 and BAND:5(1) on a small even-pairs grid with dropout, 10 seeds (a fault once
     reached only the later runs of a 10-run fold), 3 epochs: one group at a time, twice, and all
@@ -231,18 +276,15 @@ def check_concurrent(out: Path, work: Path, compile_mode: str, attention: str = 
     losses = ("train_loss", "valid_loss")  # accuracies move in steps of one example
     allowed = max(CHECK_TOLERANCE, CHECK_NOISE_FACTOR * max(noise[key] for key in losses))
     record = {
+        **check_identity(compile_mode, attention),
         "runs": len(metrics["alone-1"]),
         "epochs": 3,
         "max_abs_diff": moved,
         "alone_vs_alone": noise,
-        "tolerance": CHECK_TOLERANCE,
-        "noise_factor": CHECK_NOISE_FACTOR,
         "allowed": allowed,
         "passed": max(moved[key] for key in losses) <= allowed,
-        "compile": compile_mode,
-        "fast_attention": attention,
     }
-    write_text_atomic(out / "concurrent_check.json", json.dumps(record, indent=1))
+    write_text_atomic(out / CHECK_NAME, json.dumps(record, indent=1))
     return record
 
 
@@ -572,12 +614,17 @@ def main() -> int:
     budget = Budget(max(args.budget - spent, 0.0))
     called = time.time() - spent
     if args.check:
-        check = check_concurrent(out, work, args.compile, args.fast_attention)
+        check = reusable_check(Path(args.inbox), args.compile, args.fast_attention)
+        if check is None:
+            check = check_concurrent(out, work, args.compile, args.fast_attention)
+        else:
+            check = {**check, "reused": True}
+            write_text_atomic(out / CHECK_NAME, json.dumps(check, indent=1))
         print(json.dumps({"concurrent_check": check}), flush=True)
         if not check["passed"] and args.concurrent > 1:
             print(
-                f"gpu_studies: warning: concurrent groups moved losses by more than {CHECK_TOLERANCE}; training one group"
-                " at a time (--concurrent 1)",
+                f"gpu_studies: warning: concurrent groups moved losses by more than {check['allowed']:.2g}; training one"
+                " group at a time (--concurrent 1)",
                 file=sys.stderr,
             )
             args.concurrent = 1

@@ -301,7 +301,7 @@ def test_a_failed_concurrency_check_trains_one_group_at_a_time(studies, passed, 
         widths.append(config.train.concurrent_groups)
         (Path(config.out_dir) / config.name).mkdir(parents=True)
 
-    monkeypatch.setattr(studies, "check_concurrent", lambda *args: {"passed": passed})
+    monkeypatch.setattr(studies, "check_concurrent", lambda *args: {"passed": passed, "allowed": 2e-3})
     monkeypatch.setattr(studies, "run_experiment", train)
     out, work = tmp_path / "o", tmp_path / "w"
     argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(work), "--no-compile-cache"]
@@ -310,6 +310,58 @@ def test_a_failed_concurrency_check_trains_one_group_at_a_time(studies, passed, 
     assert widths == [3 if passed else 1]
     assert json.loads((out / "even_pairs_progress.json").read_text())["settings"]["concurrent"] == (3 if passed else 1)
     assert ("training one group at a time" in capsys.readouterr().err) is not passed
+
+
+@pytest.mark.parametrize(
+    "change,reused",
+    [
+        ({}, True),
+        ({"passed": False}, False),
+        ({"device": "another card"}, False),
+        ({"code": "0" * 64}, False),
+        ({"compile": "eager-graph"}, False),
+    ],
+)
+def test_a_passed_check_an_earlier_call_returned_is_reused_only_on_the_same_identity(
+    studies, change, reused, tmp_path, monkeypatch
+):
+    """A check record in the inbox saves a call the check's three trainings when it passed on the
+    same device, torch, code, compile mode, attention and rule; otherwise the call checks again."""
+    checked = []
+
+    def check(out, *args):
+        checked.append(args)
+        return {"passed": True, "allowed": 2e-3}
+
+    def train(config, quiet, budget):
+        (Path(config.out_dir) / config.name).mkdir(parents=True)
+
+    monkeypatch.setattr(studies, "check_concurrent", check)
+    monkeypatch.setattr(studies, "run_experiment", train)
+    inbox, out = tmp_path / "inbox", tmp_path / "o"
+    inbox.mkdir()
+    earlier = {**studies.check_identity("step-graph", "masks"), "passed": True, "allowed": 2e-3, "max_abs_diff": {}}
+    (inbox / "concurrent_check.json").write_text(json.dumps({**earlier, **change}))
+    argv = ["gpu_studies.py", "--study", "even_pairs", "--out", str(out), "--work", str(tmp_path / "w"), "--no-compile-cache"]
+    monkeypatch.setattr(
+        studies.sys, "argv", [*argv, "--inbox", str(inbox), "--check", "--concurrent", "3", "--compile", "step-graph"]
+    )
+    assert studies.main() == 0
+    assert (not checked) is reused
+    if reused:
+        assert json.loads((out / "concurrent_check.json").read_text()) == {**earlier, "reused": True}
+
+
+def test_the_code_fingerprint_follows_the_package_sources(studies, tmp_path, monkeypatch):
+    (tmp_path / "sparsefocus").mkdir()
+    source = tmp_path / "sparsefocus" / "a.py"
+    source.write_text("x = 1\n")
+    monkeypatch.setattr(studies, "ROOT", tmp_path)
+    monkeypatch.setattr(studies, "__file__", str(source))
+    first = studies.code_fingerprint()
+    assert studies.code_fingerprint() == first
+    source.write_text("x = 2\n")
+    assert studies.code_fingerprint() != first
 
 
 def test_the_concurrency_check_passes_within_its_tolerance_or_the_lone_runs_noise(studies, tmp_path, monkeypatch):
