@@ -158,8 +158,8 @@ def _build_into_cache(config: ExperimentConfig, seed: int) -> None:
     save_checkpoint(path, record)
 
 
-def _load_cached(config: ExperimentConfig, seed: int, device: torch.device) -> TaskData:
-    record = torch.load(task_cache_path(config, seed), map_location=device, weights_only=True)
+def _load_cached(path: Path, device: torch.device) -> TaskData:
+    record = torch.load(path, map_location=device, weights_only=True)
     for name in TASK_TENSORS:
         if record[name] is not None:
             record[name] = record[name].long()
@@ -181,15 +181,16 @@ def build_datas(config: ExperimentConfig, seeds: list[int], device: torch.device
     parallel processes (one per core at most) into the cache, then all are read from it."""
     if not config.train.task_cache:
         return [build_data(config, seed, device) for seed in seeds]
-    paths = {task_cache_path(config, seed): seed for seed in seeds}  # one seed per file to build
-    missing = [seed for path, seed in paths.items() if not path.exists()]
+    paths = [task_cache_path(config, seed) for seed in seeds]  # seeds sharing a data seed share a file
+    missing = [seed for path, seed in dict(zip(paths, seeds)).items() if not path.exists()]
     if len(missing) == 1:
         _build_into_cache(config, missing[0])
     elif missing:
         workers = min(len(missing), os.cpu_count() or 1)
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             list(pool.map(_build_into_cache, [config] * len(missing), missing))
-    return [_load_cached(config, seed, device) for seed in seeds]
+    loaded = {path: _load_cached(path, device) for path in dict.fromkeys(paths)}  # each file read once; the data are only read
+    return [loaded[path] for path in paths]
 
 
 def _shape_key(data: TaskData) -> tuple:
