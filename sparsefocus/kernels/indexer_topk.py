@@ -22,6 +22,12 @@ kernel does and merges it into every row's kk best (score, position) entries in 
 (``topk_select._merge_tile``, ties to the smaller position), so the [B, N, M] fp32 scores are
 neither written nor read back.
 
+Long rows choosing many keys can skip the full score chunk when ``SAMPLED`` is on (off until timed
+on the GPU): a cut per row from a strided sample of its keys, one scoring sweep that keeps the keys
+at or above it in a per-row buffer (``_sweep_kernel``), the radix select over the buffer
+(``_buffer_select_kernel``), and the scores chunk and radix select again for the rows whose buffer
+overflowed or fell short of kk only (``ONLY_FLAGGED``), so the result is the same exact set.
+
 Output: [B, N, kk] int32 key positions in increasing position order, -1 past the row's allowed
 keys; no host synchronisation, fixed shapes (``sparsefocus::indexer_topk`` is a custom op).
 Scores on CUDA use 3xTF32 dots (fp32 accuracy on tensor cores); a key whose score is within
@@ -31,6 +37,7 @@ summation orders. Memory: the [B, R, M] fp32 chunk (about ``CHUNK_ELEMENTS``).
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -53,6 +60,19 @@ SHORT_TILE_KEYS = 4096  # packed keys of one short-select program: rows per prog
 FUSED_SHORT = True
 """Short rows: True, scores and selection in one launch (``_fused_short_kernel``); False, the
 scores chunk, then ``_short_select_kernel``."""
+SAMPLED = False
+"""Long rows choosing many keys (kk >= ``SAMPLED_MIN_K``, rows of more than ``SAMPLED_CAP_FACTOR``
+x kk keys): True, each row's cut from a strided sample of its keys (every ``SAMPLE_STRIDE``-th:
+the SAMPLE_FACTOR x kk / stride-th largest sampled score), one sweep of the indexer scores that
+keeps the keys at or above the cut with their scores in a per-row buffer of SAMPLED_CAP_FACTOR x kk
+entries (``_sweep_kernel``), and the radix select over that buffer alone; a row whose buffer
+overflows or holds fewer than kk keys is marked and redone by the scores chunk and radix select,
+on the device. False (the default until it is timed on the GPU): the scores chunk and radix
+select for every row."""
+SAMPLE_STRIDE = 16
+SAMPLE_FACTOR = 1.35
+SAMPLED_CAP_FACTOR = 4.0
+SAMPLED_MIN_K = 256
 
 
 @triton.jit
@@ -81,6 +101,7 @@ def _scores_kernel(
     IK,
     W,
     S,
+    FLAG,
     row0,
     R,
     N,
@@ -89,18 +110,24 @@ def _scores_kernel(
     D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
+    ONLY_FLAGGED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """S[b, r, s] = sum_h W[b, row0 + r, h] relu(IQ[b, h, row0 + r] . IK[b, s]) for one tile."""
+    """S[b, r, s] = sum_h W[b, row0 + r, h] relu(IQ[b, h, row0 + r] . IK[b, s]) for one tile
+    (ONLY_FLAGGED: only the rows FLAG marks; a tile without one exits at once)."""
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    # causal: a tile whose keys are all in every row's future is never read, so never written
-    if (not CAUSAL) or (pid_n * BLOCK_N <= row0 + pid_m * BLOCK_M + BLOCK_M - 1):
-        local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
-        rows = row0 + local
+    local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
+    rows = row0 + local
+    row_ok = (local < R) & (rows < N)
+    if ONLY_FLAGGED:
+        row_ok = row_ok & (tl.load(FLAG + b * R + local, mask=row_ok, other=0) != 0)
+    live = tl.max(row_ok.to(tl.int32)) > 0
+    if CAUSAL:  # a tile whose keys are all in every row's future is never read, so never written
+        live = live & (pid_n * BLOCK_N <= row0 + pid_m * BLOCK_M + BLOCK_M - 1)
+    if live:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] keys
-        row_ok = (local < R) & (rows < N)
         total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
         out = S + (b * R + local[:, None]).to(tl.int64) * M + cols[None, :]
         tl.store(out, total, mask=row_ok[:, None] & (cols[None, :] < M))
@@ -144,10 +171,24 @@ def _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, SHIFT: tl.constexpr
 
 
 @triton.jit
+def _kth_key(S_row, PAD_row, limit, M, KK, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """(order-preserving int32 key of the row's KK-th largest allowed score, how many keys equal to
+    it are wanted, the row's allowed keys) by four 8-bit radix passes."""
+    prefix = tl.zeros([], tl.int32)
+    remaining = tl.zeros([], tl.int32) + KK
+    prefix, remaining, allowed = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 24, HAS_PAD, BLOCK)
+    prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 16, HAS_PAD, BLOCK)
+    prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 8, HAS_PAD, BLOCK)
+    prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 0, HAS_PAD, BLOCK)
+    return prefix ^ INT32_MIN, remaining, allowed
+
+
+@triton.jit
 def _select_kernel(
     S,
     PAD,
     OUT,
+    FLAG,
     row0,
     R,
     N,
@@ -155,41 +196,43 @@ def _select_kernel(
     KK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr,
+    ONLY_FLAGGED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """The row's kk best keys from its scores chunk (ONLY_FLAGGED: only the rows FLAG marks)."""
     local, b = tl.program_id(0), tl.program_id(1)
     row = row0 + local
-    if row < N:
+    live = row < N
+    if ONLY_FLAGGED:
+        live = live & (tl.load(FLAG + b * R + local, mask=live, other=0) != 0)
+    if live:
         limit = tl.minimum(M, row + 1) if CAUSAL else M
         S_row = S + (b * R + local).to(tl.int64) * M
         PAD_row = PAD + b.to(tl.int64) * M
-        prefix = tl.zeros([], tl.int32)
-        remaining = tl.full([], KK, tl.int32)
-        prefix, remaining, allowed = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 24, HAS_PAD, BLOCK)
-        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 16, HAS_PAD, BLOCK)
-        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 8, HAS_PAD, BLOCK)
-        prefix, remaining, _ = _radix_pass(S_row, PAD_row, limit, M, prefix, remaining, 0, HAS_PAD, BLOCK)
-        _collect_row(
-            S_row,
-            PAD_row,
-            OUT + (b * N + row).to(tl.int64) * KK,
-            limit,
-            M,
-            prefix ^ INT32_MIN,
-            remaining,
-            allowed <= KK,
-            KK,
-            HAS_PAD,
-            BLOCK,
-        )
+        cut, ties, allowed = _kth_key(S_row, PAD_row, limit, M, KK, HAS_PAD, BLOCK)
+        out = OUT + (b * N + row).to(tl.int64) * KK
+        _collect_row(S_row, PAD_row, S_row, out, limit, M, cut, ties, allowed <= KK, KK, HAS_PAD, False, BLOCK)
 
 
 @triton.jit
 def _collect_row(
-    S_row, PAD_row, out, limit, M, cut, ties_wanted, take_all, KK: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr
+    S_row,
+    PAD_row,
+    P_row,
+    out,
+    limit,
+    M,
+    cut,
+    ties_wanted,
+    take_all,
+    KK: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    MAPPED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Write the keys scoring above ``cut`` and the first ``ties_wanted`` at it (every allowed key
-    when ``take_all``) in position order; -1 in the slots left."""
+    when ``take_all``) in position order; -1 in the slots left. MAPPED: entry i of the row is key
+    P_row[i] (a buffer of kept keys in position order), else key i."""
     taken = tl.zeros([], tl.int32)
     ties = tl.zeros([], tl.int32)
     for start in range(0, limit, BLOCK):
@@ -198,12 +241,89 @@ def _collect_row(
         tie_rank = ties + tl.cumsum(tie.to(tl.int32), axis=0) - 1
         take = valid & (take_all | (ordered > cut) | (tie & (tie_rank < ties_wanted)))
         slot = taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
-        tl.store(out + slot, pos, mask=take)
+        if MAPPED:
+            tl.store(out + slot, tl.load(P_row + pos, mask=take, other=0), mask=take)
+        else:
+            tl.store(out + slot, pos, mask=take)
         taken += tl.sum(take.to(tl.int32))
         ties += tl.sum(tie.to(tl.int32))
     for start in range(0, KK, BLOCK):
         slot = start + tl.arange(0, BLOCK)
         tl.store(out + slot, tl.full([BLOCK], -1, tl.int32), mask=(slot >= taken) & (slot < KK))
+
+
+@triton.jit
+def _sample_cut_kernel(
+    S, PAD, T, row0, R, N, M, Q, STRIDE: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """T[b, r]: the order-preserving key of the Q-th largest allowed score among row row0 + r's
+    sampled keys (sample j is key j * STRIDE; S holds their scores), or INT32_MIN (keep every key)
+    when the row has fewer than Q of them."""
+    local, b = tl.program_id(0), tl.program_id(1)
+    row = row0 + local
+    if row < N:
+        limit = tl.minimum(M, row // STRIDE + 1) if CAUSAL else M
+        S_row = S + (b * R + local).to(tl.int64) * M
+        cut, _, allowed = _kth_key(S_row, PAD + b.to(tl.int64) * M, limit, M, Q, HAS_PAD, BLOCK)
+        tl.store(T + b * R + local, tl.where(allowed >= Q, cut, INT32_MIN))
+
+
+@triton.jit
+def _sweep_kernel(
+    IQ, IK, W, PAD, T, BUF_S, BUF_P, COUNT, row0, R, N, M, CAP,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One sweep of BLOCK_M rows' indexer scores, keeping every allowed key whose score's
+    order-preserving key is at least the row's cut T: its score and position go to the row's
+    buffer [CAP] in position order (the program owns its rows for the whole sweep, so each row's
+    count stays in registers); COUNT gets the number of such keys, also past CAP."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    local = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
+    rows = row0 + local
+    row_ok = (local < R) & (rows < N)
+    cut = tl.load(T + b * R + local, mask=row_ok, other=INT32_MAX)  # [BM]
+    buffer = (b * R + local).to(tl.int64) * CAP  # [BM]
+    count = tl.zeros([BLOCK_M], tl.int32)
+    hi = tl.minimum(M, row0 + pid * BLOCK_M + BLOCK_M) if CAUSAL else M  # causal: no tile past the last row's key
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)  # [BN]
+        total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+        valid = row_ok[:, None] & (cols < M)[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= rows[:, None])
+        if HAS_PAD:
+            valid = valid & (tl.load(PAD + b.to(tl.int64) * M + cols, mask=cols < M, other=0) != 0)[None, :]
+        score = tl.where(valid & (total != 0.0), total, 0.0)  # -0.0 ties with 0.0, as the radix select
+        hit = valid & (_ordered_bits(score) >= cut[:, None])  # [BM, BN]
+        slot = count[:, None] + tl.cumsum(hit.to(tl.int32), axis=1) - 1
+        keep = hit & (slot < CAP)
+        tl.store(BUF_S + buffer[:, None] + slot, score, mask=keep)
+        tl.store(BUF_P + buffer[:, None] + slot, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), mask=keep)
+        count += tl.sum(hit.to(tl.int32), axis=1)
+    tl.store(COUNT + b * R + local, count, mask=row_ok)
+
+
+@triton.jit
+def _buffer_select_kernel(
+    BUF_S, BUF_P, COUNT, T, FLAG, OUT, row0, R, N, CAP, KK: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """The row's kk best keys from its buffer, when the buffer holds them all: no overflow, and
+    at least kk keys at or above the cut (or every allowed key, T = INT32_MIN). Otherwise FLAG
+    marks the row for the exact path."""
+    local, b = tl.program_id(0), tl.program_id(1)
+    row = row0 + local
+    if row < N:
+        i = b * R + local
+        n = tl.load(COUNT + i)
+        ok = (n <= CAP) & ((n >= KK) | (tl.load(T + i) == INT32_MIN))
+        tl.store(FLAG + i, tl.where(ok, 0, 1).to(tl.int8))
+        if ok:
+            S_row = BUF_S + i.to(tl.int64) * CAP
+            P_row = BUF_P + i.to(tl.int64) * CAP
+            cut, ties, held = _kth_key(S_row, S_row, n, CAP, KK, False, BLOCK)
+            out = OUT + (b * N + row).to(tl.int64) * KK
+            _collect_row(S_row, S_row, P_row, out, n, CAP, cut, ties, held <= KK, KK, False, True, BLOCK)
 
 
 @triton.jit
@@ -323,22 +443,99 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
         return out
     chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * n_keys)))
     scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
+    cap = int(SAMPLED_CAP_FACTOR * kk)
+    sampled = SAMPLED and kk >= SAMPLED_MIN_K and n_keys > cap and not (n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K)
+    flag = torch.zeros(batch, chunk if sampled else 1, dtype=torch.int8, device=iq.device)
+    sample = _Sample(iq, ik, pad, key_padding_mask is not None, kk, cap, chunk) if sampled else None
     for row0 in range(0, n_queries, chunk):
         rows = min(chunk, n_queries - row0)
-        grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(max(1, n_keys), tiles["BLOCK_N"]), batch)
-        _scores_kernel[grid](
-            iq, ik, w, scores, row0, chunk, n_queries, n_keys,
-            H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3",
-            BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
-        )  # fmt: skip
-        _select(scores, pad, out, row0, rows, chunk, kk, causal, key_padding_mask is not None, tiles)
+        if sample is not None:
+            sample.select(iq, ik, w, out, flag, row0, rows, causal, tiles)
+        _scores(iq, ik, w, scores, flag, row0, rows, causal, sample is not None, tiles)
+        _select(scores, pad, out, flag, row0, rows, chunk, kk, causal, key_padding_mask is not None, sample is not None, tiles)
     return out
 
 
-def _select(
-    scores: Tensor, pad: Tensor, out: Tensor, row0: int, rows: int, chunk: int, kk: int, causal: bool, has_pad: bool, tiles: dict
+def _scores(
+    iq: Tensor,
+    ik: Tensor,
+    w: Tensor,
+    scores: Tensor,
+    flag: Tensor,
+    row0: int,
+    rows: int,
+    causal: bool,
+    only_flagged: bool,
+    tiles: dict,
 ) -> None:
-    """The kk best of each of ``rows`` score rows of the [B, chunk, M] fp32 chunk into ``out`` [B, N, kk]."""
+    """Rows row0 .. row0 + rows of the [B, chunk, M] fp32 indexer scores (only those ``flag`` marks
+    when ``only_flagged``)."""
+    batch, heads, n_queries, dim = iq.shape
+    chunk, n_keys = scores.shape[1], ik.shape[1]
+    grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(max(1, n_keys), tiles["BLOCK_N"]), batch)
+    _scores_kernel[grid](
+        iq, ik, w, scores, flag, row0, chunk, n_queries, n_keys,
+        H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3", ONLY_FLAGGED=only_flagged,
+        BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
+    )  # fmt: skip
+
+
+class _Sample:
+    """The sampled path's buffers for one call (``SAMPLED``): the sampled keys and their padding,
+    each chunk row's cut [B, chunk], kept scores and positions [B, chunk, CAP] and count."""
+
+    def __init__(self, iq: Tensor, ik: Tensor, pad: Tensor, has_pad: bool, kk: int, cap: int, chunk: int) -> None:
+        batch, device = iq.shape[0], iq.device
+        self.ik = ik[:, ::SAMPLE_STRIDE].contiguous()  # [B, ceil(M / stride), d]: key j * stride
+        self.full_pad = pad
+        self.pad = pad[:, ::SAMPLE_STRIDE].contiguous() if has_pad else pad  # the sampled keys'
+        self.has_pad, self.kk, self.cap = has_pad, kk, cap
+        self.wanted = max(1, math.ceil(kk * SAMPLE_FACTOR / SAMPLE_STRIDE))
+        self.scores = torch.empty(batch, chunk, self.ik.shape[1], dtype=torch.float32, device=device)
+        self.cut = torch.empty(batch, chunk, dtype=torch.int32, device=device)
+        self.kept_scores = torch.empty(batch, chunk, cap, dtype=torch.float32, device=device)
+        self.kept_positions = torch.empty(batch, chunk, cap, dtype=torch.int32, device=device)
+        self.count = torch.empty(batch, chunk, dtype=torch.int32, device=device)
+
+    def select(
+        self, iq: Tensor, ik: Tensor, w: Tensor, out: Tensor, flag: Tensor, row0: int, rows: int, causal: bool, tiles: dict
+    ) -> None:
+        """Rows row0 .. row0 + rows into ``out``; ``flag`` marks the rows left to the exact path."""
+        batch, heads, n_queries, dim = iq.shape
+        chunk, n_sampled = self.scores.shape[1], self.ik.shape[1]
+        _scores(iq, self.ik, w, self.scores, flag, row0, rows, causal, False, tiles)
+        _sample_cut_kernel[(rows, batch)](
+            self.scores, self.pad, self.cut, row0, chunk, n_queries, n_sampled, self.wanted,
+            STRIDE=SAMPLE_STRIDE, CAUSAL=causal, HAS_PAD=self.has_pad, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
+        )  # fmt: skip
+        _sweep_kernel[(triton.cdiv(rows, tiles["BLOCK_M"]), batch)](
+            iq, ik, w, self.full_pad, self.cut, self.kept_scores, self.kept_positions,
+            self.count, row0, chunk, n_queries, ik.shape[1], self.cap,
+            H=heads, D=dim, CAUSAL=causal, HAS_PAD=self.has_pad, PRECISION="tf32x3",
+            BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
+        )  # fmt: skip
+        _buffer_select_kernel[(rows, batch)](
+            self.kept_scores, self.kept_positions, self.count, self.cut, flag, out, row0, chunk, n_queries, self.cap,
+            KK=self.kk, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
+        )  # fmt: skip
+
+
+def _select(
+    scores: Tensor,
+    pad: Tensor,
+    out: Tensor,
+    flag: Tensor,
+    row0: int,
+    rows: int,
+    chunk: int,
+    kk: int,
+    causal: bool,
+    has_pad: bool,
+    only_flagged: bool,
+    tiles: dict,
+) -> None:
+    """The kk best of each of ``rows`` score rows of the [B, chunk, M] fp32 chunk into ``out`` [B, N, kk]
+    (only the rows ``flag`` marks when ``only_flagged``)."""
     batch, n_queries, n_keys = scores.shape[0], out.shape[1], scores.shape[2]
     if n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K:
         block = max(16, triton.next_power_of_2(n_keys))
@@ -350,8 +547,8 @@ def _select(
         )  # fmt: skip
         return
     _select_kernel[(rows, batch)](
-        scores, pad, out, row0, chunk, n_queries, n_keys,
-        KK=kk, CAUSAL=causal, HAS_PAD=has_pad, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
+        scores, pad, out, flag, row0, chunk, n_queries, n_keys,
+        KK=kk, CAUSAL=causal, HAS_PAD=has_pad, ONLY_FLAGGED=only_flagged, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
     )  # fmt: skip
 
 

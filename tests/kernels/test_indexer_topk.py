@@ -1,6 +1,6 @@
 """The lightning-indexer selection against DSA's PyTorch selection, with the radix select, the
 short-row select after the scores chunk and the one-launch fused short path (each test runs all
-three): the same key sets (tie rule included) at odd sizes,
+three, and the sampled path for long rows): the same key sets (tie rule included) at odd sizes,
 causal and padded keys never chosen, -1 fill, ties, the chunked rows, the op's registration
 (opcheck) and compilation."""
 
@@ -15,13 +15,18 @@ from sparsefocus.kernels.indexer_topk import indexer_topk
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=["fused", "short", "radix"])
+@pytest.fixture(autouse=True, params=["fused", "short", "radix", "sampled"])
 def select_kernel(request, monkeypatch):
     """Every case through the fused short path (scores merged into each row's kept entries in one
     launch), the short-row select over the scores chunk (rows in registers), both up to 64 picks
-    here, or the radix select."""
-    monkeypatch.setattr(indexer_topk_module, "SHORT_MAX_K", 0 if request.param == "radix" else 64)
+    here, the radix select, or the sampled path (a cut from every 4th key, a buffer of twice kk
+    keys: at these sizes many rows overflow it or fall short and take the radix select)."""
+    monkeypatch.setattr(indexer_topk_module, "SHORT_MAX_K", 64 if request.param in ("fused", "short") else 0)
     monkeypatch.setattr(indexer_topk_module, "FUSED_SHORT", request.param == "fused")
+    monkeypatch.setattr(indexer_topk_module, "SAMPLED", request.param == "sampled")
+    monkeypatch.setattr(indexer_topk_module, "SAMPLED_MIN_K", 1)
+    monkeypatch.setattr(indexer_topk_module, "SAMPLE_STRIDE", 4)
+    monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", 2.0)
     return request.param
 
 
@@ -113,3 +118,17 @@ def test_indexer_topk_refuses_bad_input():
         indexer_topk(iq, ik, w, 0)
     with pytest.raises(ValueError, match="incompatible"):
         indexer_topk(iq, ik, w[:, :, :1], 3)
+
+
+@pytest.mark.parametrize("cap_factor", [1.1, 2.0, 8.0])
+def test_sampled_selection_equals_the_torch_selection_whichever_rows_fall_back(cap_factor, select_kernel, monkeypatch):
+    """The sampled path with buffers so small that most rows overflow (1.1 kk), as in the fixture
+    (2 kk), and so large that none does (8 kk), over rows long enough for the sample."""
+    if select_kernel != "sampled":
+        pytest.skip("the sampled path's own buffer sizes")
+    monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", cap_factor)
+    iq, ik, w = inputs(2, 3, 90, 301, 8)
+    key_padding_mask = torch.rand(2, 301, device=DEVICE) > 0.2
+    for causal in (True, False):
+        got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
+        assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
