@@ -96,6 +96,17 @@ def _score_tile(
 
 
 @triton.jit
+def _allowed_keys(PAD, b, rows, row_ok, cols, M, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr):
+    """[BM, BN] True where key ``cols`` exists and may be chosen by query ``rows`` (causal, padding)."""
+    allowed = row_ok[:, None] & (cols < M)[None, :]
+    if CAUSAL:
+        allowed = allowed & (cols[None, :] <= rows[:, None])
+    if HAS_PAD:
+        allowed = allowed & (tl.load(PAD + b.to(tl.int64) * M + cols, mask=cols < M, other=0) != 0)[None, :]
+    return allowed
+
+
+@triton.jit
 def _scores_kernel(
     IQ,
     IK,
@@ -289,11 +300,7 @@ def _sweep_kernel(
     for start in range(0, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)  # [BN]
         total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-        valid = row_ok[:, None] & (cols < M)[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= rows[:, None])
-        if HAS_PAD:
-            valid = valid & (tl.load(PAD + b.to(tl.int64) * M + cols, mask=cols < M, other=0) != 0)[None, :]
+        valid = _allowed_keys(PAD, b, rows, row_ok, cols, M, CAUSAL, HAS_PAD)
         score = tl.where(valid & (total != 0.0), total, 0.0)  # -0.0 ties with 0.0, as the radix select
         hit = valid & (_ordered_bits(score) >= cut[:, None])  # [BM, BN]
         slot = count[:, None] + tl.cumsum(hit.to(tl.int32), axis=1) - 1
@@ -400,11 +407,7 @@ def _fused_short_kernel(
     for start in range(0, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)  # [BN]
         total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-        allowed = row_ok[:, None] & (cols < M)[None, :]
-        if CAUSAL:
-            allowed = allowed & (cols[None, :] <= rows[:, None])
-        if HAS_PAD:
-            allowed = allowed & (tl.load(PAD + b.to(tl.int64) * M + cols, mask=cols < M, other=0) != 0)[None, :]
+        allowed = _allowed_keys(PAD, b, rows, row_ok, cols, M, CAUSAL, HAS_PAD)
         best_s, best_p = _merge_tile(best_s, best_p, tl.where(allowed, total, float("-inf")), cols)
     picked = tl.where((best_s > float("-inf")) & (slots[None, :] < KK), best_p, INT32_MAX)
     _store_by_position(picked, slots, OUT + (b * N + rows[:, None]).to(tl.int64) * KK, row_ok, KK)

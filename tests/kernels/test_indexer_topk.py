@@ -120,15 +120,25 @@ def test_indexer_topk_refuses_bad_input():
         indexer_topk(iq, ik, w[:, :, :1], 3)
 
 
-@pytest.mark.parametrize("cap_factor", [1.1, 2.0, 8.0])
-def test_sampled_selection_equals_the_torch_selection_whichever_rows_fall_back(cap_factor, select_kernel, monkeypatch):
-    """The sampled path with buffers so small that most rows overflow (1.1 kk), as in the fixture
-    (2 kk), and so large that none does (8 kk), over rows long enough for the sample."""
-    if select_kernel != "sampled":
-        pytest.skip("the sampled path's own buffer sizes")
-    monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", cap_factor)
-    iq, ik, w = inputs(2, 3, 90, 301, 8)
-    key_padding_mask = torch.rand(2, 301, device=DEVICE) > 0.2
-    for causal in (True, False):
-        got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
-        assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
+class TestSampledBuffers:
+    """The sampled path alone, with buffers so small that most rows overflow (1.1 kk), as in the
+    module's cases (2 kk), and so large that none does (8 kk), over rows long enough for the sample."""
+
+    @pytest.fixture(autouse=True)
+    def select_kernel(self, monkeypatch):
+        """Overrides the module's fixture: only the sampled path."""
+        monkeypatch.setattr(indexer_topk_module, "SHORT_MAX_K", 0)
+        monkeypatch.setattr(indexer_topk_module, "FUSED_SHORT", False)
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED", True)
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED_MIN_K", 1)
+        monkeypatch.setattr(indexer_topk_module, "SAMPLE_STRIDE", 4)
+        return "sampled"
+
+    @pytest.mark.parametrize("cap_factor", [1.1, 2.0, 8.0])
+    def test_selection_equals_the_torch_selection_whichever_rows_fall_back(self, cap_factor, monkeypatch):
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", cap_factor)
+        iq, ik, w = inputs(2, 3, 90, 301, 8)
+        key_padding_mask = torch.rand(2, 301, device=DEVICE) > 0.2
+        for causal in (True, False):
+            got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
+            assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
