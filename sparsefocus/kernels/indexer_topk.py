@@ -73,6 +73,10 @@ SAMPLE_STRIDE = 16
 SAMPLE_FACTOR = 1.35
 SAMPLED_CAP_FACTOR = 4.0
 SAMPLED_MIN_K = 256
+SAMPLED_BUFFER_BYTES = 2**31
+"""Largest [B, R, CAP] kept scores and positions (8 bytes an entry) of the sampled path: its rows
+come in chunks of this // (8 B CAP) (8,192 rows at kk=2048, B=4), larger than the scores chunk's at
+long rows, so that a sweep has enough row tiles to fill the GPU."""
 
 
 @triton.jit
@@ -113,6 +117,7 @@ def _scores_kernel(
     W,
     S,
     FLAG,
+    FS,
     row0,
     R,
     N,
@@ -127,13 +132,13 @@ def _scores_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """S[b, r, s] = sum_h W[b, row0 + r, h] relu(IQ[b, h, row0 + r] . IK[b, s]) for one tile
-    (ONLY_FLAGGED: only the rows FLAG marks; a tile without one exits at once)."""
+    (ONLY_FLAGGED: only the rows FLAG [B, FS] marks; a tile without one exits at once)."""
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
     rows = row0 + local
     row_ok = (local < R) & (rows < N)
     if ONLY_FLAGGED:
-        row_ok = row_ok & (tl.load(FLAG + b * R + local, mask=row_ok, other=0) != 0)
+        row_ok = row_ok & (tl.load(FLAG + b * FS + local, mask=row_ok, other=0) != 0)
     live = tl.max(row_ok.to(tl.int32)) > 0
     if CAUSAL:  # a tile whose keys are all in every row's future is never read, so never written
         live = live & (pid_n * BLOCK_N <= row0 + pid_m * BLOCK_M + BLOCK_M - 1)
@@ -200,6 +205,7 @@ def _select_kernel(
     PAD,
     OUT,
     FLAG,
+    FS,
     row0,
     R,
     N,
@@ -210,12 +216,12 @@ def _select_kernel(
     ONLY_FLAGGED: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The row's kk best keys from its scores chunk (ONLY_FLAGGED: only the rows FLAG marks)."""
+    """The row's kk best keys from its scores chunk (ONLY_FLAGGED: only the rows FLAG [B, FS] marks)."""
     local, b = tl.program_id(0), tl.program_id(1)
     row = row0 + local
     live = row < N
     if ONLY_FLAGGED:
-        live = live & (tl.load(FLAG + b * R + local, mask=live, other=0) != 0)
+        live = live & (tl.load(FLAG + b * FS + local, mask=live, other=0) != 0)
     if live:
         limit = tl.minimum(M, row + 1) if CAUSAL else M
         S_row = S + (b * R + local).to(tl.int64) * M
@@ -447,15 +453,25 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
     chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * n_keys)))
     scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
     cap = int(SAMPLED_CAP_FACTOR * kk)
-    sampled = SAMPLED and kk >= SAMPLED_MIN_K and n_keys > cap and not (n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K)
-    flag = torch.zeros(batch, chunk if sampled else 1, dtype=torch.int8, device=iq.device)
-    sample = _Sample(iq, ik, pad, key_padding_mask is not None, kk, cap, chunk) if sampled else None
-    for row0 in range(0, n_queries, chunk):
-        rows = min(chunk, n_queries - row0)
-        if sample is not None:
-            sample.select(iq, ik, w, out, flag, row0, rows, causal, tiles)
-        _scores(iq, ik, w, scores, flag, row0, rows, causal, sample is not None, tiles)
-        _select(scores, pad, out, flag, row0, rows, chunk, kk, causal, key_padding_mask is not None, sample is not None, tiles)
+    has_pad = key_padding_mask is not None
+    if not (SAMPLED and kk >= SAMPLED_MIN_K and n_keys > cap and not (n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K)):
+        flag = torch.zeros(batch, 1, dtype=torch.int8, device=iq.device)  # never read
+        for row0 in range(0, n_queries, chunk):
+            rows = min(chunk, n_queries - row0)
+            _scores(iq, ik, w, scores, flag, row0, rows, causal, False, tiles)
+            _select(scores, pad, out, flag, row0, rows, chunk, kk, causal, has_pad, False, tiles)
+        return out
+    sample_chunk = max(1, min(n_queries, SAMPLED_BUFFER_BYTES // (8 * batch * cap)))
+    sample = _Sample(iq, ik, pad, has_pad, kk, cap, sample_chunk)
+    flag = torch.zeros(batch, sample_chunk, dtype=torch.int8, device=iq.device)  # [B, sample chunk]: 1 = redo exactly
+    for sample_row0 in range(0, n_queries, sample_chunk):
+        sample_rows = min(sample_chunk, n_queries - sample_row0)
+        sample.select(iq, ik, w, out, flag, sample_row0, sample_rows, causal, tiles)
+        for row0 in range(sample_row0, sample_row0 + sample_rows, chunk):
+            rows = min(chunk, sample_row0 + sample_rows - row0)
+            marks = flag[:, row0 - sample_row0 :]  # [B, ...] view, row stride sample_chunk: the marks of rows row0 ..
+            _scores(iq, ik, w, scores, marks, row0, rows, causal, True, tiles)
+            _select(scores, pad, out, marks, row0, rows, chunk, kk, causal, has_pad, True, tiles)
     return out
 
 
@@ -477,7 +493,7 @@ def _scores(
     chunk, n_keys = scores.shape[1], ik.shape[1]
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(max(1, n_keys), tiles["BLOCK_N"]), batch)
     _scores_kernel[grid](
-        iq, ik, w, scores, flag, row0, chunk, n_queries, n_keys,
+        iq, ik, w, scores, flag, flag.stride(0), row0, chunk, n_queries, n_keys,
         H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3", ONLY_FLAGGED=only_flagged,
         BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
     )  # fmt: skip
@@ -550,7 +566,7 @@ def _select(
         )  # fmt: skip
         return
     _select_kernel[(rows, batch)](
-        scores, pad, out, flag, row0, chunk, n_queries, n_keys,
+        scores, pad, out, flag, flag.stride(0), row0, chunk, n_queries, n_keys,
         KK=kk, CAUSAL=causal, HAS_PAD=has_pad, ONLY_FLAGGED=only_flagged, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
     )  # fmt: skip
 

@@ -142,3 +142,15 @@ class TestSampledBuffers:
         for causal in (True, False):
             got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
             assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
+
+    def test_row_chunks_of_both_sizes_change_nothing(self, monkeypatch):
+        """Sample chunks of 13 rows, each redone in scores chunks of 5 (the last one short), with
+        a buffer so small that most rows are marked: the marks are read at each chunk's offset."""
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", 1.1)  # 13 entries for kk=12
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED_BUFFER_BYTES", 8 * 2 * 13 * 13)
+        monkeypatch.setattr(indexer_topk_module, "CHUNK_ELEMENTS", 2 * 301 * 5)
+        iq, ik, w = inputs(2, 3, 90, 301, 8)
+        key_padding_mask = torch.rand(2, 301, device=DEVICE) > 0.2
+        for causal in (True, False):
+            got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
+            assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
