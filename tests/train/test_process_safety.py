@@ -42,11 +42,26 @@ SLOW = [
 
 
 def start_training(out_dir: Path, epochs: int) -> subprocess.Popen:
-    """``sparsefocus train`` in its own session, as a terminal's foreground process group."""
+    """``sparsefocus train`` in its own session, as a terminal's foreground process group: Ctrl-C
+    at its default action and not blocked, as a shell starts a job, whatever the test process's
+    own signal state (an ignored or blocked SIGINT would pass through exec to the trainer)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-m", "sparsefocus.cli", "train", "defaults", f"out_dir={out_dir}", *SLOW]
     command += [f"train.epochs={epochs}", "--no-report"]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_as_a_shell_starts_a_job,
+    )
+
+
+def _as_a_shell_starts_a_job() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
