@@ -433,6 +433,11 @@ def _tiles(iq: Tensor) -> dict:
     return tiles | TILE_OVERRIDES
 
 
+def _takes_sampled_path(kk: int, n_keys: int, cap: int) -> bool:
+    """Whether ``SAMPLED`` applies: many keys chosen from rows longer than the buffer, not short rows."""
+    return SAMPLED and kk >= SAMPLED_MIN_K and n_keys > cap and not (n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K)
+
+
 @torch.library.custom_op("sparsefocus::indexer_topk", mutates_args=())
 def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
     """iq [B, h, N, d], ik [B, M, d], w [B, N, h] fp32 -> [B, N, kk] int32 (position order, -1 unused)."""
@@ -456,7 +461,7 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
     scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
     cap = int(SAMPLED_CAP_FACTOR * kk)
     has_pad = key_padding_mask is not None
-    if not (SAMPLED and kk >= SAMPLED_MIN_K and n_keys > cap and not (n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K)):
+    if not _takes_sampled_path(kk, n_keys, cap):
         flag = torch.zeros(batch, 1, dtype=torch.int8, device=iq.device)  # never read
         for row0 in range(0, n_queries, chunk):
             rows = min(chunk, n_queries - row0)

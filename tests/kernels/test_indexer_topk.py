@@ -134,14 +134,19 @@ class TestSampledBuffers:
         monkeypatch.setattr(indexer_topk_module, "SAMPLE_STRIDE", 4)
         return "sampled"
 
-    @pytest.mark.parametrize("cap_factor", [1.1, 2.0, 8.0])
-    def test_selection_equals_the_torch_selection_whichever_rows_fall_back(self, cap_factor, monkeypatch):
-        monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", cap_factor)
+    @staticmethod
+    def assert_selection_equals_the_torch_selection():
+        """kk=12 of rows of 301 padded keys, causal and not."""
         iq, ik, w = inputs(2, 3, 90, 301, 8)
         key_padding_mask = torch.rand(2, 301, device=DEVICE) > 0.2
         for causal in (True, False):
             got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
             assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
+
+    @pytest.mark.parametrize("cap_factor", [1.1, 2.0, 8.0])
+    def test_selection_equals_the_torch_selection_whichever_rows_fall_back(self, cap_factor, monkeypatch):
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", cap_factor)
+        self.assert_selection_equals_the_torch_selection()
 
     def test_row_chunks_of_both_sizes_change_nothing(self, monkeypatch):
         """Sample chunks of 13 rows, each redone in scores chunks of 5 (the last one short), with
@@ -149,8 +154,4 @@ class TestSampledBuffers:
         monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", 1.1)  # 13 entries for kk=12
         monkeypatch.setattr(indexer_topk_module, "SAMPLED_BUFFER_BYTES", 8 * 2 * 13 * 13)
         monkeypatch.setattr(indexer_topk_module, "CHUNK_ELEMENTS", 2 * 301 * 5)
-        iq, ik, w = inputs(2, 3, 90, 301, 8)
-        key_padding_mask = torch.rand(2, 301, device=DEVICE) > 0.2
-        for causal in (True, False):
-            got = indexer_topk(iq, ik, w, 12, causal=causal, key_padding_mask=key_padding_mask)
-            assert torch.equal(got.long(), torch_selection(iq, ik, w, 12, causal, key_padding_mask))
+        self.assert_selection_equals_the_torch_selection()
