@@ -48,6 +48,57 @@ def _count_sweep_kernel(
 
 
 @triton.jit
+def _query_rows(IQ, b, h, rows, row_ok, N, D: tl.constexpr, H: tl.constexpr, BLOCK_D: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    ptrs = IQ + ((b * H + h) * N + rows[:, None]).to(tl.int64) * D + offs_d[None, :]
+    return tl.load(ptrs, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+
+
+@triton.jit
+def _sweep_h4_kernel(
+    IQ, IK, W, PAD, T, BUF_S, BUF_P, COUNT, row0, R, N, M, CAP,
+    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """The sweep with its four heads' query rows and weights loaded once, before the key loop."""
+    pid, b = tl.program_id(0), tl.program_id(1)
+    local = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = row0 + local
+    row_ok = (local < R) & (rows < N)
+    cut = tl.load(T + b * R + local, mask=row_ok, other=2147483647)
+    buffer = (b * R + local).to(tl.int64) * CAP
+    q0 = _query_rows(IQ, b, 0, rows, row_ok, N, D, H, BLOCK_D)
+    q1 = _query_rows(IQ, b, 1, rows, row_ok, N, D, H, BLOCK_D)
+    q2 = _query_rows(IQ, b, 2, rows, row_ok, N, D, H, BLOCK_D)
+    q3 = _query_rows(IQ, b, 3, rows, row_ok, N, D, H, BLOCK_D)
+    wp = W + (b * N + rows).to(tl.int64) * H
+    w0 = tl.load(wp, mask=row_ok, other=0.0)[:, None]
+    w1 = tl.load(wp + 1, mask=row_ok, other=0.0)[:, None]
+    w2 = tl.load(wp + 2, mask=row_ok, other=0.0)[:, None]
+    w3 = tl.load(wp + 3, mask=row_ok, other=0.0)[:, None]
+    offs_d = tl.arange(0, BLOCK_D)
+    count = tl.zeros([BLOCK_M], tl.int32)
+    hi = tl.minimum(M, row0 + pid * BLOCK_M + BLOCK_M) if CAUSAL else M
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        key_ptrs = IK + (b * M + cols[:, None]).to(tl.int64) * D + offs_d[None, :]
+        keys = tl.trans(tl.load(key_ptrs, mask=(cols[:, None] < M) & (offs_d[None, :] < D), other=0.0))
+        total = w0 * tl.maximum(tl.dot(q0, keys, input_precision=PRECISION), 0.0)
+        total += w1 * tl.maximum(tl.dot(q1, keys, input_precision=PRECISION), 0.0)
+        total += w2 * tl.maximum(tl.dot(q2, keys, input_precision=PRECISION), 0.0)
+        total += w3 * tl.maximum(tl.dot(q3, keys, input_precision=PRECISION), 0.0)
+        valid = _allowed_keys(PAD, b, rows, row_ok, cols, M, CAUSAL, HAS_PAD)
+        score = tl.where(valid & (total != 0.0), total, 0.0)
+        hit = valid & (_ordered_bits(score) >= cut[:, None])
+        slot = count[:, None] + tl.cumsum(hit.to(tl.int32), axis=1) - 1
+        keep = hit & (slot < CAP)
+        tl.store(BUF_S + buffer[:, None] + slot, score, mask=keep)
+        tl.store(BUF_P + buffer[:, None] + slot, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), mask=keep)
+        count += tl.sum(hit.to(tl.int32), axis=1)
+    tl.store(COUNT + b * R + local, count, mask=row_ok)
+
+
+@triton.jit
 def _compact_kernel(
     S, T, BUF_S, BUF_P, COUNT, row_start, buf0, R, RB, N, M, CAP, CAUSAL: tl.constexpr, BLOCK: tl.constexpr
 ):  # fmt: skip
@@ -198,6 +249,12 @@ def _components(iq, ik, w, kk, res, key, path):
             BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], num_warps=t["num_warps"], **common,
         )  # fmt: skip
 
+    def hoisted(t):
+        _sweep_h4_kernel[(triton.cdiv(rc, t["BLOCK_M"]), batch)](
+            iq, ik, w, iq, sample.cut, sample.kept_scores, sample.kept_positions, sample.count, row0, rc, n, n, cap,
+            BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], num_warps=t["num_warps"], **common,
+        )  # fmt: skip
+
     def count_only(t):
         _count_sweep_kernel[(triton.cdiv(rc, t["BLOCK_M"]), batch)](
             iq, ik, w, iq, sample.cut, sample.count, row0, rc, n, n,
@@ -211,6 +268,9 @@ def _components(iq, ik, w, kk, res, key, path):
     parts = {
         "sweep_m64n64w4": lambda: sweep(t0),
         "count_only_m64n64w4": lambda: count_only(t0),
+        "sweep_hoisted_m64n64w4": lambda: hoisted(t0),
+        "sweep_hoisted_m64n128w8": lambda: hoisted(dict(BLOCK_M=64, BLOCK_N=128, num_warps=8)),
+        "sweep_hoisted_m128n64w8": lambda: hoisted(dict(BLOCK_M=128, BLOCK_N=64, num_warps=8)),
         "scores_chunks": lambda: [
             _scores(iq, ik, w, scores, dummy, r, chunk, True, False, 1, tiles) for r in range(row0, n, chunk)
         ],
@@ -218,6 +278,13 @@ def _components(iq, ik, w, kk, res, key, path):
         "buffer_select": lambda: _buffer_select(sample, flag, out, row0, rc, n, tiles),
         "sampled_scores_and_cut": lambda: _cuts(sample, iq, w, flag, row0, rc, True, tiles),
     }
+    sweep(t0)
+    expected = (sample.count.clone(), sample.kept_positions.clone())
+    hoisted(t0)
+    held = torch.arange(cap, device=iq.device) < expected[0].clamp(max=cap)[..., None]  # [B, rc, CAP]
+    res[f"{key}_hoisted_same_buffers"] = bool(
+        torch.equal(expected[0], sample.count) and torch.equal(expected[1][held], sample.kept_positions[held])
+    )
     for name, fn in parts.items():
         if f"{key}_part_{name}" in res:
             continue
