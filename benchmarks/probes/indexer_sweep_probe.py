@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 import sparsefocus.kernels.indexer_topk as it
-from sparsefocus.kernels.indexer_topk import _allowed_keys, _score_tile, _scores
+from sparsefocus.kernels.indexer_topk import _allowed_keys, _collect_row, _kth_key, _score_tile, _scores
 from sparsefocus.kernels.topk_select import _ordered_bits
 
 
@@ -128,6 +128,43 @@ def _compact_kernel(
         tl.store(COUNT + i, count)
 
 
+@triton.jit
+def _cut_select_kernel(
+    S, T, BUF_S, BUF_P, OUT, row0, R, N, M, CAP, KK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK: tl.constexpr
+):  # fmt: skip
+    """One row of the scores chunk [B, R, M]: its keys at or above the sampled cut T compacted into
+    the row's buffer [CAP]; the kk best by radix select over the buffer when it holds them all,
+    else over the whole row (the exact select), so no row needs a second pass."""
+    local, b = tl.program_id(0), tl.program_id(1)
+    row = row0 + local
+    if row < N:
+        limit = tl.minimum(M, row + 1) if CAUSAL else M
+        S_row = S + (b * R + local).to(tl.int64) * M
+        i = b * R + local
+        cut0 = tl.load(T + i)
+        buf_s = BUF_S + i.to(tl.int64) * CAP
+        buf_p = BUF_P + i.to(tl.int64) * CAP
+        count = tl.zeros([], tl.int32)
+        for start in range(0, limit, BLOCK):
+            pos = start + tl.arange(0, BLOCK)
+            score = tl.load(S_row + pos, mask=pos < M, other=0.0)
+            valid = pos < limit
+            score = tl.where(valid & (score != 0.0), score, 0.0)
+            hit = valid & (_ordered_bits(score) >= cut0)
+            slot = count + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            keep = hit & (slot < CAP)
+            tl.store(buf_s + slot, score, mask=keep)
+            tl.store(buf_p + slot, pos, mask=keep)
+            count += tl.sum(hit.to(tl.int32))
+        out = OUT + (b * N + row).to(tl.int64) * KK
+        if (count <= CAP) & ((count >= KK) | (cut0 == -2147483648)):
+            cut, ties, held = _kth_key(buf_s, buf_s, count, CAP, KK, False, BLOCK)
+            _collect_row(buf_s, buf_s, buf_p, out, count, CAP, cut, ties, held <= KK, KK, False, True, BLOCK)
+        else:
+            cut, ties, allowed = _kth_key(S_row, S_row, limit, M, KK, False, BLOCK)
+            _collect_row(S_row, S_row, S_row, out, limit, M, cut, ties, allowed <= KK, KK, False, False, BLOCK)
+
+
 def _cuts(sample, iq, w, flag, row0, rows, causal, tiles):
     """The sampled path's first two launches: sampled scores and each row's cut."""
     batch, _, n_queries, _ = iq.shape
@@ -187,6 +224,28 @@ def compact_topk(iq, ik, w, kk, causal, compact_block=1024):
     return out
 
 
+def cut_select_topk(iq, ik, w, kk, causal, block=1024):
+    """Per scores chunk: sampled scores, each row's cut, the scores chunk, ``_cut_select_kernel``."""
+    batch, _, n_queries, _ = iq.shape
+    n_keys = ik.shape[1]
+    tiles = it._tiles(iq)
+    out = torch.empty(batch, n_queries, kk, dtype=torch.int32, device=iq.device)
+    chunk = max(1, min(n_queries, it.CHUNK_ELEMENTS // (batch * n_keys)))
+    scores = torch.empty(batch, chunk, n_keys, dtype=torch.float32, device=iq.device)
+    cap = int(it.SAMPLED_CAP_FACTOR * kk)
+    sample = it._Sample(iq, ik, out, False, kk, cap, chunk)
+    dummy = torch.zeros(batch, 1, dtype=torch.int8, device=iq.device)
+    for row0 in range(0, n_queries, chunk):
+        rows = min(chunk, n_queries - row0)
+        _cuts(sample, iq, w, dummy, row0, rows, causal, tiles)
+        _scores(iq, ik, w, scores, dummy, row0, rows, causal, False, 1, tiles)
+        _cut_select_kernel[(rows, batch)](
+            scores, sample.cut, sample.kept_scores, sample.kept_positions, out, row0, chunk, n_queries, n_keys, cap,
+            KK=kk, CAUSAL=causal, BLOCK=block, num_warps=tiles["select_warps"],
+        )  # fmt: skip
+    return out
+
+
 def _bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=1, rep=800)
 
@@ -226,6 +285,8 @@ def _variants(n):
     yield "sampled_buffer4g", lambda: _set(True, 2**32)
     yield "compact", lambda: _set(True)
     yield "compact_block2048", lambda: _set(True)
+    yield "cutselect", lambda: _set()
+    yield "cutselect_w8", lambda: _set(tiles=dict(select_warps=8))
 
 
 def _components(iq, ik, w, kk, res, key, path):
@@ -311,7 +372,9 @@ def main() -> None:
         for name, setup in _variants(n):
             key = f"n{n}_{name}"
             setup()
-            if name.startswith("compact"):
+            if name.startswith("cutselect"):
+                fn = lambda: cut_select_topk(iq, ik, w, kk, True)  # noqa: E731
+            elif name.startswith("compact"):
                 block = 2048 if name.endswith("2048") else 1024
                 fn = lambda block=block: compact_topk(iq, ik, w, kk, True, block)  # noqa: E731
             else:
