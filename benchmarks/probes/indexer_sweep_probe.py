@@ -270,15 +270,12 @@ SWEEP_TILES = {
     "m64n128w8": dict(BLOCK_M=64, BLOCK_N=128, num_warps=8),
     "m32n64w2": dict(BLOCK_M=32, BLOCK_N=64, num_warps=2),
     "m128n128w8": dict(BLOCK_M=128, BLOCK_N=128, num_warps=8),
-    "m64n32w4": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4),
-    "m64n64w8": dict(BLOCK_M=64, BLOCK_N=64, num_warps=8),
 }
 
 
 def _variants(n):
     yield "exact", lambda: _set()
     yield "exact_sel2048w8", lambda: _set(tiles=dict(SELECT_BLOCK=2048, select_warps=8))
-    yield "exact_sel1024w8", lambda: _set(tiles=dict(SELECT_BLOCK=1024, select_warps=8))
     names = SWEEP_TILES if n > 20000 else {"m64n64w4": SWEEP_TILES["m64n64w4"]}
     for name, t in names.items():
         yield f"sampled_{name}", (lambda t=t: _set(True, tiles=t))
