@@ -275,15 +275,17 @@ SWEEP_TILES = {
 
 def _variants(n):
     yield "exact", lambda: _set()
-    yield "exact_sel2048w8", lambda: _set(tiles=dict(SELECT_BLOCK=2048, select_warps=8))
-    names = SWEEP_TILES if n > 20000 else {"m64n64w4": SWEEP_TILES["m64n64w4"]}
-    for name, t in names.items():
-        yield f"sampled_{name}", (lambda t=t: _set(True, tiles=t))
-    yield "sampled_buffer4g", lambda: _set(True, 2**32)
-    yield "compact", lambda: _set(True)
-    yield "compact_block2048", lambda: _set(True)
+    yield "sampled_m64n64w4", lambda: _set(True, tiles=SWEEP_TILES["m64n64w4"])
     yield "cutselect", lambda: _set()
     yield "cutselect_w8", lambda: _set(tiles=dict(select_warps=8))
+    yield "compact", lambda: _set(True)
+    if n > 20000:
+        yield "compact_block2048", lambda: _set(True)
+        yield "exact_sel2048w8", lambda: _set(tiles=dict(SELECT_BLOCK=2048, select_warps=8))
+        for name, t in SWEEP_TILES.items():
+            if name != "m64n64w4":
+                yield f"sampled_{name}", (lambda t=t: _set(True, tiles=t))
+        yield "sampled_buffer4g", lambda: _set(True, 2**32)
 
 
 def _components(iq, ik, w, kk, res, key, path):
