@@ -358,7 +358,7 @@ def _components(iq, ik, w, kk, res, key, path):
 def main() -> None:
     out_dir = sys.argv[1]
     lengths = [int(x) for x in sys.argv[2:]] or [65536, 16384]
-    path = os.path.join(out_dir, "indexer_sweep_probe.json")
+    path = os.path.join(out_dir, "indexer_sweep_probe_" + "_".join(map(str, lengths)) + ".json")
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
     start = time.time()
     for n in lengths:
