@@ -22,11 +22,13 @@ kernel does and merges it into every row's kk best (score, position) entries in 
 (``topk_select._merge_tile``, ties to the smaller position), so the [B, N, M] fp32 scores are
 neither written nor read back.
 
-Long rows choosing many keys can skip the full score chunk when ``SAMPLED`` is on (off until timed
-on the GPU): a cut per row from a strided sample of its keys, one scoring sweep that keeps the keys
-at or above it in a per-row buffer (``_sweep_kernel``), the radix select over the buffer
-(``_buffer_select_kernel``), and the scores chunk and radix select again for the rows whose buffer
-overflowed or fell short of kk only (``ONLY_FLAGGED``), so the result is the same exact set.
+Long rows choosing many keys skip most of the radix select's passes when ``SAMPLED`` is on: per
+scores chunk, a cut per row from a strided sample of its keys (their scores by the same kernel,
+``KEY_STRIDE``, and the radix select of ``_sample_cut_kernel``); the select kernel then compacts
+the row's keys at or above the cut, in position order, into a per-row buffer of a few kk entries
+(one pass over the row) and radix-selects over the buffer when it holds them all; a row whose
+buffer overflowed or fell short of kk takes the radix select over its whole row in the same
+program, so the result is the same exact set.
 
 Output: [B, N, kk] int32 key positions in increasing position order, -1 past the row's allowed
 keys; no host synchronisation, fixed shapes (``sparsefocus::indexer_topk`` is a custom op).
@@ -48,7 +50,7 @@ from torch import Tensor
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
 from sparsefocus.kernels.topk_select import INT32_MAX, INT32_MIN, INT64_MIN, _merge_tile, _ordered_bits, _pack
 
-CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk (1 GiB)
+CHUNK_ELEMENTS = 2**28  # largest [B, R, M] fp32 score chunk, with the sampled path's [B, R, 2 CAP] buffers (1 GiB)
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {BLOCK_M, BLOCK_N, num_warps, SELECT_BLOCK, select_warps} replacing the launcher's choice."""
 SHORT_MAX_M = 1024
@@ -63,20 +65,14 @@ scores chunk, then ``_short_select_kernel``."""
 SAMPLED = False
 """Long rows choosing many keys (kk >= ``SAMPLED_MIN_K``, rows of more than ``SAMPLED_CAP_FACTOR``
 x kk keys): True, each row's cut from a strided sample of its keys (every ``SAMPLE_STRIDE``-th:
-the SAMPLE_FACTOR x kk / stride-th largest sampled score), one sweep of the indexer scores that
-keeps the keys at or above the cut with their scores in a per-row buffer of SAMPLED_CAP_FACTOR x kk
-entries (``_sweep_kernel``), and the radix select over that buffer alone; a row whose buffer
-overflows or holds fewer than kk keys is marked and redone by the scores chunk and radix select,
-on the device. False (the default): the scores chunk and radix select for every row. On an H100
-the sampled path took 0.72x the exact op's time at 64K and 1.14x at 16K (docs/block_sparse.md)."""
+the SAMPLE_FACTOR x kk / stride-th largest sampled score), the row's keys at or above it compacted
+into a buffer of SAMPLED_CAP_FACTOR x kk entries and the radix select over that buffer alone; a
+row whose buffer overflows or holds fewer than kk keys takes the radix select over its whole row.
+False (the default): the radix select over the whole row for every row."""
 SAMPLE_STRIDE = 16
 SAMPLE_FACTOR = 1.35
 SAMPLED_CAP_FACTOR = 4.0
 SAMPLED_MIN_K = 256
-SAMPLED_BUFFER_BYTES = 2**31
-"""Largest [B, R, CAP] kept scores and positions (8 bytes an entry) of the sampled path: its rows
-come in chunks of this // (8 B CAP) (8,192 rows at kk=2048, B=4), larger than the scores chunk's at
-long rows, so that a sweep has enough row tiles to fill the GPU."""
 
 
 @triton.jit
@@ -116,8 +112,6 @@ def _scores_kernel(
     IK,
     W,
     S,
-    FLAG,
-    FS,
     row0,
     R,
     N,
@@ -126,21 +120,17 @@ def _scores_kernel(
     D: tl.constexpr,
     CAUSAL: tl.constexpr,
     PRECISION: tl.constexpr,
-    ONLY_FLAGGED: tl.constexpr,
     KEY_STRIDE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """S[b, r, s] = sum_h W[b, row0 + r, h] relu(IQ[b, h, row0 + r] . IK[b, s]) for one tile
-    (ONLY_FLAGGED: only the rows FLAG [B, FS] marks; a tile without one exits at once). Key s is
-    position s * KEY_STRIDE (the sampled keys), which decides the causal tiles never read."""
+    """S[b, r, s] = sum_h W[b, row0 + r, h] relu(IQ[b, h, row0 + r] . IK[b, s]) for one tile. Key s
+    is position s * KEY_STRIDE (the sampled keys), which decides the causal tiles never read."""
     pid_m, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     local = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
     rows = row0 + local
     row_ok = (local < R) & (rows < N)
-    if ONLY_FLAGGED:
-        row_ok = row_ok & (tl.load(FLAG + b * FS + local, mask=row_ok, other=0) != 0)
     live = tl.max(row_ok.to(tl.int32)) > 0
     if CAUSAL:  # a tile whose keys are all in every row's future is never read, so never written
         live = live & (pid_n * BLOCK_N * KEY_STRIDE <= row0 + pid_m * BLOCK_M + BLOCK_M - 1)
@@ -159,6 +149,13 @@ def _row_keys(S_row, PAD_row, start, limit, M, HAS_PAD: tl.constexpr, BLOCK: tl.
     row): a mask that is constant over 16 entries when M is a multiple of 16 lets the compiler
     issue 16-byte loads. Entries past ``limit`` are read (never-written causal tiles included)
     and left out by ``valid``."""
+    pos, score, valid = _row_scores(S_row, PAD_row, start, limit, M, HAS_PAD, BLOCK)
+    return pos, _ordered_bits(score), valid
+
+
+@triton.jit
+def _row_scores(S_row, PAD_row, start, limit, M, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """(positions [BLOCK], their scores, allowed mask): the loads of ``_row_keys``."""
     pos = start + tl.arange(0, BLOCK)
     in_row = pos < M
     valid = pos < limit
@@ -166,7 +163,7 @@ def _row_keys(S_row, PAD_row, start, limit, M, HAS_PAD: tl.constexpr, BLOCK: tl.
         valid = valid & (tl.load(PAD_row + pos, mask=in_row, other=0) != 0)
     score = tl.load(S_row + pos, mask=in_row, other=0.0)
     score = tl.where(valid & (score != 0.0), score, 0.0)  # -0.0 ties with 0.0; unread or unallowed: 0
-    return pos, _ordered_bits(score), valid
+    return pos, score, valid
 
 
 @triton.jit
@@ -206,31 +203,68 @@ def _select_kernel(
     S,
     PAD,
     OUT,
-    FLAG,
-    FS,
+    T,
+    BUF_S,
+    BUF_P,
     row0,
     R,
     N,
     M,
+    CAP,
     KK: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr,
-    ONLY_FLAGGED: tl.constexpr,
+    PRECUT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """The row's kk best keys from its scores chunk (ONLY_FLAGGED: only the rows FLAG [B, FS] marks)."""
+    """The row's kk best keys from its scores chunk [B, R, M]. PRECUT: the row's keys at or above
+    its cut T [B, R] first go to its buffers BUF_S, BUF_P [B, R, CAP], and the radix select runs
+    over the buffer when it holds them all (no overflow, and kk keys or the whole row: T = INT32_MIN),
+    else over the whole row."""
     local, b = tl.program_id(0), tl.program_id(1)
     row = row0 + local
-    live = row < N
-    if ONLY_FLAGGED:
-        live = live & (tl.load(FLAG + b * FS + local, mask=live, other=0) != 0)
-    if live:
+    if row < N:
         limit = tl.minimum(M, row + 1) if CAUSAL else M
         S_row = S + (b * R + local).to(tl.int64) * M
         PAD_row = PAD + b.to(tl.int64) * M
-        cut, ties, allowed = _kth_key(S_row, PAD_row, limit, M, KK, HAS_PAD, BLOCK)
         out = OUT + (b * N + row).to(tl.int64) * KK
-        _collect_row(S_row, PAD_row, S_row, out, limit, M, cut, ties, allowed <= KK, KK, HAS_PAD, False, BLOCK)
+        if PRECUT:
+            i = b * R + local
+            row_cut = tl.load(T + i)
+            buf_s = BUF_S + i.to(tl.int64) * CAP
+            buf_p = BUF_P + i.to(tl.int64) * CAP
+            count = _compact_row(S_row, PAD_row, buf_s, buf_p, limit, M, row_cut, CAP, HAS_PAD, BLOCK)
+            if (count <= CAP) & ((count >= KK) | (row_cut == INT32_MIN)):
+                cut, ties, held = _kth_key(buf_s, buf_s, count, CAP, KK, False, BLOCK)
+                _collect_row(buf_s, buf_s, buf_p, out, count, CAP, cut, ties, held <= KK, KK, False, True, BLOCK)
+            else:
+                _select_row(S_row, PAD_row, out, limit, M, KK, HAS_PAD, BLOCK)
+        else:
+            _select_row(S_row, PAD_row, out, limit, M, KK, HAS_PAD, BLOCK)
+
+
+@triton.jit
+def _select_row(S_row, PAD_row, out, limit, M, KK: tl.constexpr, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """The radix select over the row's ``limit`` entries, its kk best positions into ``out``."""
+    cut, ties, allowed = _kth_key(S_row, PAD_row, limit, M, KK, HAS_PAD, BLOCK)
+    _collect_row(S_row, PAD_row, S_row, out, limit, M, cut, ties, allowed <= KK, KK, HAS_PAD, False, BLOCK)
+
+
+@triton.jit
+def _compact_row(S_row, PAD_row, buf_s, buf_p, limit, M, row_cut, CAP, HAS_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """The row's allowed keys whose order-preserving key is at least ``row_cut``: their scores and
+    positions into the buffers [CAP] in position order (the first CAP of them); returns how many
+    there are, also past CAP."""
+    count = tl.zeros([], tl.int32)
+    for start in range(0, limit, BLOCK):
+        pos, score, valid = _row_scores(S_row, PAD_row, start, limit, M, HAS_PAD, BLOCK)
+        hit = valid & (_ordered_bits(score) >= row_cut)
+        slot = count + tl.cumsum(hit.to(tl.int32), axis=0) - 1
+        keep = hit & (slot < CAP)
+        tl.store(buf_s + slot, score, mask=keep)
+        tl.store(buf_p + slot, pos, mask=keep)
+        count += tl.sum(hit.to(tl.int32))
+    return count
 
 
 @triton.jit
@@ -285,60 +319,6 @@ def _sample_cut_kernel(
         S_row = S + (b * R + local).to(tl.int64) * M
         cut, _, allowed = _kth_key(S_row, PAD + b.to(tl.int64) * M, limit, M, Q, HAS_PAD, BLOCK)
         tl.store(T + b * R + local, tl.where(allowed >= Q, cut, INT32_MIN))
-
-
-@triton.jit
-def _sweep_kernel(
-    IQ, IK, W, PAD, T, BUF_S, BUF_P, COUNT, row0, R, N, M, CAP,
-    H: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """One sweep of BLOCK_M rows' indexer scores, keeping every allowed key whose score's
-    order-preserving key is at least the row's cut T: its score and position go to the row's
-    buffer [CAP] in position order (the program owns its rows for the whole sweep, so each row's
-    count stays in registers); COUNT gets the number of such keys, also past CAP."""
-    pid, b = tl.program_id(0), tl.program_id(1)
-    local = pid * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] rows of the chunk
-    rows = row0 + local
-    row_ok = (local < R) & (rows < N)
-    cut = tl.load(T + b * R + local, mask=row_ok, other=INT32_MAX)  # [BM]
-    buffer = (b * R + local).to(tl.int64) * CAP  # [BM]
-    count = tl.zeros([BLOCK_M], tl.int32)
-    hi = tl.minimum(M, row0 + pid * BLOCK_M + BLOCK_M) if CAUSAL else M  # causal: no tile past the last row's key
-    for start in range(0, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)  # [BN]
-        total = _score_tile(IQ, IK, W, b, rows, row_ok, cols, N, M, H, D, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
-        valid = _allowed_keys(PAD, b, rows, row_ok, cols, M, CAUSAL, HAS_PAD)
-        score = tl.where(valid & (total != 0.0), total, 0.0)  # -0.0 ties with 0.0, as the radix select
-        hit = valid & (_ordered_bits(score) >= cut[:, None])  # [BM, BN]
-        slot = count[:, None] + tl.cumsum(hit.to(tl.int32), axis=1) - 1
-        keep = hit & (slot < CAP)
-        tl.store(BUF_S + buffer[:, None] + slot, score, mask=keep)
-        tl.store(BUF_P + buffer[:, None] + slot, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32), mask=keep)
-        count += tl.sum(hit.to(tl.int32), axis=1)
-    tl.store(COUNT + b * R + local, count, mask=row_ok)
-
-
-@triton.jit
-def _buffer_select_kernel(
-    BUF_S, BUF_P, COUNT, T, FLAG, OUT, row0, R, N, CAP, KK: tl.constexpr, BLOCK: tl.constexpr
-):  # fmt: skip
-    """The row's kk best keys from its buffer, when the buffer holds them all: no overflow, and
-    at least kk keys at or above the cut (or every allowed key, T = INT32_MIN). Otherwise FLAG
-    marks the row for the exact path."""
-    local, b = tl.program_id(0), tl.program_id(1)
-    row = row0 + local
-    if row < N:
-        i = b * R + local
-        n = tl.load(COUNT + i)
-        ok = (n <= CAP) & ((n >= KK) | (tl.load(T + i) == INT32_MIN))
-        tl.store(FLAG + i, tl.where(ok, 0, 1).to(tl.int8))
-        if ok:
-            S_row = BUF_S + i.to(tl.int64) * CAP
-            P_row = BUF_P + i.to(tl.int64) * CAP
-            cut, ties, held = _kth_key(S_row, S_row, n, CAP, KK, False, BLOCK)
-            out = OUT + (b * N + row).to(tl.int64) * KK
-            _collect_row(S_row, S_row, P_row, out, n, CAP, cut, ties, held <= KK, KK, False, True, BLOCK)
 
 
 @triton.jit
@@ -457,93 +437,60 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
             num_warps=tiles["fused_warps"],
         )  # fmt: skip
         return out
-    chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * n_keys)))
-    scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
     cap = int(SAMPLED_CAP_FACTOR * kk)
-    has_pad = key_padding_mask is not None
-    if not _takes_sampled_path(kk, n_keys, cap):
-        flag = torch.zeros(batch, 1, dtype=torch.int8, device=iq.device)  # never read
-        for row0 in range(0, n_queries, chunk):
-            rows = min(chunk, n_queries - row0)
-            _scores(iq, ik, w, scores, flag, row0, rows, causal, False, 1, tiles)
-            _select(scores, pad, out, flag, row0, rows, chunk, kk, causal, has_pad, False, tiles)
-        return out
-    sample_chunk = max(1, min(n_queries, SAMPLED_BUFFER_BYTES // (8 * batch * cap)))
-    sample = _Sample(iq, ik, pad, has_pad, kk, cap, sample_chunk)
-    flag = torch.zeros(batch, sample_chunk, dtype=torch.int8, device=iq.device)  # [B, sample chunk]: 1 = redo exactly
-    for sample_row0 in range(0, n_queries, sample_chunk):
-        sample_rows = min(sample_chunk, n_queries - sample_row0)
-        sample.select(iq, ik, w, out, flag, sample_row0, sample_rows, causal, tiles)
-        for row0 in range(sample_row0, sample_row0 + sample_rows, chunk):
-            rows = min(chunk, sample_row0 + sample_rows - row0)
-            marks = flag[:, row0 - sample_row0 :]  # [B, ...] view, row stride sample_chunk: the marks of rows row0 ..
-            _scores(iq, ik, w, scores, marks, row0, rows, causal, True, 1, tiles)
-            _select(scores, pad, out, marks, row0, rows, chunk, kk, causal, has_pad, True, tiles)
+    sampled = _takes_sampled_path(kk, n_keys, cap)
+    row_elements = n_keys + 2 * cap if sampled else n_keys  # a row's scores, and its buffers when sampled
+    chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * row_elements)))
+    scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
+    sample = _Sample(iq, ik, pad, key_padding_mask is not None, kk, cap, chunk) if sampled else None
+    for row0 in range(0, n_queries, chunk):
+        rows = min(chunk, n_queries - row0)
+        if sample is not None:
+            sample.cut_rows(iq, w, row0, rows, causal, tiles)
+        _scores(iq, ik, w, scores, row0, rows, causal, 1, tiles)
+        _select(scores, pad, out, sample, row0, rows, kk, causal, key_padding_mask is not None, tiles)
     return out
 
 
 def _scores(
-    iq: Tensor,
-    ik: Tensor,
-    w: Tensor,
-    scores: Tensor,
-    flag: Tensor,
-    row0: int,
-    rows: int,
-    causal: bool,
-    only_flagged: bool,
-    key_stride: int,
-    tiles: dict,
+    iq: Tensor, ik: Tensor, w: Tensor, scores: Tensor, row0: int, rows: int, causal: bool, key_stride: int, tiles: dict
 ) -> None:
-    """Rows row0 .. row0 + rows of the [B, chunk, M] fp32 indexer scores (only those ``flag`` marks
-    when ``only_flagged``); ik's key s is position s * key_stride."""
+    """Rows row0 .. row0 + rows of the [B, chunk, M] fp32 indexer scores; ik's key s is position
+    s * key_stride."""
     batch, heads, n_queries, dim = iq.shape
     chunk, n_keys = scores.shape[1], ik.shape[1]
     grid = (triton.cdiv(rows, tiles["BLOCK_M"]), triton.cdiv(max(1, n_keys), tiles["BLOCK_N"]), batch)
     _scores_kernel[grid](
-        iq, ik, w, scores, flag, flag.stride(0), row0, chunk, n_queries, n_keys,
-        H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3", ONLY_FLAGGED=only_flagged, KEY_STRIDE=key_stride,
+        iq, ik, w, scores, row0, chunk, n_queries, n_keys,
+        H=heads, D=dim, CAUSAL=causal, PRECISION="tf32x3", KEY_STRIDE=key_stride,
         BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
     )  # fmt: skip
 
 
 class _Sample:
-    """The sampled path's buffers for one call (``SAMPLED``): the sampled keys and their padding,
-    each chunk row's cut [B, chunk], kept scores and positions [B, chunk, CAP] and count."""
+    """The sampled path's buffers for one call (``SAMPLED``): the sampled keys and their padding;
+    per row of the scores chunk, the sampled keys' scores, the cut [B, chunk] and the kept scores
+    and positions [B, chunk, CAP]."""
 
     def __init__(self, iq: Tensor, ik: Tensor, pad: Tensor, has_pad: bool, kk: int, cap: int, chunk: int) -> None:
         batch, device = iq.shape[0], iq.device
         self.ik = ik[:, ::SAMPLE_STRIDE].contiguous()  # [B, ceil(M / stride), d]: key j * stride
-        self.full_pad = pad
         self.pad = pad[:, ::SAMPLE_STRIDE].contiguous() if has_pad else pad  # the sampled keys'
-        self.has_pad, self.kk, self.cap = has_pad, kk, cap
+        self.has_pad, self.cap = has_pad, cap
         self.wanted = max(1, math.ceil(kk * SAMPLE_FACTOR / SAMPLE_STRIDE))
         self.scores = torch.empty(batch, chunk, self.ik.shape[1], dtype=torch.float32, device=device)
         self.cut = torch.empty(batch, chunk, dtype=torch.int32, device=device)
         self.kept_scores = torch.empty(batch, chunk, cap, dtype=torch.float32, device=device)
         self.kept_positions = torch.empty(batch, chunk, cap, dtype=torch.int32, device=device)
-        self.count = torch.empty(batch, chunk, dtype=torch.int32, device=device)
 
-    def select(
-        self, iq: Tensor, ik: Tensor, w: Tensor, out: Tensor, flag: Tensor, row0: int, rows: int, causal: bool, tiles: dict
-    ) -> None:
-        """Rows row0 .. row0 + rows into ``out``; ``flag`` marks the rows left to the exact path."""
-        batch, heads, n_queries, dim = iq.shape
+    def cut_rows(self, iq: Tensor, w: Tensor, row0: int, rows: int, causal: bool, tiles: dict) -> None:
+        """Rows row0 .. row0 + rows: their sampled keys' scores, then each row's cut."""
+        batch, n_queries = iq.shape[0], iq.shape[2]
         chunk, n_sampled = self.scores.shape[1], self.ik.shape[1]
-        _scores(iq, self.ik, w, self.scores, flag, row0, rows, causal, False, SAMPLE_STRIDE, tiles)
+        _scores(iq, self.ik, w, self.scores, row0, rows, causal, SAMPLE_STRIDE, tiles)
         _sample_cut_kernel[(rows, batch)](
             self.scores, self.pad, self.cut, row0, chunk, n_queries, n_sampled, self.wanted,
             STRIDE=SAMPLE_STRIDE, CAUSAL=causal, HAS_PAD=self.has_pad, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
-        )  # fmt: skip
-        _sweep_kernel[(triton.cdiv(rows, tiles["BLOCK_M"]), batch)](
-            iq, ik, w, self.full_pad, self.cut, self.kept_scores, self.kept_positions,
-            self.count, row0, chunk, n_queries, ik.shape[1], self.cap,
-            H=heads, D=dim, CAUSAL=causal, HAS_PAD=self.has_pad, PRECISION="tf32x3",
-            BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_D=max(16, triton.next_power_of_2(dim)), num_warps=tiles["num_warps"],
-        )  # fmt: skip
-        _buffer_select_kernel[(rows, batch)](
-            self.kept_scores, self.kept_positions, self.count, self.cut, flag, out, row0, chunk, n_queries, self.cap,
-            KK=self.kk, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
         )  # fmt: skip
 
 
@@ -551,19 +498,18 @@ def _select(
     scores: Tensor,
     pad: Tensor,
     out: Tensor,
-    flag: Tensor,
+    sample: Optional[_Sample],
     row0: int,
     rows: int,
-    chunk: int,
     kk: int,
     causal: bool,
     has_pad: bool,
-    only_flagged: bool,
     tiles: dict,
 ) -> None:
     """The kk best of each of ``rows`` score rows of the [B, chunk, M] fp32 chunk into ``out`` [B, N, kk]
-    (only the rows ``flag`` marks when ``only_flagged``)."""
-    batch, n_queries, n_keys = scores.shape[0], out.shape[1], scores.shape[2]
+    (through each row's buffer first when ``sample`` holds the rows' cuts)."""
+    batch, chunk, n_keys = scores.shape
+    n_queries = out.shape[1]
     if n_keys <= SHORT_MAX_M and kk <= SHORT_MAX_K:
         block = max(16, triton.next_power_of_2(n_keys))
         block_r = max(1, min(32, SHORT_TILE_KEYS // block))
@@ -573,9 +519,13 @@ def _select(
             num_warps=4 if scores.is_cuda else 1,
         )  # fmt: skip
         return
+    cut, kept_scores, kept_positions, cap = (
+        (sample.cut, sample.kept_scores, sample.kept_positions, sample.cap) if sample is not None else (out, scores, out, 1)
+    )  # without a sample: placeholders never read
     _select_kernel[(rows, batch)](
-        scores, pad, out, flag, flag.stride(0), row0, chunk, n_queries, n_keys,
-        KK=kk, CAUSAL=causal, HAS_PAD=has_pad, ONLY_FLAGGED=only_flagged, BLOCK=tiles["SELECT_BLOCK"], num_warps=tiles["select_warps"],
+        scores, pad, out, cut, kept_scores, kept_positions, row0, chunk, n_queries, n_keys, cap,
+        KK=kk, CAUSAL=causal, HAS_PAD=has_pad, PRECUT=sample is not None, BLOCK=tiles["SELECT_BLOCK"],
+        num_warps=tiles["select_warps"],
     )  # fmt: skip
 
 

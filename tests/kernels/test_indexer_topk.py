@@ -122,7 +122,8 @@ def test_indexer_topk_refuses_bad_input():
 
 class TestSampledBuffers:
     """The sampled path alone, with buffers so small that most rows overflow (1.1 kk), as in the
-    module's cases (2 kk), and so large that none does (8 kk), over rows long enough for the sample."""
+    module's cases (2 kk), and so large that none does (8 kk), over rows long enough for the sample,
+    and its buffers' contents."""
 
     @pytest.fixture(autouse=True)
     def select_kernel(self, monkeypatch):
@@ -148,10 +149,36 @@ class TestSampledBuffers:
         monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", cap_factor)
         self.assert_selection_equals_the_torch_selection()
 
-    def test_row_chunks_of_both_sizes_change_nothing(self, monkeypatch):
-        """Sample chunks of 13 rows, each redone in scores chunks of 5 (the last one short), with
-        a buffer so small that most rows are marked: the marks are read at each chunk's offset."""
+    def test_row_chunks_change_nothing(self, monkeypatch):
+        """Chunks of 5 rows (the last one short) with their cuts and buffers beside the scores."""
         monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", 1.1)  # 13 entries for kk=12
-        monkeypatch.setattr(indexer_topk_module, "SAMPLED_BUFFER_BYTES", 8 * 2 * 13 * 13)
-        monkeypatch.setattr(indexer_topk_module, "CHUNK_ELEMENTS", 2 * 301 * 5)
+        monkeypatch.setattr(indexer_topk_module, "CHUNK_ELEMENTS", 2 * (301 + 2 * 13) * 5)
         self.assert_selection_equals_the_torch_selection()
+
+    def test_buffers_hold_each_rows_keys_at_or_above_its_cut(self, monkeypatch):
+        """The compaction itself: a row's buffer holds its allowed keys whose score is at or above
+        its cut, in position order, whenever they fit; rows of both kinds (selected from the buffer,
+        and from the whole row) occur here, and both give the torch selection."""
+        monkeypatch.setattr(indexer_topk_module, "SAMPLED_CAP_FACTOR", 2.0)
+        iq, ik, w = inputs(2, 3, 90, 301, 8)
+        kk, cap, tiles = 12, 24, indexer_topk_module._tiles(iq)
+        out = torch.full((2, 90, kk), -7, dtype=torch.int32, device=DEVICE)
+        scores = torch.full((2, 90, 301), float("nan"), device=DEVICE)
+        sample = indexer_topk_module._Sample(iq, ik, out, False, kk, cap, 90)
+        sample.cut_rows(iq, w, 0, 90, True, tiles)
+        indexer_topk_module._scores(iq, ik, w, scores, 0, 90, True, 1, tiles)
+        indexer_topk_module._select(scores, out, out, sample, 0, 90, kk, True, False, tiles)
+        assert torch.equal(out.long(), torch_selection(iq, ik, w, kk, True, None))
+        positions = torch.arange(301, device=DEVICE)
+        allowed = positions[None, :] <= torch.arange(90, device=DEVICE)[:, None]  # [90, 301]
+        score = torch.where(allowed & (scores != 0), scores, 0.0)
+        bits = score.view(torch.int32)
+        ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        hit = allowed & (ordered >= sample.cut[..., None])  # [2, 90, 301]
+        count = hit.sum(-1)
+        from_buffer = (count <= cap) & ((count >= kk) | (sample.cut == torch.iinfo(torch.int32).min))
+        assert from_buffer.any() and not from_buffer.all()
+        for b, r in from_buffer.nonzero().tolist():
+            n = int(count[b, r])
+            assert torch.equal(sample.kept_positions[b, r, :n].long(), hit[b, r].nonzero().flatten())
+            assert torch.equal(sample.kept_scores[b, r, :n], score[b, r][hit[b, r]])
