@@ -25,7 +25,7 @@ fig, axes = plt.subplots(1, 3, figsize=(13, 4))
 for ax, (name, folder) in zip(axes, [("FULL", "FULL"), ("TOPK:5", "TOPK-5"), ("BAND:5", "BAND-5")]):
     rows = {}
     for seed, o in old[name]["runs"].items():
-        new = [json.loads(l) for l in open(f"{root}/default/{folder}/seed-{seed}/metrics.jsonl")]
+        new = [json.loads(line) for line in open(f"{root}/default/{folder}/seed-{seed}/metrics.jsonl")]
         n = {k: [r[k] for r in new] for k in ("train_loss", "train_acc", "valid_loss", "valid_acc")}
         rows[seed] = {
             "epochs": [len(o["valid_acc"]), len(n["valid_acc"])],
