@@ -67,12 +67,18 @@ def top_positions(scores: Tensor, count: int, allowed: Tensor) -> Tensor:
 
         if row_topk.fits(n_keys, count):
             return row_topk.row_top_positions(scores, count, allowed)
-    bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 ties with 0.0
-    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # signed ints in the floats' order
+    ordered = ordered_bits(scores).long()
     position = torch.arange(n_keys, device=scores.device)
     lowest = torch.iinfo(torch.int64).min
     packed = (ordered * (1 << 32) + (0x7FFFFFFF - position)).masked_fill(~allowed, lowest)
     return unpacked_positions(packed.topk(min(count, n_keys), dim=-1).values)
+
+
+def ordered_bits(scores: Tensor) -> Tensor:
+    """int32 keys in the order of the fp32 scores (a negative float's magnitude bits flipped; -0.0
+    ties with 0.0), as the selection kernels' ``_ordered_bits``."""
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32)  # + 0.0: -0.0 ties with 0.0
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 def unpacked_positions(packed: Tensor) -> Tensor:

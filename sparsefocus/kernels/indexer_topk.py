@@ -444,13 +444,14 @@ def _indexer_topk_op(iq: Tensor, ik: Tensor, w: Tensor, kk: int, causal: bool, k
     row_elements = n_keys + 2 * cap if sampled else n_keys  # a row's scores, and its buffers when sampled
     chunk = max(1, min(n_queries, CHUNK_ELEMENTS // max(1, batch * row_elements)))
     scores = torch.empty(batch, chunk, max(1, n_keys), dtype=torch.float32, device=iq.device)
-    sample = _Sample(iq, ik, pad, key_padding_mask is not None, kk, cap, chunk) if sampled else None
+    has_pad = key_padding_mask is not None
+    sample = _Sample(iq, ik, pad, has_pad, kk, cap, chunk) if sampled else None
     for row0 in range(0, n_queries, chunk):
         rows = min(chunk, n_queries - row0)
         if sample is not None:
             sample.cut_rows(iq, w, row0, rows, causal, tiles)
         _scores(iq, ik, w, scores, row0, rows, causal, 1, tiles)
-        _select(scores, pad, out, sample, row0, rows, kk, causal, key_padding_mask is not None, tiles)
+        _select(scores, pad, out, sample, row0, rows, kk, causal, has_pad, tiles)
     return out
 
 

@@ -9,7 +9,7 @@ import torch
 
 from sparsefocus.attention.dsa import allowed_keys, index_scores
 from sparsefocus.kernels import indexer_topk as indexer_topk_module
-from sparsefocus.kernels._ops import top_positions
+from sparsefocus.kernels._ops import ordered_bits, top_positions
 from sparsefocus.kernels.indexer_topk import indexer_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -172,9 +172,7 @@ class TestSampledBuffers:
         positions = torch.arange(301, device=DEVICE)
         allowed = positions[None, :] <= torch.arange(90, device=DEVICE)[:, None]  # [90, 301]
         score = torch.where(allowed & (scores != 0), scores, 0.0)
-        bits = score.view(torch.int32)
-        ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-        hit = allowed & (ordered >= sample.cut[..., None])  # [2, 90, 301]
+        hit = allowed & (ordered_bits(score) >= sample.cut[..., None])  # [2, 90, 301]
         count = hit.sum(-1)
         from_buffer = (count <= cap) & ((count >= kk) | (sample.cut == torch.iinfo(torch.int32).min))
         assert from_buffer.any() and not from_buffer.all()
