@@ -364,6 +364,30 @@ def test_the_code_fingerprint_follows_the_package_sources(studies, tmp_path, mon
     assert studies.code_fingerprint() != first
 
 
+def test_the_concurrency_check_trains_afresh_in_a_used_work_folder(studies, tmp_path, monkeypatch):
+    """An earlier check's finished runs in the same work folder (another compile mode) are not
+    resumed: the training sees an empty check folder, so the verdict is this mode's own."""
+    stale = tmp_path / "check" / "alone-1" / "default" / "FULL" / "seed-1"
+    stale.mkdir(parents=True)
+    (stale / "metrics.jsonl").write_text(json.dumps({"train_loss": 9.0}) + "\n")
+    seen = []
+
+    def fake_run(config, quiet):
+        root = Path(config.out_dir) / config.name
+        seen.append(root.exists())
+        run = root / "default" / "FULL" / "seed-1"
+        run.mkdir(parents=True)
+        line = {"train_loss": 1.0, "train_acc": 0.5, "valid_loss": 1.0, "valid_acc": 0.5}
+        (run / "metrics.jsonl").write_text(json.dumps(line) + "\n")
+        return root
+
+    monkeypatch.setattr(studies, "run_experiment", fake_run)
+    (tmp_path / "out").mkdir()
+    record = studies.check_concurrent(tmp_path / "out", tmp_path, "eager-graph")
+    assert seen == [False, False, False]
+    assert record["passed"] is True and record["compile"] == "eager-graph"
+
+
 def test_the_concurrency_check_passes_within_its_tolerance_or_the_lone_runs_noise(studies, tmp_path, monkeypatch):
     """The check's verdict from the largest loss changes (its training replaced by fixed metrics):
     the concurrent runs may move by the tolerance, or by the noise factor times the change between
