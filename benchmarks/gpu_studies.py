@@ -373,10 +373,19 @@ def replace_tree(source: Path, target: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def merged_timing(kept: Path, new: Path) -> str:
+    """The kept folder's timing records followed by those of ``new`` it does not hold yet: groups
+    adopted from several study folders keep every call's record, and adopting the same parts
+    again adds nothing."""
+    records = json.loads(kept.read_text()) if kept.exists() else []
+    records += [record for record in json.loads(new.read_text()) if record not in records]
+    return json.dumps(records, indent=1)
+
+
 def adopt(config, inbox: Path, into: Path) -> list[str]:
     """Unpack ``inbox``'s study parts into the folder ``config`` trains in and copy every mechanism
     group whose runs have all finished into the kept folder ``into``, with the study's timing
-    record, and its ``experiment.yaml`` where ``into`` has none yet (so that a new kept folder is an
+    records (added to those ``into`` holds), and its ``experiment.yaml`` where ``into`` has none yet (so that a new kept folder is an
     experiment folder ``sparsefocus report`` reads); no training. Returns the groups copied
     (``<setting>/<mechanism>``).
 
@@ -390,7 +399,7 @@ def adopt(config, inbox: Path, into: Path) -> list[str]:
         (into / group.parent.name).mkdir(parents=True, exist_ok=True)
         replace_tree(group, into / group.relative_to(root))
     if groups:
-        write_text_atomic(into / TIMING_NAME, (root / TIMING_NAME).read_text())
+        write_text_atomic(into / TIMING_NAME, merged_timing(into / TIMING_NAME, root / TIMING_NAME))
         if not (into / EXPERIMENT_FILE).exists():
             write_text_atomic(into / EXPERIMENT_FILE, (root / EXPERIMENT_FILE).read_text())
     return [str(group.relative_to(root)) for group in groups]

@@ -85,8 +85,9 @@ def _lock(run_dir: Path) -> Any:
 
 
 def machine() -> dict[str, Any]:
-    """Where a timing was measured."""
-    return {"cpus": os.cpu_count(), "torch": torch.__version__, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
+    """Where a timing was measured (with the GPU's name where CUDA is available)."""
+    gpu = {"gpu": torch.cuda.get_device_name()} if torch.cuda.is_available() else {}
+    return {"cpus": os.cpu_count(), "torch": torch.__version__, **gpu, "date": datetime.now(timezone.utc).strftime("%Y-%m-%d")}
 
 
 def append_timing(run_dir: Path, segment: dict[str, Any]) -> None:

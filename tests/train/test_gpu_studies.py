@@ -220,11 +220,18 @@ def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_p
         run = kept / "default" / "FULL" / f"seed-{seed}"
         assert (run / "metrics.jsonl").read_text().count("\n") == 1 and not (run / ".lock").exists()
     assert (kept / "timing.json").is_file() and not list(kept.rglob("*.partial"))
+    timing = json.loads((kept / "timing.json").read_text())
+    assert timing  # the calls that trained the parts
+    (kept / "timing.json").write_text(json.dumps([{"seconds": 1.0, "from": "another study folder"}]))
     written = (tmp_path / "work" / "even_pairs" / "experiment.yaml").read_text()
     assert (kept / "experiment.yaml").read_text() == written  # a new kept folder is an experiment folder
     (kept / "experiment.yaml").write_text("the whole grid's config\n")
     studies.adopt(config, tmp_path / "parts", kept)
     assert (kept / "experiment.yaml").read_text() == "the whole grid's config\n"  # an existing one is kept
+    merged = [{"seconds": 1.0, "from": "another study folder"}, *timing]
+    assert json.loads((kept / "timing.json").read_text()) == merged  # earlier records kept, this call's added
+    studies.adopt(config, tmp_path / "parts", kept)
+    assert json.loads((kept / "timing.json").read_text()) == merged  # the same parts again add nothing
     with pytest.raises(ValueError, match="holds no even_pairs"):
         studies.adopt(config, tmp_path / "empty", kept)
     # the same runs as a screen of a longer study, adopted through the command line
