@@ -1,7 +1,7 @@
-"""Per seed: the missing-duplicate study's runs as first trained (six groups at once, graphs on one
-stream) against the retraining (three groups at once, each lane's graph on its own stream, after
-the concurrency check): epoch of first held-out accuracy >= 0.95, final losses and accuracies, for
-every mechanism group (or those named after the stem).
+"""Per seed: a study's runs as first trained (groups at once, graphs on one stream) against the
+retraining (groups at once, each lane's graph on its own stream, after the concurrency check):
+epoch of first held-out accuracy >= 0.95, final losses and accuracies, for every mechanism group
+of the first summary (or those named after the stem).
 Usage: OLD_SUMMARY_JSON NEW_EXPERIMENT_FOLDER OUT_STEM [MECHANISM ...]."""
 
 import json
@@ -23,12 +23,14 @@ def first(acc, reach=0.95):
 
 
 res = {}
-fig, axes = plt.subplots(1, len(names), figsize=(4.3 * len(names), 4), squeeze=False)
-for ax, name in zip(axes[0], names):
+cols = min(3, len(names))
+rows_ = -(-len(names) // cols)
+fig, axes = plt.subplots(rows_, cols, figsize=(4.3 * cols, 3.6 * rows_), squeeze=False)
+for ax, name in zip(axes.flat, names):
     folder = name.replace(":", "-").replace("(", "-").replace(")", "")
     rows = {}
     for seed, o in old[name]["runs"].items():
-        new = [json.loads(l) for l in open(f"{root}/default/{folder}/seed-{seed}/metrics.jsonl")]
+        new = [json.loads(line) for line in open(f"{root}/default/{folder}/seed-{seed}/metrics.jsonl")]
         n = {k: [r[k] for r in new] for k in ("train_loss", "train_acc", "valid_loss", "valid_acc")}
         rows[seed] = {
             "epochs": [len(o["valid_acc"]), len(n["valid_acc"])],
@@ -51,9 +53,9 @@ for ax, name in zip(axes[0], names):
             "median_final_train_loss": statistics.median(r["final_train_loss"][i] for r in rows.values()),
         }
     res[name] = {"summary": summary, "seeds": rows}
-    ax.set_title(f"{name}: held-out accuracy (blue first, orange retrained)", fontsize=8)
+    ax.set_title(f"{name[:40]}: held-out acc. (blue first, orange again)", fontsize=7)
     ax.set_xlabel("epoch")
-fig.suptitle("missing duplicate, 10 seeds: first training against the retraining", fontsize=9)
+fig.suptitle(f"{root}: first training against the retraining", fontsize=9)
 fig.tight_layout()
 fig.savefig(out + ".png", dpi=100)
 json.dump(res, open(out + ".json", "w"), indent=1)
