@@ -61,16 +61,20 @@ def portable(text: str, experiment: Path, recorded: str = "", root: Path = ROOT)
 
 def write_study(experiment: Path, out: Path, reach: float | None = None) -> list[Path]:
     """Report ``experiment`` with ``out/notes.md`` as its preface and copy the record into ``out``
-    (``reach``: the held-out accuracy of the report's seed-paired table, none without it)."""
+    (``reach``: the held-out accuracy of the report's seed-paired table, none without it). An
+    experiment kept inside ``out`` keeps no second copy of the report, curves and summary."""
     notes = out / "notes.md"
     if not notes.exists():
         raise ValueError(f"{notes} is missing: write how the study was run and what it found first")
     preface = [*notes.read_text().rstrip("\n").splitlines(), ""]
     write_report(experiment, preface=preface, reach=reach)
     written = []
+    kept_inside = out.resolve() in experiment.resolve().parents  # docs/studies/<study>/experiment
     for source, target in COPIED.items():
         copy_atomic(experiment / source, out / target)
         written.append(out / target)
+        if kept_inside:  # the record lives beside the kept runs once, not twice
+            (experiment / source).unlink()
     analysis = experiment / "analysis"
     measured = json.loads((analysis / "analysis.json").read_text()) if (analysis / "analysis.json").exists() else None
     recorded = measured.get("run_dir", "") if measured is not None else ""

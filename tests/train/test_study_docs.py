@@ -53,3 +53,25 @@ def test_a_study_record_with_reach_and_an_earlier_dispersion_gets_the_speed_file
     written = {path.name for path in study_docs.write_study(experiment, out, reach=0.01)}
     assert {"speed_dispersion.md", "speed_dispersion.png"} <= written
     assert "| TOPK:3 | 2/2 |" in (out / "speed_dispersion.md").read_text()
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_a_kept_experiment_holds_no_second_copy_of_the_record(study_docs, tmp_path, monkeypatch, inside):
+    """The report written into the experiment folder is copied to the study folder; where the
+    experiment is kept inside that folder the copies in the experiment are removed, elsewhere (a
+    runs/ folder) they stay."""
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "notes.md").write_text("how it was run\n")
+    experiment = out / "experiment" if inside else tmp_path / "runs" / "study"
+    experiment.mkdir(parents=True)
+
+    def fake_report(folder, preface, reach):
+        for name in study_docs.COPIED:
+            (folder / name).write_text(f"{name} of {folder.name}\n")
+
+    monkeypatch.setattr(study_docs, "write_report", fake_report)
+    written = study_docs.write_study(experiment, out)
+    for name in study_docs.COPIED:
+        assert (out / name).read_text() == f"{name} of {experiment.name}\n" and out / name in written
+        assert (experiment / name).exists() is not inside
