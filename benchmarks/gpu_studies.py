@@ -38,7 +38,11 @@ with ``--start-from FOLDER``; the inbox's parts are unpacked over them. ``--adop
 nothing: it unpacks the inbox's parts and copies the groups whose runs have all finished into the
 kept FOLDER (with the precision and autocast flags of the calls that trained them; with
 ``--epochs``, ``--seeds`` and ``--mechanism``, a screen's groups finished at its epochs, over its
-seeds). ``--slim`` keeps only the metrics of finished runs (not the paper's analysis seed, which
+seeds). ``--split FOLDER`` trains nothing either: a returned study too large to carry into the next
+call whole (the progress line's ``parts_warning``) is unpacked and packed again as several study
+folders of a few mechanism groups each (``FOLDER/part-N/``, each within what a call carries in),
+with ``FOLDER/split.json`` naming each part's ``--mechanism`` values; each part then continues in
+a call of its own and is adopted like any other. ``--slim`` keeps only the metrics of finished runs (not the paper's analysis seed, which
 ``sparsefocus analyze --seed paper`` reads), so that what a call returns, and what is kept in the
 repository, is the unfinished runs' checkpoints and about 16 KB per finished run.
 
@@ -85,12 +89,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
-from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, load_config
+from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, expand_settings, load_config
 from sparsefocus.train.driver import SETUP_LOG, STEP_GRAPH_MODES, Budget, compile_phases
 from sparsefocus.train.experiment import (
     finished_groups,
     group_progress,
     nonfinite_runs,
+    plan,
     progress_line,
     run_experiment,
     slim_finished_runs,
@@ -405,13 +410,18 @@ def adopt(config, inbox: Path, into: Path) -> list[str]:
     return [str(group.relative_to(root)) for group in groups]
 
 
+def without_task_cache(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    """A tar filter leaving out the task cache (rebuilt on the device)."""
+    return None if ".task-cache" in info.name else info
+
+
 def archive(work: Path, name: str) -> bytes:
     """``work/name`` as tar bytes compressed as ``suffix(name)`` says (xz at preset 3: a few
     seconds for the cache of a call), without the task cache (rebuilt on the device)."""
     buffer = io.BytesIO()
     options = {"mode": "w:xz", "preset": 3} if suffix(name) == "txz" else {"mode": "w:gz"}
     with tarfile.open(fileobj=buffer, **options) as tar:
-        tar.add(work / name, arcname=name, filter=lambda info: None if ".task-cache" in info.name else info)
+        tar.add(work / name, arcname=name, filter=without_task_cache)
     return buffer.getvalue()
 
 
@@ -429,6 +439,61 @@ def write_parts(data: bytes, name: str, out: Path) -> list[Path]:
 def pack(work: Path, study: str, out: Path) -> list[Path]:
     """The study folder as a tar.gz split into parts of at most 15 MiB (the task cache left out)."""
     return write_parts(archive(work, study), study, out)
+
+
+def archive_groups(root: Path, groups: list[Path]) -> bytes:
+    """The study folder ``root`` as tar.gz bytes with its top-level files and only ``groups`` (its
+    ``<setting>/<mechanism>`` folders), the task cache left out."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for path in sorted(root.iterdir()):
+            if path.is_file():
+                tar.add(path, arcname=f"{root.name}/{path.name}")
+        for group in groups:
+            tar.add(group, arcname=str(Path(root.name) / group.relative_to(root)), filter=without_task_cache)
+    return buffer.getvalue()
+
+
+def split_study(config, inbox: Path, out: Path, limit: int) -> list[dict]:
+    """Unpack ``inbox``'s study parts and pack the study again as several study folders of its
+    mechanism groups, each of at most ``limit`` bytes where a group allows (largest first into the
+    first folder it fits), as ``out/part-N/<study>.tgz.partNN``: each goes into a call of its own
+    with the ``--mechanism`` values listed for it. A group too large alone gets a folder of its own,
+    marked ``"fits": false``. Nothing is trained, nothing dropped: every group folder of the study
+    is in one part. Returns one entry per part folder.
+
+    Raises:
+        ValueError: ``inbox`` holds no parts of the study."""
+    root = Path(config.out_dir) / config.name
+    if not unpack(inbox, config.name, root.parent):
+        raise ValueError(f"{inbox} holds no {config.name}.{suffix(config.name)}.part* files")
+    mechanisms = {spec.run_dir.parent: spec.mechanism for spec in plan(config, expand_settings(config))}
+    groups = [group for setting in sorted(root.iterdir()) if setting.is_dir() for group in sorted(setting.iterdir())]
+    sizes = {group: len(archive_groups(root, [group])) for group in groups if group.is_dir()}
+    base = len(archive_groups(root, []))
+    bins: list[list[Path]] = []
+    for group in sorted(sizes, key=sizes.get, reverse=True):
+        room = [i for i, held in enumerate(bins) if base + sum(sizes[g] - base for g in held) + sizes[group] - base <= limit]
+        if room:
+            bins[room[0]].append(group)
+        else:
+            bins.append([group])
+    entries = []
+    for number, held in enumerate(bins, start=1):
+        data = archive_groups(root, sorted(held))
+        folder = out / f"part-{number}"
+        write_parts(data, config.name, folder)
+        entries.append(
+            {
+                "folder": folder.name,
+                "groups": [str(group.relative_to(root)) for group in sorted(held)],
+                "mechanisms": [mechanisms[group] for group in sorted(held) if group in mechanisms],
+                "bytes": len(data),
+                "fits": len(data) <= limit,
+            }
+        )
+    write_text_atomic(out / "split.json", json.dumps(entries, indent=1))
+    return entries
 
 
 def repository_bytes(root: Path, skip: Path | None = None) -> int:
@@ -476,8 +541,8 @@ def parts_warning(parts: list[Path], inbox: Path | None) -> str | None:
         return None
     return (
         f"the study's parts ({size / 2**20:.1f} MiB in {len(parts)} files) exceed what a call returns and the next carries in "
-        f"({bytes_back(inbox) / 2**20:.1f} MiB, {MAX_FILES_BACK - 1} files): train fewer groups or seeds per study folder "
-        "(--mechanism, --seeds) or keep only finished runs' metrics (--slim)"
+        f"({bytes_back(inbox) / 2**20:.1f} MiB, {MAX_FILES_BACK - 1} files): split the returned parts by group (--split), "
+        "train fewer groups or seeds per study folder (--mechanism, --seeds) or keep only finished runs' metrics (--slim)"
     )
 
 
@@ -570,11 +635,19 @@ def main() -> int:
         " (give the precision and autocast of the calls that trained them; with --epochs, --seeds and --mechanism:"
         " groups finished at those epochs, over those seeds)",
     )
+    parser.add_argument(
+        "--split",
+        type=Path,
+        metavar="FOLDER",
+        help="train nothing: unpack the inbox's study parts and pack them again as FOLDER/part-N/, several study folders"
+        " of a few mechanism groups each that fit what a call carries in, with FOLDER/split.json naming each part's"
+        " --mechanism values",
+    )
     args = parser.parse_args()
     if args.compile_scope is None:
         args.compile_scope = "blocks" if args.study in OWN_MECHANISMS else "step"
-    if args.out is None and args.adopt is None:
-        parser.error("--out is required unless --adopt is given")
+    if args.out is None and args.adopt is None and args.split is None:
+        parser.error("--out is required unless --adopt or --split is given")
     if args.slim and args.epochs is not None:
         parser.error("--slim drops the weights of finished runs, so runs screened with --epochs could not continue")
     work = Path(args.work)
@@ -602,6 +675,14 @@ def main() -> int:
         except (ValueError, CheckpointError) as error:
             print(f"gpu_studies: error: {error}", file=sys.stderr)
             return 2
+        return 0
+    if args.split is not None:
+        try:
+            entries = split_study(config, Path(args.inbox), args.split, bytes_back(args.split))
+        except ValueError as error:
+            print(f"gpu_studies: error: {error}", file=sys.stderr)
+            return 2
+        print(json.dumps({"split": entries, "into": str(args.split)}))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

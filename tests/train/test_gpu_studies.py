@@ -184,6 +184,58 @@ def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
         studies.start_from(tmp_path / "newer" / "nothing", "even_pairs", work)
 
 
+def test_split_repacks_a_study_by_group_within_the_limit_and_drops_none(studies, tmp_path, monkeypatch, capsys):
+    """A returned study too large to carry in whole becomes part folders of whole mechanism groups,
+    each within the limit (a group too large alone is a part of its own, marked), every group and
+    every top-level file kept, each part naming the --mechanism values that train its groups."""
+    study = tmp_path / "work" / "missing_duplicate"
+    weights = {"FULL": 40_000, "TOPK-5": 30_000, "BAND-5": 20_000, "BAND-5-1": 15_000, "BLOC-5": 12_000, "BLOC-5-1": 90_000}
+    for number, (group, size) in enumerate(weights.items()):
+        run = study / "default" / group / "seed-1"
+        run.mkdir(parents=True)
+        (run / "checkpoint.pt").write_bytes(random.Random(number).randbytes(size))  # incompressible
+    (study / "timing.json").write_text("[]")
+    (study / "default" / "FULL" / ".task-cache").mkdir()
+    studies.pack(tmp_path / "work", "missing_duplicate", tmp_path / "inbox")
+    config = studies.study_config("missing_duplicate", tmp_path / "unpacked", "highest", "none", "step-graph", 1)
+    limit = 70_000
+    entries = studies.split_study(config, tmp_path / "inbox", tmp_path / "split", limit)
+    assert json.loads((tmp_path / "split" / "split.json").read_text()) == entries
+    seen = []
+    for entry in entries:
+        again = tmp_path / "again" / entry["folder"]
+        assert studies.unpack(tmp_path / "split" / entry["folder"], "missing_duplicate", again)
+        held = sorted(str(path.relative_to(again / "missing_duplicate")) for path in again.glob("missing_duplicate/*/*"))
+        assert held == entry["groups"] and (again / "missing_duplicate" / "timing.json").read_text() == "[]"
+        assert entry["fits"] is (entry["bytes"] <= limit) and entry["fits"] is (entry["groups"] != ["default/BLOC-5-1"])
+        label = {"FULL": "FULL", "TOPK-5": "TOPK:5", "BAND-5": "BAND:5", "BAND-5-1": "BAND:5(1)", "BLOC-5": "BLOC:5"}
+        label["BLOC-5-1"] = "BLOC:5(1)"
+        assert entry["mechanisms"] == [label[group.split("/")[1]] for group in entry["groups"]]
+        for group in entry["groups"]:
+            run = again / "missing_duplicate" / group / "seed-1" / "checkpoint.pt"
+            assert run.read_bytes() == (study / group / "seed-1" / "checkpoint.pt").read_bytes()
+        seen += entry["groups"]
+    assert sorted(seen) == sorted(f"default/{group}" for group in weights)
+    assert len(entries) == 3  # 90K alone; 40K + 20K; 30K + 15K + 12K (largest first, first fit)
+    assert not list((tmp_path / "again").rglob(".task-cache"))
+    with pytest.raises(ValueError, match="holds no missing_duplicate"):
+        studies.split_study(config, tmp_path / "empty", tmp_path / "split2", limit)
+    # the same through the command line, the limit being what a call carries in
+    monkeypatch.setattr(studies, "MAX_BYTES_BACK", limit)
+    command = [
+        "gpu_studies.py",
+        "--study",
+        "missing_duplicate",
+        "--work",
+        str(tmp_path / "cli"),
+        "--inbox",
+        str(tmp_path / "inbox"),
+    ]
+    monkeypatch.setattr(sys, "argv", [*command, "--split", str(tmp_path / "split3")])
+    assert studies.main() == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["split"] == entries
+
+
 def test_adopt_keeps_only_finished_groups_and_replaces_them_whole(studies, tmp_path, monkeypatch, capsys):
     cpu = (
         "task.num_train=40",
