@@ -42,9 +42,10 @@ seeds). ``--split FOLDER`` trains nothing either: a returned study too large to 
 call whole (the progress line's ``parts_warning``) is unpacked and packed again as several study
 folders of a few mechanism groups each (``FOLDER/part-N/``, each within what a call carries in),
 with ``FOLDER/split.json`` naming each part's ``--mechanism`` values; each part then continues in
-a call of its own and is adopted like any other. ``--slim`` keeps only the metrics of finished runs (not the paper's analysis seed, which
-``sparsefocus analyze --seed paper`` reads), so that what a call returns, and what is kept in the
-repository, is the unfinished runs' checkpoints and about 16 KB per finished run.
+a call of its own and is adopted like any other. ``--slim`` keeps only the metrics of finished
+runs (not the paper's analysis seed, which ``sparsefocus analyze --seed paper`` reads), so that
+what a call returns, and what is kept in the repository, is the unfinished runs' checkpoints and
+about 16 KB per finished run.
 
 The mechanism groups train ``--concurrent`` at a time (``train.concurrent_groups``: a step of
 each in turn, each on its own CUDA stream, each step graph captured and replayed on a stream of its
@@ -390,9 +391,9 @@ def merged_timing(kept: Path, new: Path) -> str:
 def adopt(config, inbox: Path, into: Path) -> list[str]:
     """Unpack ``inbox``'s study parts into the folder ``config`` trains in and copy every mechanism
     group whose runs have all finished into the kept folder ``into``, with the study's timing
-    records (added to those ``into`` holds), and its ``experiment.yaml`` where ``into`` has none yet (so that a new kept folder is an
-    experiment folder ``sparsefocus report`` reads); no training. Returns the groups copied
-    (``<setting>/<mechanism>``).
+    records (added to those ``into`` holds), and its ``experiment.yaml`` where ``into`` has none
+    yet (so that a new kept folder is an experiment folder ``sparsefocus report`` reads); no
+    training. Returns the groups copied (``<setting>/<mechanism>``).
 
     Raises:
         ValueError: ``inbox`` holds no parts of the study."""
@@ -469,15 +470,18 @@ def split_study(config, inbox: Path, out: Path, limit: int) -> list[dict]:
         raise ValueError(f"{inbox} holds no {config.name}.{suffix(config.name)}.part* files")
     mechanisms = {spec.run_dir.parent: spec.mechanism for spec in plan(config, expand_settings(config))}
     groups = [group for setting in sorted(root.iterdir()) if setting.is_dir() for group in sorted(setting.iterdir())]
-    sizes = {group: len(archive_groups(root, [group])) for group in groups if group.is_dir()}
-    base = len(archive_groups(root, []))
+    base = len(archive_groups(root, []))  # the top-level files, in every part
+    extra = {group: len(archive_groups(root, [group])) - base for group in groups if group.is_dir()}
     bins: list[list[Path]] = []
-    for group in sorted(sizes, key=sizes.get, reverse=True):
-        room = [i for i, held in enumerate(bins) if base + sum(sizes[g] - base for g in held) + sizes[group] - base <= limit]
-        if room:
-            bins[room[0]].append(group)
+    loads: list[int] = []
+    for group in sorted(extra, key=extra.__getitem__, reverse=True):  # largest first, into the first part it fits
+        fitting = [number for number, load in enumerate(loads) if base + load + extra[group] <= limit]
+        if fitting:
+            bins[fitting[0]].append(group)
+            loads[fitting[0]] += extra[group]
         else:
             bins.append([group])
+            loads.append(extra[group])
     entries = []
     for number, held in enumerate(bins, start=1):
         data = archive_groups(root, sorted(held))
