@@ -26,7 +26,7 @@ diagonal, the end of the keys or a padding mask pay for masks:
    keeps the keys above T and the first ties at T by position. No host synchronisation: the
    rows are found and redone on the device, so the selection is capturable in a CUDA graph.
 
-``ONE_SWEEP`` (off by default, not yet timed on a GPU; kk <= 32) replaces steps 1-2 by one sweep
+``ONE_SWEEP`` (off by default, not yet run on a GPU; kk <= 32) replaces steps 1-2 by one sweep
 of 32-key tiles that folds the column classes and appends the hit masks together, against a
 running cut: a first cut from the class values of the first ``SWEEP_PRESCAN`` tiles, raised to
 the bound of the classes folded so far whenever a row's list fills, when the list drops every
