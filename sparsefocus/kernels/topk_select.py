@@ -253,6 +253,20 @@ def _store_where(ptr, value, pred, ASM: tl.constexpr):
 
 
 @triton.jit
+def _hit_entry(s, allowed, cut, start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """Each row's 32-key hit mask (keys of the tile scoring >= its cut [BM]) and its list entry
+    (word number << 32) | bits: (word [BM] int32, entry [BM] int64)."""
+    tl.static_assert(BLOCK_N == 32)
+    bits = (1 << tl.arange(0, BLOCK_N)).to(tl.int32)  # bit 31 wraps to the sign bit
+    hit = s >= cut[:, None]
+    if MASKED:
+        hit = hit & allowed
+    word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]: distinct bits, so the sum is their OR
+    entry = (tl.full([BLOCK_M], start // 32, tl.int64) << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64)
+    return word, entry
+
+
+@triton.jit
 def _collect_tile(
     s,
     allowed,
@@ -273,14 +287,7 @@ def _collect_tile(
     Tiles of 32 keys make the mask a plain row reduction of the score tile; wider tiles needed a
     reshape to [BM, words, 32], a layout round trip through shared memory per tile (on the H200,
     N=64K, kk=32: 104.8 ms for the selection with 32-key tiles against 107.6 with 64)."""
-    tl.static_assert(BLOCK_N == 32)
-    bits = (1 << tl.arange(0, BLOCK_N)).to(tl.int32)  # bit 31 wraps to the sign bit
-    hit = s >= bound[:, None]
-    if MASKED:
-        hit = hit & allowed
-    word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]: distinct bits, so the sum is their OR
-    word_no = tl.full([BLOCK_M], start // 32, tl.int64)
-    entry = (word_no << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64)
+    word, entry = _hit_entry(s, allowed, bound, start, BLOCK_M, BLOCK_N, MASKED)
     _store_where(ent + nent, entry, (word != 0) & (nent < CAP) & row_ok, ASM)
     return nent + (word != 0).to(tl.int32)
 
@@ -378,14 +385,8 @@ def _append_tile(
 ):
     """Append each live row's 32-key hit mask (keys scoring >= its cut) and the mask's best hit
     score when the mask is not empty; returns the list lengths. A live row has room for one."""
-    tl.static_assert(BLOCK_N == 32)
-    bits = (1 << tl.arange(0, BLOCK_N)).to(tl.int32)  # bit 31 wraps to the sign bit
-    hit = s >= cut[:, None]
-    if MASKED:
-        hit = hit & allowed
+    word, entry = _hit_entry(s, allowed, cut, start, BLOCK_M, BLOCK_N, MASKED)
     best = tl.max(s, axis=1)  # the best hit wherever the mask is not empty (-inf on keys not allowed)
-    word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]: distinct bits, so the sum is their OR
-    entry = (tl.full([BLOCK_M], start // 32, tl.int64) << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64)
     put = live & (word != 0)
     _store_where(ent + nent, entry, put, ASM)
     _store_where_f32(smax + nent, best, put, ASM)
@@ -497,13 +498,29 @@ def _lowest_bit_position(low):
 
 
 @triton.jit
-def _expand(q, k_ptr, ent, nent, rounds, D: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _expand(
+    q,
+    k_ptr,
+    ent,
+    nent,
+    rounds,
+    bound,
+    ABOVE: tl.constexpr,
+    D: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Packed (fp32 score, position) keys [BM, CAP] of the listed hits, in list order; int64 min
-    in unused slots. One hit per row and round: the lowest set bit of the current mask."""
+    in unused slots. One hit per row and round: the lowest set bit of the current mask. With
+    ABOVE, only the hits whose fp32 score is >= ``bound`` [BM] are kept (a row's masks may also
+    hold keys below it). Returns (packed keys, the number kept, which may exceed CAP; with ABOVE
+    only)."""
     offs_d = tl.arange(0, BLOCK_D)
     q32 = q.to(tl.float32)
     slots = tl.arange(0, CAP)
     packed = tl.full([BLOCK_M, CAP], -9223372036854775807 - 1, tl.int64)
+    kept = tl.zeros([BLOCK_M], tl.int32)
     entry = tl.zeros([BLOCK_M], tl.int32)
     word = tl.zeros([BLOCK_M], tl.int32)
     bits = tl.zeros([BLOCK_M], tl.int32)
@@ -519,41 +536,13 @@ def _expand(q, k_ptr, ent, nent, rounds, D: tl.constexpr, CAP: tl.constexpr, BLO
         found = low != 0
         k = tl.load(k_ptr + key[:, None] * D + offs_d[None, :], mask=found[:, None] & (offs_d[None, :] < D), other=0.0)
         score = tl.sum(q32 * k.to(tl.float32), axis=1)  # [BM]
-        new = tl.where(found, _pack(score, key), -9223372036854775807 - 1)
-        packed = tl.where(slots[None, :] == slot, new[:, None], packed)
-    return packed
-
-
-@triton.jit
-def _expand_above(
-    q, k_ptr, ent, nent, rounds, bound, D: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr
-):
-    """``_expand`` keeping only the hits whose fp32 score is >= ``bound`` [BM] (a row's masks may
-    also hold keys below it): (packed keys [BM, CAP] of the first CAP kept, in list order; the
-    number kept, which may exceed CAP)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    q32 = q.to(tl.float32)
-    slots = tl.arange(0, CAP)
-    packed = tl.full([BLOCK_M, CAP], -9223372036854775807 - 1, tl.int64)
-    kept = tl.zeros([BLOCK_M], tl.int32)
-    entry = tl.zeros([BLOCK_M], tl.int32)
-    word = tl.zeros([BLOCK_M], tl.int32)
-    bits = tl.zeros([BLOCK_M], tl.int32)
-    for _ in range(0, rounds):
-        need = (bits == 0) & (entry < nent)
-        listed = tl.load(ent + entry, mask=need, other=0)
-        word = tl.where(need, (listed >> 32).to(tl.int32), word)
-        bits = tl.where(need, listed.to(tl.int32), bits)
-        entry += need.to(tl.int32)
-        low = bits & (0 - bits)
-        bits = bits ^ low
-        key = word * 32 + _lowest_bit_position(low)
-        found = low != 0
-        k = tl.load(k_ptr + key[:, None] * D + offs_d[None, :], mask=found[:, None] & (offs_d[None, :] < D), other=0.0)
-        score = tl.sum(q32 * k.to(tl.float32), axis=1)  # [BM]
-        take = found & (score >= bound)
-        packed = tl.where((slots[None, :] == kept[:, None]) & take[:, None], _pack(score, key)[:, None], packed)
-        kept += take.to(tl.int32)
+        if ABOVE:
+            take = found & (score >= bound)
+            packed = tl.where((slots[None, :] == kept[:, None]) & take[:, None], _pack(score, key)[:, None], packed)
+            kept += take.to(tl.int32)
+        else:
+            new = tl.where(found, _pack(score, key), -9223372036854775807 - 1)
+            packed = tl.where(slots[None, :] == slot, new[:, None], packed)
     return packed, kept
 
 
@@ -592,13 +581,15 @@ def _finish_kernel(
     if ABOVE:
         spill = nent > CAP
         bound = tl.load(BOUND + row_offs, mask=row_ok, other=float("inf"))
-        packed, count = _expand_above(
-            q, k_ptr, ent, tl.where(spill, 0, nent), tl.max(tl.where(spill, 0, hits)), bound, D, CAP, BLOCK_M, BLOCK_D
+        packed, count = _expand(
+            q, k_ptr, ent, tl.where(spill, 0, nent), tl.max(tl.where(spill, 0, hits)), bound, True, D, CAP, BLOCK_M, BLOCK_D
         )
         count = tl.where(spill, CAP + 1, count)
     else:
         count = tl.where(nent > CAP, CAP + 1, hits)  # the list itself overflowed
-        packed = _expand(q, k_ptr, ent, tl.minimum(nent, CAP), tl.max(tl.minimum(count, CAP)), D, CAP, BLOCK_M, BLOCK_D)
+        packed, _ = _expand(
+            q, k_ptr, ent, tl.minimum(nent, CAP), tl.max(tl.minimum(count, CAP)), 0.0, False, D, CAP, BLOCK_M, BLOCK_D
+        )
     tl.store(COUNT + row_offs, count, mask=row_ok)
     _store_ranked(packed, OUT, row_offs, row_ok, KK)
 

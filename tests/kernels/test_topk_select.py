@@ -4,7 +4,6 @@ the device, the op's registration (opcheck)."""
 
 import pytest
 import torch
-import triton
 
 from sparsefocus.attention.common import expand_kv, row_slice
 from sparsefocus.attention.topk import select_extreme_keys
@@ -21,7 +20,6 @@ def sweep_kernels(monkeypatch, request):
     and the one sweep with a running cut (``ONE_SWEEP``)."""
     monkeypatch.setattr(topk_select_module, "SHORT_MAX_M", 0)
     monkeypatch.setattr(topk_select_module, "ONE_SWEEP", request.param == "one sweep")
-    return request.param
 
 
 @pytest.mark.parametrize(
@@ -168,20 +166,3 @@ def test_topk_triton_path_with_padding_equals_lean():
         outs.append([out] + list(torch.autograd.grad(out, (q, k, v), grad_out)))
     for name, got, want in zip(["out", "dq", "dk", "dv"], *outs):
         assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), name
-
-
-@pytest.mark.parametrize("kk,causal,padded", [(3, True, False), (8, False, True), (32, True, True)])
-def test_one_sweep_raises_its_cut_and_drops_masks_as_lists_fill(monkeypatch, sweep_kernels, kk, causal, padded):
-    """A first cut from one 32-key tile and rows of up to 700 keys: lists of 2 * next_pow2(kk)
-    masks fill and are compacted several times (the later keys of a row raise its cut), and the
-    selection still equals PyTorch's on every row; no row overflows on random data at kk >= 8 (the
-    finish keeps only the listed keys at or above the final bound)."""
-    if sweep_kernels != "one sweep":
-        pytest.skip("a test of the one sweep")
-    monkeypatch.setattr(topk_select_module, "SWEEP_PRESCAN", 1)
-    q, k = torch.randn(1, 2, 700, 6, device=DEVICE), torch.randn(1, 1, 700, 6, device=DEVICE)
-    key_padding_mask = torch.rand(1, 700, device=DEVICE) > 0.1 if padded else None
-    out, count = topk_select_module._launch(q, k, kk, causal, key_padding_mask)
-    assert torch.equal(out, topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask))
-    if kk >= 8:
-        assert (count <= 2 * triton.next_power_of_2(kk)).all()
