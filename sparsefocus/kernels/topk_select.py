@@ -77,6 +77,11 @@ ONE_SWEEP = False
 """Select with the one-sweep kernel (running cut) instead of the bound and collect sweeps, for kk <= 32."""
 SWEEP_PRESCAN = 16
 """Key tiles of 32 whose class values give the one-sweep kernel its first cut."""
+SWEEP_ROOM = 4
+"""The one sweep checks for a full list every SWEEP_ROOM key tiles (at most CAP / 2)."""
+SWEEP_FOLD_KEYS = 2048
+"""The one sweep also folds column classes over every key for rows of at most this many keys (beyond
+that its cut rises from the listed masks' best scores alone)."""
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"bound" | "collect" | "sweep" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
 "short": {BLOCK_M, BLOCK_N, num_warps}} replacing the launcher's choice for that kernel."""
@@ -358,6 +363,7 @@ def _compact(ent, smax, nent, cut, rows_to_do, CAP: tl.constexpr):
     new list lengths (the other rows' unchanged)."""
     slots = tl.arange(0, CAP)
     listed = rows_to_do[:, None] & (slots[None, :] < nent[:, None])
+    tl.debug_barrier()  # the entries were stored by other threads of the program
     words = tl.load(ent[:, None] + slots[None, :], mask=listed, other=0)  # [BM, CAP]
     best = tl.load(smax[:, None] + slots[None, :], mask=listed, other=float("-inf"))
     keep = listed & (best >= cut[:, None])
@@ -394,16 +400,133 @@ def _append_tile(
 
 
 @triton.jit
+def _raised(smax, nent, best, second, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.constexpr, CAP: tl.constexpr, FOLD: tl.constexpr):
+    """A lower bound [BM] of each row's KK-th largest score so far, lowered: the KK-th largest best
+    score of its listed masks (KK distinct keys score at least that, each mask's best being
+    another key), and with FOLD also the bound of the column classes folded so far (the larger
+    of two lower bounds is one)."""
+    slots = tl.arange(0, CAP)
+    tl.debug_barrier()  # the masks' best scores were stored by other threads of the program
+    listed = tl.load(smax[:, None] + slots[None, :], mask=slots[None, :] < nent[:, None], other=float("-inf"))
+    raised = _lower_bound(listed, listed, KK, 1, STEPS)
+    if FOLD:
+        raised = tl.maximum(raised, _lower_bound(best, second, KK, TOP, STEPS))
+    return _lowered(raised)
+
+
+@triton.jit
 def _make_room(
-    ent, smax, nent, cut, live, best, second, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.constexpr, CAP: tl.constexpr
+    ent,
+    smax,
+    nent,
+    cut,
+    live,
+    best,
+    second,
+    KK: tl.constexpr,
+    TOP: tl.constexpr,
+    STEPS: tl.constexpr,
+    CAP: tl.constexpr,
+    ROOM: tl.constexpr,
+    FOLD: tl.constexpr,
 ):
-    """For the live rows whose list is full: raise the cut to the bound of the classes folded so
-    far and drop the masks below it; a row still full overflows (no longer live). Returns
-    (nent, cut, live)."""
-    full = live & (nent >= CAP)
-    cut = tl.where(full, tl.maximum(cut, _lowered(_lower_bound(best, second, KK, TOP, STEPS))), cut)
-    nent = _compact(ent, smax, nent, cut, full, CAP)
-    return nent, cut, live & (nent < CAP)
+    """Raise every live row's cut and drop its masks below it (all rows at once, which keeps their
+    lists filling in step); a row left with fewer than ROOM free entries overflows (no longer
+    live). Returns (nent, cut, live)."""
+    cut = tl.where(live, tl.maximum(cut, _raised(smax, nent, best, second, KK, TOP, STEPS, CAP, FOLD)), cut)
+    nent = _compact(ent, smax, nent, cut, live, CAP)
+    return nent, cut, live & (nent <= CAP - ROOM)
+
+
+@triton.jit
+def _sweep_tiles(
+    q,
+    k_ptr,
+    pad_ptr,
+    rows,
+    lo,
+    hi,
+    M,
+    ent,
+    smax,
+    nent,
+    cut,
+    live,
+    best,
+    second,
+    D: tl.constexpr,
+    KK: tl.constexpr,
+    CAP: tl.constexpr,
+    TOP: tl.constexpr,
+    STEPS: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROOM: tl.constexpr,
+    FOLD: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """The one sweep over key tiles lo..hi: append each tile's hit masks, making room every ROOM
+    tiles when some live row has fewer than ROOM free entries (one check, a reduction over the
+    program's rows, per ROOM tiles instead of per tile). Returns (nent, cut, live, best, second)."""
+    for start in range(lo, hi, BLOCK_N):
+        if (start // BLOCK_N) % ROOM == 0:
+            if tl.max((live & (nent > CAP - ROOM)).to(tl.int32), axis=0) > 0:
+                nent, cut, live = _make_room(ent, smax, nent, cut, live, best, second, KK, TOP, STEPS, CAP, ROOM, FOLD)
+        s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, MASKED, CAUSAL, HAS_PAD, PRECISION)
+        if FOLD:
+            best, second = _fold_top(best, second, s, TOP)
+        nent = _append_tile(s, allowed, cut, start, nent, ent, smax, live, BLOCK_M, BLOCK_N, MASKED, ASM)
+    return nent, cut, live, best, second
+
+
+@triton.jit
+def _sweep_rows(
+    q,
+    k_ptr,
+    pad_ptr,
+    rows,
+    M,
+    ent,
+    smax,
+    cut,
+    live,
+    D: tl.constexpr,
+    KK: tl.constexpr,
+    CAP: tl.constexpr,
+    TOP: tl.constexpr,
+    STEPS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROOM: tl.constexpr,
+    FOLD: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """Every key tile of the program's rows (unmasked tiles, then masked), then the final bound and
+    compaction. Returns (nent, final bound, live)."""
+    unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
+    best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    second = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
+    nent = tl.zeros([BLOCK_M], tl.int32)
+    nent, cut, live, best, second = _sweep_tiles(
+        q, k_ptr, pad_ptr, rows, 0, unmasked_end, M, ent, smax, nent, cut, live, best, second, D, KK, CAP, TOP, STEPS,
+        False, CAUSAL, HAS_PAD, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, ROOM, FOLD, ASM,
+    )  # fmt: skip
+    nent, cut, live, best, second = _sweep_tiles(
+        q, k_ptr, pad_ptr, rows, unmasked_end, hi, M, ent, smax, nent, cut, live, best, second, D, KK, CAP, TOP, STEPS,
+        True, CAUSAL, HAS_PAD, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, ROOM, FOLD, ASM,
+    )  # fmt: skip
+    final = tl.maximum(cut, _raised(smax, nent, best, second, KK, TOP, STEPS, CAP, FOLD))
+    nent = _compact(ent, smax, nent, final, live, CAP)
+    return nent, final, live
 
 
 @triton.jit
@@ -419,6 +542,7 @@ def _sweep_kernel(
     M,
     HQ,
     GROUP,
+    FOLD_KEYS,
     D: tl.constexpr,
     KK: tl.constexpr,
     CAP: tl.constexpr,
@@ -431,13 +555,17 @@ def _sweep_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROOM: tl.constexpr,
     ASM: tl.constexpr,
 ):
     """The bound and collect sweeps in one (``ONE_SWEEP``): NENT gets CAP + 1 for a row whose list
     overflowed, else its number of listed masks, each holding a key scoring >= the final bound
-    (BOUND; masks listed under a lower cut may also hold keys below it, which the finish drops)."""
+    (BOUND; masks listed under a lower cut may also hold keys below it, which the finish drops).
+
+    A program whose rows see at most FOLD_KEYS keys also folds column classes over every key: with
+    few key tiles the best keys often share one, and the listed masks' bound alone is loose."""
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
-    unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
+    _, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
     row_ok = rows < N
     best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     second = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
@@ -445,25 +573,17 @@ def _sweep_kernel(
         s, _ = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
         best, second = _fold_top(best, second, s, TOP)
     cut = _lowered(_lower_bound(best, second, KK, TOP, STEPS))  # [BM]
-    best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    second = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     ent, smax = ENT + row_offs * CAP, SMAX + row_offs * CAP
-    nent = tl.zeros([BLOCK_M], tl.int32)
-    live = row_ok
-    for start in range(0, unmasked_end, BLOCK_N):
-        if tl.max((live & (nent >= CAP)).to(tl.int32), axis=0) > 0:
-            nent, cut, live = _make_room(ent, smax, nent, cut, live, best, second, KK, TOP, STEPS, CAP)
-        s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, False, CAUSAL, HAS_PAD, PRECISION)
-        best, second = _fold_top(best, second, s, TOP)
-        nent = _append_tile(s, allowed, cut, start, nent, ent, smax, live, BLOCK_M, BLOCK_N, False, ASM)
-    for start in range(unmasked_end, hi, BLOCK_N):
-        if tl.max((live & (nent >= CAP)).to(tl.int32), axis=0) > 0:
-            nent, cut, live = _make_room(ent, smax, nent, cut, live, best, second, KK, TOP, STEPS, CAP)
-        s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
-        best, second = _fold_top(best, second, s, TOP)
-        nent = _append_tile(s, allowed, cut, start, nent, ent, smax, live, BLOCK_M, BLOCK_N, True, ASM)
-    final = tl.maximum(cut, _lowered(_lower_bound(best, second, KK, TOP, STEPS)))
-    nent = _compact(ent, smax, nent, final, live, CAP)
+    if hi <= FOLD_KEYS:
+        nent, final, live = _sweep_rows(
+            q, k_ptr, pad_ptr, rows, M, ent, smax, cut, row_ok, D, KK, CAP, TOP, STEPS, CAUSAL, HAS_PAD, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_D, ROOM, True, ASM,
+        )  # fmt: skip
+    else:
+        nent, final, live = _sweep_rows(
+            q, k_ptr, pad_ptr, rows, M, ent, smax, cut, row_ok, D, KK, CAP, TOP, STEPS, CAUSAL, HAS_PAD, PRECISION,
+            BLOCK_M, BLOCK_N, BLOCK_D, ROOM, False, ASM,
+        )  # fmt: skip
     tl.store(NENT + row_offs, tl.where(live, nent, CAP + 1), mask=row_ok)
     tl.store(BOUND + row_offs, final, mask=row_ok)
 
@@ -905,10 +1025,12 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
             smax,
             bound,
             *sizes,
+            SWEEP_FOLD_KEYS,
             KK=kk,
             CAP=cap,
             STEPS=BISECTION_STEPS,
             PRESCAN=SWEEP_PRESCAN,
+            ROOM=min(SWEEP_ROOM, cap // 2),
             ASM=asm,
             **common,
             **masks,
