@@ -400,7 +400,9 @@ def _append_tile(
 
 
 @triton.jit
-def _raised(smax, nent, best, second, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.constexpr, CAP: tl.constexpr, FOLD: tl.constexpr):
+def _raised(
+    smax, nent, best, second, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.constexpr, CAP: tl.constexpr, FOLD: tl.constexpr
+):
     """A lower bound [BM] of each row's KK-th largest score so far, lowered: the KK-th largest best
     score of its listed masks (KK distinct keys score at least that, each mask's best being
     another key), and with FOLD also the bound of the column classes folded so far (the larger
