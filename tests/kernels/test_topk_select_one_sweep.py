@@ -12,8 +12,10 @@ from sparsefocus.kernels.topk_select import topk_select_torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("fold_keys", [0, 2048])
-@pytest.mark.parametrize("kk,causal,padded", [(3, True, False), (8, False, True), (32, True, True)])
+@pytest.mark.parametrize(
+    "kk,causal,padded,fold_keys",
+    [(3, True, False, 0), (3, True, False, 2048), (8, False, True, 0), (8, False, True, 2048), (32, True, True, 2048)],
+)
 def test_one_sweep_raises_its_cut_and_drops_masks_as_lists_fill(monkeypatch, kk, causal, padded, fold_keys):
     """A first cut from one 32-key tile and rows of up to 700 keys: lists of 2 * next_pow2(kk)
     masks fill and are compacted several times (the later keys of a row raise its cut), and the
