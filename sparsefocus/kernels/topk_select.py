@@ -82,6 +82,8 @@ SWEEP_ROOM = 4
 SWEEP_FOLD_KEYS = 2048
 """The one sweep also folds column classes over every key for rows of at most this many keys (beyond
 that its cut rises from the listed masks' best scores alone)."""
+FINISH_REGISTERS = False
+"""The finish takes each row's next listed mask from registers (True) or loads it (False)."""
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"bound" | "collect" | "sweep" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
 "short": {BLOCK_M, BLOCK_N, num_warps}} replacing the launcher's choice for that kernel."""
@@ -624,10 +626,12 @@ def _expand(
     q,
     k_ptr,
     ent,
+    listed,
     nent,
     rounds,
     bound,
     ABOVE: tl.constexpr,
+    REGISTERS: tl.constexpr,
     D: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -637,7 +641,8 @@ def _expand(
     in unused slots. One hit per row and round: the lowest set bit of the current mask. With
     ABOVE, only the hits whose fp32 score is >= ``bound`` [BM] are kept (a row's masks may also
     hold keys below it). Returns (packed keys, the number kept, which may exceed CAP; with ABOVE
-    only)."""
+    only). REGISTERS: each row's next mask is taken from ``listed`` [BM, CAP] (the entries already
+    loaded) instead of loaded from ``ent``, so a round waits on one load (the key), not two."""
     offs_d = tl.arange(0, BLOCK_D)
     q32 = q.to(tl.float32)
     slots = tl.arange(0, CAP)
@@ -648,9 +653,12 @@ def _expand(
     bits = tl.zeros([BLOCK_M], tl.int32)
     for slot in range(0, rounds):
         need = (bits == 0) & (entry < nent)
-        listed = tl.load(ent + entry, mask=need, other=0)
-        word = tl.where(need, (listed >> 32).to(tl.int32), word)
-        bits = tl.where(need, listed.to(tl.int32), bits)
+        if REGISTERS:
+            nxt = tl.sum(tl.where(slots[None, :] == entry[:, None], listed, 0), axis=1)
+        else:
+            nxt = tl.load(ent + entry, mask=need, other=0)
+        word = tl.where(need, (nxt >> 32).to(tl.int32), word)
+        bits = tl.where(need, nxt.to(tl.int32), bits)
         entry += need.to(tl.int32)
         low = bits & (0 - bits)
         bits = bits ^ low
@@ -686,6 +694,7 @@ def _finish_kernel(
     KK: tl.constexpr,
     CAP: tl.constexpr,
     ABOVE: tl.constexpr,
+    REGISTERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -703,15 +712,15 @@ def _finish_kernel(
     if ABOVE:
         spill = nent > CAP
         bound = tl.load(BOUND + row_offs, mask=row_ok, other=float("inf"))
+        rounds = tl.max(tl.where(spill, 0, hits))
         packed, count = _expand(
-            q, k_ptr, ent, tl.where(spill, 0, nent), tl.max(tl.where(spill, 0, hits)), bound, True, D, CAP, BLOCK_M, BLOCK_D
+            q, k_ptr, ent, listed, tl.where(spill, 0, nent), rounds, bound, True, REGISTERS, D, CAP, BLOCK_M, BLOCK_D
         )
         count = tl.where(spill, CAP + 1, count)
     else:
         count = tl.where(nent > CAP, CAP + 1, hits)  # the list itself overflowed
-        packed, _ = _expand(
-            q, k_ptr, ent, tl.minimum(nent, CAP), tl.max(tl.minimum(count, CAP)), 0.0, False, D, CAP, BLOCK_M, BLOCK_D
-        )
+        rounds = tl.max(tl.minimum(count, CAP))
+        packed, _ = _expand(q, k_ptr, ent, listed, tl.minimum(nent, CAP), rounds, 0.0, False, REGISTERS, D, CAP, BLOCK_M, BLOCK_D)
     tl.store(COUNT + row_offs, count, mask=row_ok)
     _store_ranked(packed, OUT, row_offs, row_ok, KK)
 
@@ -1044,7 +1053,21 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
             q, k, pad, bound, nent, ent, *sizes, CAP=cap, ASM=asm, **common, **masks, **tiles["collect"]
         )
     _finish_kernel[grid("finish")](
-        q, k, pad, nent, ent, bound, out, count, *sizes, KK=kk, CAP=cap, ABOVE=one_sweep, **common, **tiles["finish"]
+        q,
+        k,
+        pad,
+        nent,
+        ent,
+        bound,
+        out,
+        count,
+        *sizes,
+        KK=kk,
+        CAP=cap,
+        ABOVE=one_sweep,
+        REGISTERS=FINISH_REGISTERS,
+        **common,
+        **tiles["finish"],
     )
     _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
     return out, count
