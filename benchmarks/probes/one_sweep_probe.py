@@ -24,7 +24,9 @@ variants = {
     "two sweeps, finish from registers": dict(ONE_SWEEP=False, FINISH_REGISTERS=True),
     "one sweep, fold <= 2048, finish from registers": dict(ONE_SWEEP=True, SWEEP_FOLD_KEYS=2048, FINISH_REGISTERS=True),
 }
-defaults = {name: getattr(ts, name) for name in ("ONE_SWEEP", "SWEEP_FOLD_KEYS", "SWEEP_PRESCAN", "SWEEP_ROOM", "FINISH_REGISTERS")}
+defaults = {
+    name: getattr(ts, name) for name in ("ONE_SWEEP", "SWEEP_FOLD_KEYS", "SWEEP_PRESCAN", "SWEEP_ROOM", "FINISH_REGISTERS")
+}
 kk, results = 32, []
 for n in (4096, 8192, 16384, 65536):
     g = torch.Generator(device="cuda").manual_seed(n)
