@@ -569,7 +569,7 @@ def _sweep_kernel(
     A program whose rows see at most FOLD_KEYS keys also folds column classes over every key: with
     few key tiles the best keys often share one, and the listed masks' bound alone is loose."""
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
-    _, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
+    hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)[1]
     row_ok = rows < N
     best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
     second = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
