@@ -26,16 +26,6 @@ diagonal, the end of the keys or a padding mask pay for masks:
    keeps the keys above T and the first ties at T by position. No host synchronisation: the
    rows are found and redone on the device, so the selection is capturable in a CUDA graph.
 
-``ONE_SWEEP`` (off by default, not yet run on a GPU; kk <= 32) replaces steps 1-2 by one sweep
-of 32-key tiles that folds the column classes and appends the hit masks together, against a
-running cut: a first cut from the class values of the first ``SWEEP_PRESCAN`` tiles, raised to
-the bound of the classes folded so far whenever a row's list fills, when the list drops every
-mask whose best hit scores below the new cut (each entry keeps that best score beside it). At the
-end the list keeps the masks whose best hit reaches the final bound, so step 3 sees every key at
-or above it, as with two sweeps, and keeps only those (a mask listed under a lower cut can hold
-keys below the final bound); a row whose list stays full overflows to step 4. The keys are read
-once instead of twice.
-
 Short rows (M <= ``SHORT_MAX_M`` keys, kk <= ``SHORT_MAX_K``) take one launch instead: a program
 sweeps the keys once with [BLOCK_M, BLOCK_N] score tiles and keeps each row's kk best (score,
 position) entries in registers; each tile is merged by rounds of row maxima that replace a row's
@@ -73,19 +63,8 @@ BISECTION_STEPS = 16
 INT32_MIN = tl.constexpr(-(2**31))
 INT32_MAX = tl.constexpr(2**31 - 1)
 INT64_MIN = tl.constexpr(-(2**63))
-ONE_SWEEP = False
-"""Select with the one-sweep kernel (running cut) instead of the bound and collect sweeps, for kk <= 32."""
-SWEEP_PRESCAN = 16
-"""Key tiles of 32 whose class values give the one-sweep kernel its first cut."""
-SWEEP_ROOM = 4
-"""The one sweep checks for a full list every SWEEP_ROOM key tiles (at most CAP / 2)."""
-SWEEP_FOLD_KEYS = 2048
-"""The one sweep also folds column classes over every key for rows of at most this many keys (beyond
-that its cut rises from the listed masks' best scores alone)."""
-FINISH_REGISTERS = False
-"""The finish takes each row's next listed mask from registers (True) or loads it (False)."""
 TILE_OVERRIDES: dict = {}
-"""Benchmark hook: {"bound" | "collect" | "sweep" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
+"""Benchmark hook: {"bound" | "collect" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
 "short": {BLOCK_M, BLOCK_N, num_warps}} replacing the launcher's choice for that kernel."""
 
 
@@ -235,7 +214,7 @@ def _bound_kernel(
         s, _ = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
         best, second = _fold_top(best, second, s, TOP)
     bound = _lower_bound(best, second, KK, TOP, STEPS)
-    tl.store(BOUND + row_offs, _lowered(bound), mask=rows < N)
+    tl.store(BOUND + row_offs, bound - tl.abs(bound) * (1.0 / 65536), mask=rows < N)
 
 
 @triton.jit
@@ -260,20 +239,6 @@ def _store_where(ptr, value, pred, ASM: tl.constexpr):
 
 
 @triton.jit
-def _hit_entry(s, allowed, cut, start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """Each row's 32-key hit mask (keys of the tile scoring >= its cut [BM]) and its list entry
-    (word number << 32) | bits: (word [BM] int32, entry [BM] int64)."""
-    tl.static_assert(BLOCK_N == 32)
-    bits = (1 << tl.arange(0, BLOCK_N)).to(tl.int32)  # bit 31 wraps to the sign bit
-    hit = s >= cut[:, None]
-    if MASKED:
-        hit = hit & allowed
-    word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]: distinct bits, so the sum is their OR
-    entry = (tl.full([BLOCK_M], start // 32, tl.int64) << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64)
-    return word, entry
-
-
-@triton.jit
 def _collect_tile(
     s,
     allowed,
@@ -294,7 +259,14 @@ def _collect_tile(
     Tiles of 32 keys make the mask a plain row reduction of the score tile; wider tiles needed a
     reshape to [BM, words, 32], a layout round trip through shared memory per tile (on the H200,
     N=64K, kk=32: 104.8 ms for the selection with 32-key tiles against 107.6 with 64)."""
-    word, entry = _hit_entry(s, allowed, bound, start, BLOCK_M, BLOCK_N, MASKED)
+    tl.static_assert(BLOCK_N == 32)
+    bits = (1 << tl.arange(0, BLOCK_N)).to(tl.int32)  # bit 31 wraps to the sign bit
+    hit = s >= bound[:, None]
+    if MASKED:
+        hit = hit & allowed
+    word = tl.sum(tl.where(hit, bits[None, :], 0), axis=1)  # [BM]: distinct bits, so the sum is their OR
+    word_no = tl.full([BLOCK_M], start // 32, tl.int64)
+    entry = (word_no << 32) | word.to(tl.uint32, bitcast=True).to(tl.int64)
     _store_where(ent + nent, entry, (word != 0) & (nent < CAP) & row_ok, ASM)
     return nent + (word != 0).to(tl.int32)
 
@@ -337,262 +309,6 @@ def _collect_kernel(
 
 
 @triton.jit
-def _store_where_f32(ptr, value, pred, ASM: tl.constexpr):
-    """Store fp32 ``value`` [BM] at ``ptr`` [BM] where ``pred``: ``_store_where`` for 4 bytes."""
-    if ASM:
-        tl.inline_asm_elementwise(
-            asm="{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.u32 $0, 0; }",
-            constraints="=r,l,r,r",
-            args=[ptr, value.to(tl.int32, bitcast=True), pred.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.store(ptr, value, mask=pred)
-
-
-@triton.jit
-def _lowered(bound):
-    """A bound lowered by a relative 2^-16, so that tensor-core scores summed in another order than
-    the fp32 ranking's cannot lose one of the kk best keys (-inf stays -inf)."""
-    return bound - tl.abs(bound) * (1.0 / 65536)
-
-
-@triton.jit
-def _compact(ent, smax, nent, cut, rows_to_do, CAP: tl.constexpr):
-    """Keep, in list order, the listed masks of ``rows_to_do`` whose best hit scores >= cut; the
-    new list lengths (the other rows' unchanged)."""
-    slots = tl.arange(0, CAP)
-    listed = rows_to_do[:, None] & (slots[None, :] < nent[:, None])
-    tl.debug_barrier()  # the entries were stored by other threads of the program
-    words = tl.load(ent[:, None] + slots[None, :], mask=listed, other=0)  # [BM, CAP]
-    best = tl.load(smax[:, None] + slots[None, :], mask=listed, other=float("-inf"))
-    keep = listed & (best >= cut[:, None])
-    to = tl.cumsum(keep.to(tl.int32), axis=1) - 1  # <= the slot read: compaction in place
-    tl.debug_barrier()  # every slot is read before any is overwritten
-    tl.store(ent[:, None] + to, words, mask=keep)
-    tl.store(smax[:, None] + to, best, mask=keep)
-    return tl.where(rows_to_do, tl.sum(keep.to(tl.int32), axis=1), nent)
-
-
-@triton.jit
-def _append_tile(
-    s,
-    allowed,
-    cut,
-    start,
-    nent,
-    ent,
-    smax,
-    live,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """Append each live row's 32-key hit mask (keys scoring >= its cut) and the mask's best hit
-    score when the mask is not empty; returns the list lengths. A live row has room for one."""
-    word, entry = _hit_entry(s, allowed, cut, start, BLOCK_M, BLOCK_N, MASKED)
-    best = tl.max(s, axis=1)  # the best hit wherever the mask is not empty (-inf on keys not allowed)
-    put = live & (word != 0)
-    _store_where(ent + nent, entry, put, ASM)
-    _store_where_f32(smax + nent, best, put, ASM)
-    return nent + put.to(tl.int32)
-
-
-@triton.jit
-def _raised(
-    smax, nent, best, second, KK: tl.constexpr, TOP: tl.constexpr, STEPS: tl.constexpr, CAP: tl.constexpr, FOLD: tl.constexpr
-):
-    """A lower bound [BM] of each row's KK-th largest score so far, lowered: the KK-th largest best
-    score of its listed masks (KK distinct keys score at least that, each mask's best being
-    another key), and with FOLD also the bound of the column classes folded so far (the larger
-    of two lower bounds is one)."""
-    slots = tl.arange(0, CAP)
-    tl.debug_barrier()  # the masks' best scores were stored by other threads of the program
-    listed = tl.load(smax[:, None] + slots[None, :], mask=slots[None, :] < nent[:, None], other=float("-inf"))
-    raised = _lower_bound(listed, listed, KK, 1, STEPS)
-    if FOLD:
-        raised = tl.maximum(raised, _lower_bound(best, second, KK, TOP, STEPS))
-    return _lowered(raised)
-
-
-@triton.jit
-def _make_room(
-    ent,
-    smax,
-    nent,
-    cut,
-    live,
-    best,
-    second,
-    KK: tl.constexpr,
-    TOP: tl.constexpr,
-    STEPS: tl.constexpr,
-    CAP: tl.constexpr,
-    ROOM: tl.constexpr,
-    FOLD: tl.constexpr,
-):
-    """Raise every live row's cut and drop its masks below it (all rows at once, which keeps their
-    lists filling in step); a row left with fewer than ROOM free entries overflows (no longer
-    live). Returns (nent, cut, live)."""
-    cut = tl.where(live, tl.maximum(cut, _raised(smax, nent, best, second, KK, TOP, STEPS, CAP, FOLD)), cut)
-    nent = _compact(ent, smax, nent, cut, live, CAP)
-    return nent, cut, live & (nent <= CAP - ROOM)
-
-
-@triton.jit
-def _sweep_tiles(
-    q,
-    k_ptr,
-    pad_ptr,
-    rows,
-    lo,
-    hi,
-    M,
-    ent,
-    smax,
-    nent,
-    cut,
-    live,
-    best,
-    second,
-    D: tl.constexpr,
-    KK: tl.constexpr,
-    CAP: tl.constexpr,
-    TOP: tl.constexpr,
-    STEPS: tl.constexpr,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROOM: tl.constexpr,
-    FOLD: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """The one sweep over key tiles lo..hi: append each tile's hit masks, making room every ROOM
-    tiles when some live row has fewer than ROOM free entries (one check, a reduction over the
-    program's rows, per ROOM tiles instead of per tile). Returns (nent, cut, live, best, second)."""
-    for start in range(lo, hi, BLOCK_N):
-        if (start // BLOCK_N) % ROOM == 0:
-            if tl.max((live & (nent > CAP - ROOM)).to(tl.int32), axis=0) > 0:
-                nent, cut, live = _make_room(ent, smax, nent, cut, live, best, second, KK, TOP, STEPS, CAP, ROOM, FOLD)
-        s, allowed = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, MASKED, CAUSAL, HAS_PAD, PRECISION)
-        if FOLD:
-            best, second = _fold_top(best, second, s, TOP)
-        nent = _append_tile(s, allowed, cut, start, nent, ent, smax, live, BLOCK_M, BLOCK_N, MASKED, ASM)
-    return nent, cut, live, best, second
-
-
-@triton.jit
-def _sweep_rows(
-    q,
-    k_ptr,
-    pad_ptr,
-    rows,
-    M,
-    ent,
-    smax,
-    cut,
-    live,
-    D: tl.constexpr,
-    KK: tl.constexpr,
-    CAP: tl.constexpr,
-    TOP: tl.constexpr,
-    STEPS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROOM: tl.constexpr,
-    FOLD: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """Every key tile of the program's rows (unmasked tiles, then masked), then the final bound and
-    compaction. Returns (nent, final bound, live)."""
-    unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
-    best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    second = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    nent = tl.zeros([BLOCK_M], tl.int32)
-    nent, cut, live, best, second = _sweep_tiles(
-        q, k_ptr, pad_ptr, rows, 0, unmasked_end, M, ent, smax, nent, cut, live, best, second, D, KK, CAP, TOP, STEPS,
-        False, CAUSAL, HAS_PAD, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, ROOM, FOLD, ASM,
-    )  # fmt: skip
-    nent, cut, live, best, second = _sweep_tiles(
-        q, k_ptr, pad_ptr, rows, unmasked_end, hi, M, ent, smax, nent, cut, live, best, second, D, KK, CAP, TOP, STEPS,
-        True, CAUSAL, HAS_PAD, PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, ROOM, FOLD, ASM,
-    )  # fmt: skip
-    final = tl.maximum(cut, _raised(smax, nent, best, second, KK, TOP, STEPS, CAP, FOLD))
-    nent = _compact(ent, smax, nent, final, live, CAP)
-    return nent, final, live
-
-
-@triton.jit
-def _sweep_kernel(
-    Q,
-    K,
-    PAD,
-    NENT,
-    ENT,
-    SMAX,
-    BOUND,
-    N,
-    M,
-    HQ,
-    GROUP,
-    FOLD_KEYS,
-    D: tl.constexpr,
-    KK: tl.constexpr,
-    CAP: tl.constexpr,
-    TOP: tl.constexpr,
-    STEPS: tl.constexpr,
-    PRESCAN: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_PAD: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    ROOM: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """The bound and collect sweeps in one (``ONE_SWEEP``): NENT gets CAP + 1 for a row whose list
-    overflowed, else its number of listed masks, each holding a key scoring >= the final bound
-    (BOUND; masks listed under a lower cut may also hold keys below it, which the finish drops).
-
-    A program whose rows see at most FOLD_KEYS keys also folds column classes over every key: with
-    few key tiles the best keys often share one, and the listed masks' bound alone is loose."""
-    rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
-    hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)[1]
-    row_ok = rows < N
-    best = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    second = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)
-    for start in range(0, tl.minimum(hi, PRESCAN * BLOCK_N), BLOCK_N):  # the first cut; classes discarded
-        s, _ = _score_tile(q, k_ptr, pad_ptr, rows, start, M, D, BLOCK_N, BLOCK_D, True, CAUSAL, HAS_PAD, PRECISION)
-        best, second = _fold_top(best, second, s, TOP)
-    cut = _lowered(_lower_bound(best, second, KK, TOP, STEPS))  # [BM]
-    ent, smax = ENT + row_offs * CAP, SMAX + row_offs * CAP
-    if hi <= FOLD_KEYS:
-        nent, final, live = _sweep_rows(
-            q, k_ptr, pad_ptr, rows, M, ent, smax, cut, row_ok, D, KK, CAP, TOP, STEPS, CAUSAL, HAS_PAD, PRECISION,
-            BLOCK_M, BLOCK_N, BLOCK_D, ROOM, True, ASM,
-        )  # fmt: skip
-    else:
-        nent, final, live = _sweep_rows(
-            q, k_ptr, pad_ptr, rows, M, ent, smax, cut, row_ok, D, KK, CAP, TOP, STEPS, CAUSAL, HAS_PAD, PRECISION,
-            BLOCK_M, BLOCK_N, BLOCK_D, ROOM, False, ASM,
-        )  # fmt: skip
-    tl.store(NENT + row_offs, tl.where(live, nent, CAP + 1), mask=row_ok)
-    tl.store(BOUND + row_offs, final, mask=row_ok)
-
-
-@triton.jit
 def _popcount(words):
     """Number of set bits of each int32 entry (SWAR bit counting, as int32)."""
     x = words.to(tl.uint32, bitcast=True)
@@ -622,43 +338,21 @@ def _lowest_bit_position(low):
 
 
 @triton.jit
-def _expand(
-    q,
-    k_ptr,
-    ent,
-    listed,
-    nent,
-    rounds,
-    bound,
-    ABOVE: tl.constexpr,
-    REGISTERS: tl.constexpr,
-    D: tl.constexpr,
-    CAP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+def _expand(q, k_ptr, ent, nent, rounds, D: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Packed (fp32 score, position) keys [BM, CAP] of the listed hits, in list order; int64 min
-    in unused slots. One hit per row and round: the lowest set bit of the current mask. With
-    ABOVE, only the hits whose fp32 score is >= ``bound`` [BM] are kept (a row's masks may also
-    hold keys below it). Returns (packed keys, the number kept, which may exceed CAP; with ABOVE
-    only). REGISTERS: each row's next mask is taken from ``listed`` [BM, CAP] (the entries already
-    loaded) instead of loaded from ``ent``, so a round waits on one load (the key), not two."""
+    in unused slots. One hit per row and round: the lowest set bit of the current mask."""
     offs_d = tl.arange(0, BLOCK_D)
     q32 = q.to(tl.float32)
     slots = tl.arange(0, CAP)
     packed = tl.full([BLOCK_M, CAP], -9223372036854775807 - 1, tl.int64)
-    kept = tl.zeros([BLOCK_M], tl.int32)
     entry = tl.zeros([BLOCK_M], tl.int32)
     word = tl.zeros([BLOCK_M], tl.int32)
     bits = tl.zeros([BLOCK_M], tl.int32)
     for slot in range(0, rounds):
         need = (bits == 0) & (entry < nent)
-        if REGISTERS:
-            nxt = tl.sum(tl.where(slots[None, :] == entry[:, None], listed, 0), axis=1)
-        else:
-            nxt = tl.load(ent + entry, mask=need, other=0)
-        word = tl.where(need, (nxt >> 32).to(tl.int32), word)
-        bits = tl.where(need, nxt.to(tl.int32), bits)
+        listed = tl.load(ent + entry, mask=need, other=0)
+        word = tl.where(need, (listed >> 32).to(tl.int32), word)
+        bits = tl.where(need, listed.to(tl.int32), bits)
         entry += need.to(tl.int32)
         low = bits & (0 - bits)
         bits = bits ^ low
@@ -666,14 +360,9 @@ def _expand(
         found = low != 0
         k = tl.load(k_ptr + key[:, None] * D + offs_d[None, :], mask=found[:, None] & (offs_d[None, :] < D), other=0.0)
         score = tl.sum(q32 * k.to(tl.float32), axis=1)  # [BM]
-        if ABOVE:
-            take = found & (score >= bound)
-            packed = tl.where((slots[None, :] == kept[:, None]) & take[:, None], _pack(score, key)[:, None], packed)
-            kept += take.to(tl.int32)
-        else:
-            new = tl.where(found, _pack(score, key), -9223372036854775807 - 1)
-            packed = tl.where(slots[None, :] == slot, new[:, None], packed)
-    return packed, kept
+        new = tl.where(found, _pack(score, key), -9223372036854775807 - 1)
+        packed = tl.where(slots[None, :] == slot, new[:, None], packed)
+    return packed
 
 
 @triton.jit
@@ -683,7 +372,6 @@ def _finish_kernel(
     PAD,
     NENT,
     ENT,
-    BOUND,
     OUT,
     COUNT,
     N,
@@ -693,35 +381,19 @@ def _finish_kernel(
     D: tl.constexpr,
     KK: tl.constexpr,
     CAP: tl.constexpr,
-    ABOVE: tl.constexpr,
-    REGISTERS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """ABOVE=False: every listed hit is a candidate (the collect sweep's masks hold only keys at
-    or above the bound). ABOVE=True (the one sweep, whose masks may hold keys below the final
-    bound): the hits scoring >= BOUND in fp32 are, all listed hits being expanded (at most 32 CAP),
-    and a row keeping more than CAP overflows."""
     rows, row_offs, q, k_ptr, _ = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     row_ok = rows < N
     ent = ENT + row_offs * CAP
     nent = tl.load(NENT + row_offs, mask=row_ok, other=0)
     slots = tl.arange(0, CAP)
     listed = tl.load(ent[:, None] + slots[None, :], mask=slots[None, :] < nent[:, None], other=0)  # [BM, CAP]
-    hits = tl.sum(_popcount(listed.to(tl.int32)), axis=1)
-    if ABOVE:
-        spill = nent > CAP
-        bound = tl.load(BOUND + row_offs, mask=row_ok, other=float("inf"))
-        rounds = tl.max(tl.where(spill, 0, hits))
-        packed, count = _expand(
-            q, k_ptr, ent, listed, tl.where(spill, 0, nent), rounds, bound, True, REGISTERS, D, CAP, BLOCK_M, BLOCK_D
-        )
-        count = tl.where(spill, CAP + 1, count)
-    else:
-        count = tl.where(nent > CAP, CAP + 1, hits)  # the list itself overflowed
-        rounds = tl.max(tl.minimum(count, CAP))
-        packed, _ = _expand(q, k_ptr, ent, listed, tl.minimum(nent, CAP), rounds, 0.0, False, REGISTERS, D, CAP, BLOCK_M, BLOCK_D)
+    count = tl.sum(_popcount(listed.to(tl.int32)), axis=1)
+    count = tl.where(nent > CAP, CAP + 1, count)  # the list itself overflowed
     tl.store(COUNT + row_offs, count, mask=row_ok)
+    packed = _expand(q, k_ptr, ent, tl.minimum(nent, CAP), tl.max(tl.minimum(count, CAP)), D, CAP, BLOCK_M, BLOCK_D)
     _store_ranked(packed, OUT, row_offs, row_ok, KK)
 
 
@@ -982,7 +654,6 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
         tiles = {
             "bound": dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
             "collect": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),
-            "sweep": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3),  # collect's tile; not tuned
             "finish": dict(BLOCK_M=8, num_warps=2),
             "exact": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4),
         }  # rare rows: not tuned
@@ -990,7 +661,6 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
         tiles = {
             "bound": dict(BLOCK_M=32, BLOCK_N=16),
             "collect": dict(BLOCK_M=32, BLOCK_N=32),
-            "sweep": dict(BLOCK_M=32, BLOCK_N=32),
             "finish": dict(BLOCK_M=32),
             "exact": dict(BLOCK_M=32, BLOCK_N=64),
         }  # up to 33 sweeps per tile: few, wide tiles
@@ -998,14 +668,12 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
     bound = tiles["bound"]
     bound["BLOCK_N"] = max(bound["BLOCK_N"], kk_pow2)
     bound["TOP"] = 1 if bound["BLOCK_N"] >= 4 * kk_pow2 else 2  # enough class values for a tight bound
-    tiles["sweep"]["TOP"] = 1 if tiles["sweep"]["BLOCK_N"] >= 4 * kk_pow2 else 2
     return tiles
 
 
 def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None):
-    """Run the four kernels (three with ``ONE_SWEEP``); returns out [B, Hq, N, kk] int32 (exact on
-    every row) and the candidate counts [B, Hq, N] int32 (CAP + 1 or more: the row was redone by
-    the exact kernel)."""
+    """Run the four kernels; returns out [B, Hq, N, kk] int32 (exact on every row) and the
+    candidate counts [B, Hq, N] int32 (CAP + 1 or more: the row was redone by the exact kernel)."""
     batch, q_heads, n_queries, dim = q.shape
     rows = batch * q_heads * n_queries
     cap = 2 * triton.next_power_of_2(kk)
@@ -1023,52 +691,22 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     sizes = (n_queries, k.shape[2], q_heads, q_heads // k.shape[1])
     common = dict(D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)))
     masks = dict(CAUSAL=causal, HAS_PAD=key_padding_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    asm = q.is_cuda and torch.version.hip is None
-    one_sweep = ONE_SWEEP and kk <= 32  # 32 column classes of two values: a bound for up to 64 keys
-    if one_sweep:
-        smax = scratch(rows, cap, dtype=torch.float32)
-        _sweep_kernel[grid("sweep")](
-            q,
-            k,
-            pad,
-            nent,
-            ent,
-            smax,
-            bound,
-            *sizes,
-            SWEEP_FOLD_KEYS,
-            KK=kk,
-            CAP=cap,
-            STEPS=BISECTION_STEPS,
-            PRESCAN=SWEEP_PRESCAN,
-            ROOM=min(SWEEP_ROOM, cap // 2),
-            ASM=asm,
-            **common,
-            **masks,
-            **tiles["sweep"],
-        )
-    else:
-        _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
-        _collect_kernel[grid("collect")](
-            q, k, pad, bound, nent, ent, *sizes, CAP=cap, ASM=asm, **common, **masks, **tiles["collect"]
-        )
-    _finish_kernel[grid("finish")](
+    _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
+    _collect_kernel[grid("collect")](
         q,
         k,
         pad,
+        bound,
         nent,
         ent,
-        bound,
-        out,
-        count,
         *sizes,
-        KK=kk,
         CAP=cap,
-        ABOVE=one_sweep,
-        REGISTERS=FINISH_REGISTERS,
+        ASM=q.is_cuda and torch.version.hip is None,
         **common,
-        **tiles["finish"],
+        **masks,
+        **tiles["collect"],
     )
+    _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
     _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
     return out, count
 

@@ -13,18 +13,11 @@ from sparsefocus.kernels.topk_select import topk_select, topk_select_torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(autouse=True, params=["two sweeps", "one sweep", "one sweep, listed bound", "finish from registers"])
-def sweep_kernels(monkeypatch, request):
+@pytest.fixture(autouse=True)
+def sweep_kernels(monkeypatch):
     """These tests are of the sweep kernels at small sizes, which would take the one-launch
-    kernel of short rows (tests/kernels/test_topk_select_short.py): the bound and collect sweeps,
-    and the one sweep with a running cut (``ONE_SWEEP``), raised from the listed masks' best scores
-    and column classes (these sizes) or from the listed masks alone (``SWEEP_FOLD_KEYS=0``); and the two sweeps with a finish that
-    takes each row's masks from registers (``FINISH_REGISTERS``)."""
+    kernel of short rows (tests/kernels/test_topk_select_short.py)."""
     monkeypatch.setattr(topk_select_module, "SHORT_MAX_M", 0)
-    monkeypatch.setattr(topk_select_module, "ONE_SWEEP", request.param.startswith("one sweep"))
-    monkeypatch.setattr(topk_select_module, "FINISH_REGISTERS", request.param == "finish from registers")
-    if request.param == "one sweep, listed bound":
-        monkeypatch.setattr(topk_select_module, "SWEEP_FOLD_KEYS", 0)
 
 
 @pytest.mark.parametrize(
