@@ -39,7 +39,6 @@ record = dict(
     differing_sets=set_diff,
     differing_order_only=order_diff,
     largest_score_gap_at_a_differing_slot=worst,
-    exact_fp64_positions_equal_two_sweeps=None,
 )
 print(record, flush=True)
 with open(os.path.join(out_dir, "overflow_rows_probe.json"), "w") as f:
