@@ -469,9 +469,11 @@ def split_study(config, inbox: Path, out: Path, limit: int) -> list[dict]:
     if not unpack(inbox, config.name, root.parent):
         raise ValueError(f"{inbox} holds no {config.name}.{suffix(config.name)}.part* files")
     mechanisms = {spec.run_dir.parent: spec.mechanism for spec in plan(config, expand_settings(config))}
-    groups = [group for setting in sorted(root.iterdir()) if setting.is_dir() for group in sorted(setting.iterdir())]
+    groups = [
+        group for setting in sorted(root.iterdir()) if setting.is_dir() for group in sorted(setting.iterdir()) if group.is_dir()
+    ]
     base = len(archive_groups(root, []))  # the top-level files, in every part
-    extra = {group: len(archive_groups(root, [group])) - base for group in groups if group.is_dir()}
+    extra = {group: len(archive_groups(root, [group])) - base for group in groups}
     bins: list[list[Path]] = []
     loads: list[int] = []
     for group in sorted(extra, key=extra.__getitem__, reverse=True):  # largest first, into the first part it fits
@@ -483,15 +485,15 @@ def split_study(config, inbox: Path, out: Path, limit: int) -> list[dict]:
             bins.append([group])
             loads.append(extra[group])
     entries = []
-    for number, held in enumerate(bins, start=1):
-        data = archive_groups(root, sorted(held))
+    for number, held in enumerate(map(sorted, bins), start=1):
+        data = archive_groups(root, held)
         folder = out / f"part-{number}"
         write_parts(data, config.name, folder)
         entries.append(
             {
                 "folder": folder.name,
-                "groups": [str(group.relative_to(root)) for group in sorted(held)],
-                "mechanisms": [mechanisms[group] for group in sorted(held) if group in mechanisms],
+                "groups": [str(group.relative_to(root)) for group in held],
+                "mechanisms": [mechanisms[group] for group in held if group in mechanisms],
                 "bytes": len(data),
                 "fits": len(data) <= limit,
             }
