@@ -17,7 +17,9 @@ diagonal, the end of the keys or a padding mask pay for masks:
 3. finish (BLOCK_M rows, few registers, many programs in flight to hide gather latency): each
    row expands its masks into at most CAP key positions, recomputes those scores in fp32 from q
    and the gathered keys, and keeps the kk best by kk rounds of row maxima over packed
-   (score, position) keys, best first.
+   (score, position) keys, best first. With ``order="position"`` it instead drops each row's
+   worst keys until kk are left (as many rounds as the tile's largest surplus, a few on random
+   data) and writes the rest in the order they were listed, ascending position.
 
 4. exact (BLOCK_M rows; a tile without an overflowing row exits at once): a row with more than
    CAP keys at or above t (ties or crowding, e.g. constant inputs) gets its exact kk-th score T
@@ -63,6 +65,7 @@ BISECTION_STEPS = 16
 INT32_MIN = tl.constexpr(-(2**31))
 INT32_MAX = tl.constexpr(2**31 - 1)
 INT64_MIN = tl.constexpr(-(2**63))
+INT64_MAX = tl.constexpr(2**63 - 1)
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"bound" | "collect" | "finish": {BLOCK_M, BLOCK_N, num_warps, num_stages},
 "short": {BLOCK_M, BLOCK_N, num_warps}} replacing the launcher's choice for that kernel."""
@@ -381,6 +384,7 @@ def _finish_kernel(
     D: tl.constexpr,
     KK: tl.constexpr,
     CAP: tl.constexpr,
+    BY_POSITION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -394,7 +398,39 @@ def _finish_kernel(
     count = tl.where(nent > CAP, CAP + 1, count)  # the list itself overflowed
     tl.store(COUNT + row_offs, count, mask=row_ok)
     packed = _expand(q, k_ptr, ent, tl.minimum(nent, CAP), tl.max(tl.minimum(count, CAP)), D, CAP, BLOCK_M, BLOCK_D)
-    _store_ranked(packed, OUT, row_offs, row_ok, KK)
+    _store_best(packed, OUT, row_offs, row_ok, KK, CAP, BY_POSITION)
+
+
+@triton.jit
+def _store_best(packed, OUT, row_offs, store_ok, KK: tl.constexpr, C: tl.constexpr, BY_POSITION: tl.constexpr):
+    """Store each row's KK largest packed keys [BM, C] (listed in ascending key position): best
+    first, or (BY_POSITION) in position order; -1 where a row has fewer."""
+    if BY_POSITION:
+        _store_kept_in_order(packed, OUT, row_offs, store_ok, KK, C)
+    else:
+        _store_ranked(packed, OUT, row_offs, store_ok, KK)
+
+
+@triton.jit
+def _store_kept_in_order(packed, OUT, row_offs, store_ok, KK: tl.constexpr, C: tl.constexpr):
+    """Drop each row's smallest packed keys [BM, C] until KK are left, then store the kept
+    positions in slot order (the slots list keys by ascending position), -1 after them.
+
+    Rounds: the most surplus keys of any row in the tile (about 0.15 KK on random data: the
+    bound leaves few candidates beyond the KK best), against KK rounds of maxima to rank them."""
+    valid = packed != INT64_MIN
+    surplus = tl.sum(valid.to(tl.int32), axis=1) - KK  # [BM]
+    while tl.max(surplus, axis=0) > 0:
+        worst = tl.min(tl.where(valid, packed, INT64_MAX), axis=1)  # [BM]
+        valid = valid & ~((packed == worst[:, None]) & (surplus > 0)[:, None])
+        surplus -= 1
+    rank = tl.cumsum(valid.to(tl.int32), axis=1) - 1  # [BM, C]
+    position = 0x7FFFFFFF - (packed & 0xFFFFFFFF).to(tl.int32)
+    out = OUT + row_offs[:, None] * KK
+    tl.store(out + rank, position, mask=valid & store_ok[:, None])
+    slots = tl.arange(0, C)[None, :]
+    kept = tl.sum(valid.to(tl.int32), axis=1)[:, None]
+    tl.store(out + slots, tl.full([1, C], -1, tl.int32), mask=(slots >= kept) & (slots < KK) & store_ok[:, None])
 
 
 @triton.jit
@@ -449,6 +485,7 @@ def _short_kernel(
     D: tl.constexpr,
     KK: tl.constexpr,
     KKP: tl.constexpr,
+    BY_POSITION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -459,7 +496,8 @@ def _short_kernel(
     """Rows of few keys in one sweep: each row keeps its KK best (score, position) entries in
     registers ([BM, KKP], KKP = next_pow2(KK); the padding slots hold +inf and are never the
     worst) and merges every [BM, BN] score tile into them (``_merge_tile``); then KK rounds of
-    row maxima write them best first, -1 for slots a row could not fill. Only the tiles that
+    row maxima write them best first (BY_POSITION: KK rounds of row minima of the kept positions
+    write them in position order), -1 for slots a row could not fill. Only the tiles that
     touch the causal diagonal, the end of the keys or a padding mask pay for masks."""
     rows, row_offs, q, k_ptr, pad_ptr = _row_tile(Q, K, PAD, N, M, HQ, GROUP, D, BLOCK_M, BLOCK_D)
     unmasked_end, hi = _key_range(M, BLOCK_M, BLOCK_N, CAUSAL, HAS_PAD)
@@ -474,11 +512,18 @@ def _short_kernel(
         best_s, best_p = _merge_tile(best_s, best_p, s, start + tl.arange(0, BLOCK_N))
     best_s = tl.where(slots < KK, best_s, float("-inf"))
     row_ok = rows < N
-    for rank in tl.static_range(KK):
-        top = tl.max(best_s, axis=1)  # [BM]
-        position = tl.min(tl.where(best_s == top[:, None], best_p, INT32_MAX), axis=1)
-        tl.store(OUT + row_offs * KK + rank, tl.where(top == float("-inf"), -1, position), mask=row_ok)
-        best_s = tl.where(best_p == position[:, None], float("-inf"), best_s)
+    if BY_POSITION:  # KK rounds of the smallest kept position
+        best_p = tl.where(best_s == float("-inf"), INT32_MAX, best_p)
+        for rank in tl.static_range(KK):
+            position = tl.min(best_p, axis=1)  # [BM]
+            tl.store(OUT + row_offs * KK + rank, tl.where(position == INT32_MAX, -1, position), mask=row_ok)
+            best_p = tl.where(best_p == position[:, None], INT32_MAX, best_p)
+    else:
+        for rank in tl.static_range(KK):
+            top = tl.max(best_s, axis=1)  # [BM]
+            position = tl.min(tl.where(best_s == top[:, None], best_p, INT32_MAX), axis=1)
+            tl.store(OUT + row_offs * KK + rank, tl.where(top == float("-inf"), -1, position), mask=row_ok)
+            best_s = tl.where(best_p == position[:, None], float("-inf"), best_s)
 
 
 @triton.jit
@@ -612,6 +657,7 @@ def _exact_kernel(
     D: tl.constexpr,
     KK: tl.constexpr,
     CAP: tl.constexpr,
+    BY_POSITION: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -643,7 +689,7 @@ def _exact_kernel(
             taken += tl.sum(take.to(tl.int32), axis=1)
         slots = tl.arange(0, CAP)
         packed = tl.load(ent[:, None] + slots[None, :], mask=redo[:, None] & (slots[None, :] < taken[:, None]), other=INT64_MIN)
-        _store_ranked(packed, OUT, row_offs, redo, KK)
+        _store_best(packed, OUT, row_offs, redo, KK, CAP, BY_POSITION)
 
 
 def _tiles(q: Tensor, kk_pow2: int) -> dict:
@@ -671,9 +717,10 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
     return tiles
 
 
-def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None):
-    """Run the four kernels; returns out [B, Hq, N, kk] int32 (exact on every row) and the
-    candidate counts [B, Hq, N] int32 (CAP + 1 or more: the row was redone by the exact kernel)."""
+def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, by_position: bool = False):
+    """Run the four kernels; returns out [B, Hq, N, kk] int32 (exact on every row; best first, or
+    in position order) and the candidate counts [B, Hq, N] int32 (CAP + 1 or more: the row was
+    redone by the exact kernel)."""
     batch, q_heads, n_queries, dim = q.shape
     rows = batch * q_heads * n_queries
     cap = 2 * triton.next_power_of_2(kk)
@@ -706,8 +753,9 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
         **masks,
         **tiles["collect"],
     )
-    _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, KK=kk, CAP=cap, **common, **tiles["finish"])
-    _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, KK=kk, CAP=cap, **common, **masks, **tiles["exact"])
+    order = dict(KK=kk, CAP=cap, BY_POSITION=by_position)
+    _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, **order, **common, **tiles["finish"])
+    _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, **order, **common, **masks, **tiles["exact"])
     return out, count
 
 
@@ -723,7 +771,9 @@ def _short_tiles(q: Tensor) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4)
 
 
-def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
+def _launch_short(
+    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, by_position: bool = False
+) -> Tensor:
     """The one-sweep selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32."""
     batch, q_heads, n_queries, dim = q.shape
     out = torch.empty(batch, q_heads, n_queries, kk, dtype=torch.int32, device=q.device)
@@ -742,6 +792,7 @@ def _launch_short(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask:
         D=dim,
         KK=kk,
         KKP=triton.next_power_of_2(kk),
+        BY_POSITION=by_position,
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         CAUSAL=causal,
         HAS_PAD=key_padding_mask is not None,
@@ -765,17 +816,19 @@ def topk_select_torch(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     rows: Tensor | None = None,
+    order: str = "score",
 ) -> Tensor:
     """Exact top-kk selection in PyTorch with the kernel's tie rule (smaller position first).
 
     q: [B, Hq, N, D]; k: [B, Hk, M, D]. ``rows`` optionally limits the work to the flat row
-    numbers (b * Hq + h) * N + n listed. Returns [B, Hq, N, kk] int32 (-1 unused), or [R, kk]
-    for the listed rows. Memory O(chunk * M): one head and a chunk of rows at a time. Without
+    numbers (b * Hq + h) * N + n listed. Returns [B, Hq, N, kk] int32 (-1 unused, last), or
+    [R, kk] for the listed rows; ``order``: "score" (best first) or "position" (ascending). Memory O(chunk * M): one head and a chunk of rows at a time. Without
     ``rows`` the loops run over shapes only (no host synchronisation); with them the listed
     rows are grouped by head on the host.
     """
+    _check_order(order)
     if rows is not None:
-        return _select_listed_rows(q, k, kk, causal, key_padding_mask, rows)
+        return _in_order(_select_listed_rows(q, k, kk, causal, key_padding_mask, rows), order)
     batch, q_heads, n_queries, _ = q.shape
     out = torch.full((batch, q_heads, n_queries, kk), -1, dtype=torch.int32, device=q.device)
     key_pos = torch.arange(k.shape[2], device=q.device)
@@ -788,7 +841,21 @@ def topk_select_torch(
                 out[b, h, start : start + chunk] = _select_rows(
                     q[b, h, n].float() @ keys.T, _allowed(n, key_pos, b, causal, key_padding_mask), kk
                 )
-    return out
+    return _in_order(out, order)
+
+
+def _check_order(order: str) -> None:
+    if order not in ("score", "position"):
+        raise ValueError(f"topk_select: order must be 'score' or 'position', got {order!r}")
+
+
+def _in_order(index: Tensor, order: str) -> Tensor:
+    """Best-first positions [..., kk] (-1 last) in the requested order: as they are, or ascending."""
+    if order == "score":
+        return index
+    unused = torch.iinfo(index.dtype).max
+    ascending = torch.where(index < 0, unused, index).sort(-1).values
+    return torch.where(ascending == unused, -1, ascending)
 
 
 def _allowed(n: Tensor, key_pos: Tensor, b: int, causal: bool, key_padding_mask: Tensor | None) -> Tensor:
@@ -818,18 +885,23 @@ def _select_listed_rows(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding
 
 
 @torch.library.custom_op("sparsefocus::topk_select", mutates_args=())
-def _topk_select_op(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+def _topk_select_op(
+    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor], by_position: bool = False
+) -> Tensor:
     """The selection as one opaque op: the four kernels, or the PyTorch selection above
     ``MAX_KERNEL_K`` and for empty inputs. q: [B, Hq, N, D]; k: [B, Hk, M, D] in q's dtype."""
     if kk > MAX_KERNEL_K or q.shape[2] == 0 or k.shape[2] == 0:
-        return topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+        order = "position" if by_position else "score"
+        return topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask, order=order)
     if k.shape[2] <= SHORT_MAX_M and kk <= SHORT_MAX_K:
-        return _launch_short(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask)
-    return _launch(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask)[0]
+        return _launch_short(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask, by_position)
+    return _launch(q.contiguous(), k.contiguous(), kk, causal, key_padding_mask, by_position)[0]
 
 
 @_topk_select_op.register_fake
-def _topk_select_fake(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor]) -> Tensor:
+def _topk_select_fake(
+    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor], by_position: bool = False
+) -> Tensor:
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], kk, dtype=torch.int32)
 
 
@@ -841,6 +913,7 @@ def topk_select(
     causal: bool = False,
     key_padding_mask: Tensor | None = None,
     scale: float | None = None,
+    order: str = "score",
 ) -> Tensor:
     """Positions of each query's ``kk`` largest scores q.k among the allowed keys, without N x M memory.
 
@@ -850,9 +923,11 @@ def topk_select(
         causal: query i only selects keys j <= i. Default: False.
         key_padding_mask: [B, M] bool, True = real key; padded keys are never selected. Default: None.
         scale: positive factor on the scores; it does not change the choice (the kernel ignores it). Default: 1.
+        order: "score" (best first) or "position" (the same keys in ascending position, which
+            spares the kernels the ranking: attention over the keys needs no order). Default: "score".
     Returns:
-        [B, Hq, N, kk] int32 key positions, best first (ties: smaller position first); -1 where a
-        row has fewer than kk allowed keys. No gradient. The op ``sparsefocus::topk_select``:
+        [B, Hq, N, kk] int32 key positions in ``order`` (ties: smaller position first); -1 (last)
+        where a row has fewer than kk allowed keys. No gradient. The op ``sparsefocus::topk_select``:
         no host synchronisation, fixed output shape (torch.compile and CUDA graphs take it whole).
     """
     if kk < 1:
@@ -861,4 +936,7 @@ def topk_select(
         raise ValueError(f"topk_select: scale must be positive, got {scale}")
     if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"topk_select: incompatible q {tuple(q.shape)} and k {tuple(k.shape)}")
-    return torch.ops.sparsefocus.topk_select(q.detach(), k.detach().to(q.dtype), kk, causal, key_padding_mask)
+    _check_order(order)
+    return torch.ops.sparsefocus.topk_select(
+        q.detach(), k.detach().to(q.dtype), kk, causal, key_padding_mask, order == "position"
+    )

@@ -30,13 +30,15 @@ def sweep_kernels(monkeypatch):
         (100, 100, 32, True, False),
     ],
 )
-def test_topk_select_equals_torch_selection(n, m, kk, causal, padded):
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_topk_select_equals_torch_selection(n, m, kk, causal, padded, order):
     q = torch.randn(1, 4, n, 5, device=DEVICE)
     k = torch.randn(1, 2, m, 5, device=DEVICE)
     key_padding_mask = torch.rand(1, m, device=DEVICE) > 0.3 if padded else None
-    got = topk_select(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+    got = topk_select(q, k, kk, causal=causal, key_padding_mask=key_padding_mask, order=order)
     assert got.shape == (1, 4, n, kk) and got.dtype == torch.int32
-    assert torch.equal(got, topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask))
+    want = topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask, order=order)
+    assert torch.equal(got, want)
     reference = select_extreme_keys(q, expand_kv(k, 4), row_slice(n), kk, True, causal, key_padding_mask)
     width = reference.shape[-1]
     assert torch.equal(got.long().sort(-1).values[..., -width:].sort(-1).values, reference.sort(-1).values)
@@ -76,8 +78,22 @@ def test_topk_select_fp16_picks_the_largest_scores():
 def test_topk_select_large_k_uses_torch_path_and_validates():
     q, k = torch.randn(1, 1, 9, 4, device=DEVICE), torch.randn(1, 1, 200, 4, device=DEVICE)
     assert torch.equal(topk_select(q, k, 150), topk_select_torch(q, k, 150))
+    by_position = topk_select(q, k, 150, order="position")
+    assert torch.equal(by_position, topk_select_torch(q, k, 150).sort(-1).values)
     with pytest.raises(ValueError, match="kk"):
         topk_select(q, k, 0)
+    with pytest.raises(ValueError, match="order must be 'score' or 'position', got 'rank'"):
+        topk_select(q, k, 3, order="rank")
+
+
+def test_position_order_lists_the_same_keys_ascending_with_minus_one_last():
+    """The reference's position order is the score order's keys sorted, -1 after the keys."""
+    q, k = torch.randn(1, 2, 30, 4, device=DEVICE), torch.randn(1, 1, 30, 4, device=DEVICE)
+    best_first = topk_select_torch(q, k, 6, causal=True)
+    by_position = topk_select_torch(q, k, 6, causal=True, order="position")
+    assert (best_first[0, :, 2, 3:] == -1).all() and not (by_position[0, :, 2, :3] == -1).any()
+    assert (by_position[..., :-1] <= by_position[..., 1:]).logical_or(by_position[..., 1:] == -1).all()
+    assert torch.equal(by_position.sort(-1).values, best_first.sort(-1).values)
 
 
 @pytest.mark.parametrize(
@@ -87,12 +103,14 @@ def test_topk_select_large_k_uses_torch_path_and_validates():
         ({"bound": {"BLOCK_M": 16, "BLOCK_N": 32}, "collect": {"BLOCK_M": 64}}, 16, False),
     ],
 )
-def test_topk_select_tile_shapes_and_top1_bound(monkeypatch, tiles, kk, causal):
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_topk_select_tile_shapes_and_top1_bound(monkeypatch, tiles, kk, causal, order):
     """Other row tiles and the top-1 bound (kk=4 with 64 column classes) select exactly what
     PyTorch selects; GQA, causal and not."""
     monkeypatch.setattr(topk_select_module, "TILE_OVERRIDES", tiles)
     q, k = torch.randn(1, 2, 150, 6, device=DEVICE), torch.randn(1, 1, 150, 6, device=DEVICE)
-    assert torch.equal(topk_select(q, k, kk, causal=causal), topk_select_torch(q, k, kk, causal=causal))
+    got = topk_select(q, k, kk, causal=causal, order=order)
+    assert torch.equal(got, topk_select_torch(q, k, kk, causal=causal, order=order))
 
 
 def test_topk_select_keys_on_the_sign_bit_of_a_mask_word():
@@ -117,7 +135,8 @@ def test_topk_select_reports_overflow_rows_and_the_bound_never_exceeds_the_kth_s
 
 
 @pytest.mark.parametrize("causal,padded", [(False, False), (True, True)])
-def test_overflowing_rows_are_redone_exactly_on_the_device(causal, padded):
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_overflowing_rows_are_redone_exactly_on_the_device(causal, padded, order):
     """Small integer inputs (exact scores in every path) with 50 copies of one key: rows that
     rank the copy high list more than CAP candidates and the exact kernel redoes them (tiles mix
     such rows with others); every row equals PyTorch's selection, ties at the kk-th score going
@@ -126,11 +145,12 @@ def test_overflowing_rows_are_redone_exactly_on_the_device(causal, padded):
     k = torch.randint(-2, 3, (1, 1, 70, 6), device=DEVICE).float()
     k[:, :, 20:] = k[:, :, 20:21]
     key_padding_mask = torch.rand(1, 70, device=DEVICE) > 0.2 if padded else None
-    _, count = topk_select_module._launch(q, k, 8, causal, key_padding_mask)
+    _, count = topk_select_module._launch(q, k, 8, causal, key_padding_mask, order == "position")
     overflow = count > 16  # CAP = 2 * next_pow2(8)
     assert overflow.any() and (~overflow).any()
-    got = topk_select(q, k, 8, causal=causal, key_padding_mask=key_padding_mask)
-    assert torch.equal(got, topk_select_torch(q, k, 8, causal=causal, key_padding_mask=key_padding_mask))
+    got = topk_select(q, k, 8, causal=causal, key_padding_mask=key_padding_mask, order=order)
+    want = topk_select_torch(q, k, 8, causal=causal, key_padding_mask=key_padding_mask, order=order)
+    assert torch.equal(got, want)
 
 
 def test_topk_select_torch_listed_rows_equal_the_full_selection():
@@ -144,7 +164,8 @@ def test_topk_select_op_passes_opcheck():
     """Schema, fake (meta) implementation and dispatch of the registered op agree with the kernel."""
     q, k = torch.randn(1, 2, 20, 4, device=DEVICE), torch.randn(1, 1, 20, 4, device=DEVICE)
     key_padding_mask = torch.rand(1, 20, device=DEVICE) > 0.3
-    torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask))
+    for by_position in (False, True):
+        torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask, by_position))
 
 
 def test_topk_triton_path_with_padding_equals_lean():

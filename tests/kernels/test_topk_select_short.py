@@ -37,14 +37,16 @@ def launches(monkeypatch):
         (33, 100, 32, True, True),
     ],
 )
-def test_short_rows_select_what_torch_selects(n, m, kk, causal, padded, launches):
+@pytest.mark.parametrize("order", ["score", "position"])
+def test_short_rows_select_what_torch_selects(n, m, kk, causal, padded, order, launches):
     q = torch.randn(2, 4, n, 5, device=DEVICE)
     k = torch.randn(2, 2, m, 5, device=DEVICE)
     key_padding_mask = torch.rand(2, m, device=DEVICE) > 0.3 if padded else None
-    got = topk_select(q, k, kk, causal=causal, key_padding_mask=key_padding_mask)
+    got = topk_select(q, k, kk, causal=causal, key_padding_mask=key_padding_mask, order=order)
     assert launches == ["_launch_short"]
     assert got.shape == (2, 4, n, kk) and got.dtype == torch.int32
-    assert torch.equal(got, topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask))
+    want = topk_select_torch(q, k, kk, causal=causal, key_padding_mask=key_padding_mask, order=order)
+    assert torch.equal(got, want)
 
 
 def test_short_rows_break_ties_by_position_and_fill_minus_one(launches):
@@ -53,6 +55,16 @@ def test_short_rows_break_ties_by_position_and_fill_minus_one(launches):
     assert launches == ["_launch_short"]
     assert got[0, 0, 0].tolist() == [0, -1, -1] and got[0, 0, 1].tolist() == [0, 1, -1]
     assert (got[0, 0, 2:] == torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)).all()
+    assert torch.equal(topk_select(q, k, 3, causal=True, order="position"), got)  # ties: already ascending
+
+
+def test_short_rows_in_position_order_where_the_best_keys_come_last(launches):
+    """Scores rising with the position: best first is descending, position order ascending."""
+    q = torch.ones(1, 1, 4, 2, device=DEVICE)
+    k = torch.stack([torch.arange(50, device=DEVICE) / 50, torch.zeros(50, device=DEVICE)], -1)[None, None]
+    assert topk_select(q, k, 4)[0, 0, 0].tolist() == [49, 48, 47, 46]
+    assert topk_select(q, k, 4, order="position")[0, 0, 0].tolist() == [46, 47, 48, 49]
+    assert launches == ["_launch_short"] * 2
 
 
 def test_long_rows_and_large_k_keep_the_sweep_kernels(monkeypatch, launches):
@@ -68,7 +80,8 @@ def test_long_rows_and_large_k_keep_the_sweep_kernels(monkeypatch, launches):
 def test_short_rows_op_passes_opcheck():
     q, k = torch.randn(1, 2, 20, 4, device=DEVICE), torch.randn(1, 1, 20, 4, device=DEVICE)
     key_padding_mask = torch.rand(1, 20, device=DEVICE) > 0.3
-    torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask))
+    for by_position in (False, True):
+        torch.library.opcheck(torch.ops.sparsefocus.topk_select.default, (q, k, 3, True, key_padding_mask, by_position))
 
 
 @pytest.mark.parametrize("m", [601, topk_select_module.SHORT_MAX_M])
