@@ -822,9 +822,10 @@ def topk_select_torch(
 
     q: [B, Hq, N, D]; k: [B, Hk, M, D]. ``rows`` optionally limits the work to the flat row
     numbers (b * Hq + h) * N + n listed. Returns [B, Hq, N, kk] int32 (-1 unused, last), or
-    [R, kk] for the listed rows; ``order``: "score" (best first) or "position" (ascending). Memory O(chunk * M): one head and a chunk of rows at a time. Without
-    ``rows`` the loops run over shapes only (no host synchronisation); with them the listed
-    rows are grouped by head on the host.
+    [R, kk] for the listed rows, in ``order``: "score" (best first, the default) or "position"
+    (ascending). Memory O(chunk * M): one head and a chunk of rows at a time. Without ``rows``
+    the loops run over shapes only (no host synchronisation); with them the listed rows are
+    grouped by head on the host.
     """
     _check_order(order)
     if rows is not None:
