@@ -419,7 +419,9 @@ def _store_kept_in_order(packed, OUT, row_offs, store_ok, KK: tl.constexpr, C: t
     Rounds: the most surplus keys of any row in the tile (about 0.15 KK on random data: the
     bound leaves few candidates beyond the KK best), against KK rounds of maxima to rank them."""
     valid = packed != INT64_MIN
-    surplus = tl.sum(valid.to(tl.int32), axis=1) - KK  # [BM]
+    listed = tl.sum(valid.to(tl.int32), axis=1)  # [BM]
+    kept = tl.minimum(listed, KK)[:, None]
+    surplus = listed - KK
     while tl.max(surplus, axis=0) > 0:
         worst = tl.min(tl.where(valid, packed, INT64_MAX), axis=1)  # [BM]
         valid = valid & ~((packed == worst[:, None]) & (surplus > 0)[:, None])
@@ -429,7 +431,6 @@ def _store_kept_in_order(packed, OUT, row_offs, store_ok, KK: tl.constexpr, C: t
     out = OUT + row_offs[:, None] * KK
     tl.store(out + rank, position, mask=valid & store_ok[:, None])
     slots = tl.arange(0, C)[None, :]
-    kept = tl.sum(valid.to(tl.int32), axis=1)[:, None]
     tl.store(out + slots, tl.full([1, C], -1, tl.int32), mask=(slots >= kept) & (slots < KK) & store_ok[:, None])
 
 
