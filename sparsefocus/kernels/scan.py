@@ -12,6 +12,11 @@ blocks with a carried fp32 sum). Here the sum is two-level and every level is pa
 * ``_tile_scan_kernel``: each tile scans its rows in registers, adds its carry and writes
   ``post[row] * total`` in x's dtype.
 
+Rows of at most ``ONE_PASS_MAX_TILES`` tiles take one launch instead of three:
+``_one_pass_scan_kernel`` walks the tiles of its (batch x head, BLOCK_X columns) in order (reversed:
+from the last) with the running fp32 total of the tiles before in registers. Short rows leave
+little parallel work for the two-level form, whose cost there is the host's three launches.
+
 Forward of the mean: pre = real key (0/1), post = 1 / count, scan forward. Backward: pre = 1 /
 count, post = real key, scan reversed (dx_j = real_j * sum_{i >= j} g_i / count_i). Causal by
 construction: a forward scan's row i reads rows <= i only.
@@ -31,6 +36,10 @@ from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpret
 from sparsefocus.kernels._ops import op_name
 
 CARRY_BLOCK = 256  # tile sums per chunk of ``_carry_kernel``: 4 chunks for 64K rows of 64-row tiles
+ONE_PASS_MAX_TILES = 64
+"""Rows of at most this many tiles (4,096 rows of v's 64-row tiles, 8,192 of k's 128-row ones) are
+scanned by ``_one_pass_scan_kernel`` in one launch; longer rows by the two-level form. 0: never."""
+ONE_PASS_COLUMNS = 16  # columns per one-pass program: 4 programs per (batch x head) row of v's 64
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"BLOCK_N": rows per tile, "num_warps": ...} replacing ``_tiles``' choice."""
 
@@ -111,21 +120,67 @@ def _tile_scan_kernel(
     tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _one_pass_scan_kernel(
+    X,
+    PRE,
+    POST,
+    BASE,
+    OUT,
+    N,
+    XW,
+    H,
+    REVERSE: tl.constexpr,
+    HAS_BASE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
+    """One program per (batch x head, BLOCK_X columns): the tiles of BLOCK_N rows in order (from
+    the last when REVERSE), each scanned in registers on top of the running total of the tiles
+    before it, which only ever holds earlier tiles (later ones, reversed)."""
+    bh, pid_x = tl.program_id(0), tl.program_id(1)
+    cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    running = tl.zeros([BLOCK_X], tl.float32)
+    tiles = tl.cdiv(N, BLOCK_N)
+    for step in range(0, tiles):
+        tile = tiles - 1 - step if REVERSE else step
+        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = (rows < N)[:, None] & (cols < XW)[None, :]
+        offsets = (bh.to(tl.int64) * N + rows[:, None]) * XW + cols[None, :]  # [BN, BX]
+        row_base = (bh // H).to(tl.int64) * N + rows
+        pre = tl.load(PRE + row_base, mask=rows < N, other=0.0)
+        post = tl.load(POST + row_base, mask=rows < N, other=0.0)
+        scaled = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32) * pre[:, None]  # [BN, BX]
+        result = (tl.cumsum(scaled, axis=0, reverse=REVERSE) + running[None, :]) * post[:, None]
+        if HAS_BASE:
+            result += tl.load(BASE + offsets, mask=ok, other=0.0).to(tl.float32)
+        tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
+        running += tl.sum(scaled, axis=0)
+
+
 def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """Tile sums, their carries, then the tile scans (see the module docstring)."""
+    """One pass over short rows; otherwise tile sums, their carries, then the tile scans (see the
+    module docstring)."""
     batch, heads, n, width = x.shape
     x = x.contiguous()
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
     blocks = _tiles(width)
     tiles = triton.cdiv(n, blocks["BLOCK_N"])
+    if tiles <= ONE_PASS_MAX_TILES:
+        blocks["BLOCK_X"] = min(ONE_PASS_COLUMNS, triton.next_power_of_2(width))
+        grid = (batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
+        _one_pass_scan_kernel[grid](
+            x, pre, post, base_ptr, out, n, width, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks
+        )
+        return out
     blocks["BLOCK_X"] = min(64, triton.next_power_of_2(width))
     grid = (tiles, batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
     sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
     _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
     carry = torch.empty_like(sums)  # [BH, X, T]
     _carry_kernel[(batch * heads * width,)](sums, carry, tiles, REVERSE=reverse, BLOCK_T=CARRY_BLOCK, num_warps=1)
-    out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
     _tile_scan_kernel[grid](
         x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks
     )

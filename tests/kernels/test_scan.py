@@ -1,6 +1,8 @@
 """The Triton scaled scan (ZETA's causal mean token) against torch: ``CausalMeanScan`` vs
 ``CausalMean`` outputs and gradients at odd lengths spanning several 64-row tiles, with padded
-keys, fp32 and fp16; ``scaled_scan`` forward and reversed against an explicit cumulative sum."""
+keys, fp32 and fp16; ``scaled_scan`` forward and reversed against an explicit cumulative sum.
+Each in both forms: one pass over short rows, and the two-level form (its carries in one chunk or
+in several)."""
 
 import pytest
 import torch
@@ -11,16 +13,25 @@ from sparsefocus.kernels.scan import CausalMeanScan, scaled_scan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+FORMS = ["one-pass", "two-level", "two-level, chunked carries"]
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
 
 
+def use_form(monkeypatch, form: str) -> None:
+    """One pass for every row, or never (two-level); chunked: carries over chunks of 2 tile sums."""
+    monkeypatch.setattr("sparsefocus.kernels.scan.ONE_PASS_MAX_TILES", 10**9 if form == "one-pass" else 0)
+    monkeypatch.setattr("sparsefocus.kernels.scan.CARRY_BLOCK", 2 if "chunked" in form else 256)
+
+
 @pytest.mark.parametrize("n", [1, 63, 64, 200, 300])
 @pytest.mark.parametrize("reverse", [False, True])
-@pytest.mark.parametrize("carry_block", [256, 2])
-def test_scaled_scan_matches_explicit_sum(monkeypatch, n, reverse, carry_block):
-    """carry_block 2: the tile sums' carries run over several chunks (odd tile counts included)."""
-    monkeypatch.setattr("sparsefocus.kernels.scan.CARRY_BLOCK", carry_block)
+@pytest.mark.parametrize("form", FORMS)
+def test_scaled_scan_matches_explicit_sum(monkeypatch, n, reverse, form):
+    """Chunked carries: the tile sums' carries run over several chunks (odd tile counts included)."""
+    use_form(monkeypatch, form)
     x = torch.randn(2, 3, n, 5, device=DEVICE)
     pre, post = torch.rand(2, n, device=DEVICE), torch.rand(2, n, device=DEVICE)
     scaled = x * pre[:, None, :, None]
@@ -30,8 +41,10 @@ def test_scaled_scan_matches_explicit_sum(monkeypatch, n, reverse, carry_block):
 
 
 @pytest.mark.parametrize("width", [5, 40])
-def test_scaled_scan_adds_a_base_and_stores_the_asked_dtype(width):
+@pytest.mark.parametrize("form", FORMS[:2])
+def test_scaled_scan_adds_a_base_and_stores_the_asked_dtype(monkeypatch, width, form):
     """``base`` (the atomics' fp32 gradient) is added before the one store, in ``dtype``."""
+    use_form(monkeypatch, form)
     x = torch.randn(2, 3, 150, width, device=DEVICE, dtype=torch.float16)
     pre, post = torch.rand(2, 150, device=DEVICE), torch.rand(2, 150, device=DEVICE)
     base = torch.randn(2, 3, 150, width, device=DEVICE)
@@ -44,7 +57,9 @@ def test_scaled_scan_adds_a_base_and_stores_the_asked_dtype(width):
 
 @pytest.mark.parametrize("n", [1, 7, 130])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_causal_mean_scan_matches_torch_twin(n, dtype, tol):
+@pytest.mark.parametrize("form", FORMS[:2])
+def test_causal_mean_scan_matches_torch_twin(monkeypatch, n, dtype, tol, form):
+    use_form(monkeypatch, form)
     x = torch.randn(2, 3, n, 67, device=DEVICE, dtype=dtype)
     real = torch.rand(2, n, device=DEVICE) > 0.3
     real[1, 0] = False  # a row before any real key: count 0, mean 0
@@ -63,10 +78,10 @@ def test_causal_mean_scan_matches_torch_twin(n, dtype, tol):
     assert (got_dx[~real[:, None, :].expand(-1, 3, -1)] == 0).all()  # padded keys get no gradient
 
 
-@pytest.mark.parametrize("carry_block", [256, 2])
-def test_scan_is_causal(monkeypatch, carry_block):
+@pytest.mark.parametrize("form", FORMS)
+def test_scan_is_causal(monkeypatch, form):
     """Bitwise: later rows never move an earlier row's sum, nor (reversed) earlier rows a later one."""
-    monkeypatch.setattr("sparsefocus.kernels.scan.CARRY_BLOCK", carry_block)
+    use_form(monkeypatch, form)
     x = torch.randn(1, 2, 450, 4, device=DEVICE)
     ones = torch.ones(1, 450, device=DEVICE)
     changed = x.clone()
