@@ -87,6 +87,27 @@ def _carry_kernel(SUMS, CARRY, T, REVERSE: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _scan_tile(
+    X, PRE, POST, BASE, OUT, carry, tile, bh, cols, N, XW, H, REVERSE: tl.constexpr, HAS_BASE: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Scan one tile of BLOCK_N rows x the columns ``cols`` on top of ``carry`` [BX] (the sum of
+    the tiles before it; after it, reversed), store ``post * total`` (+ base) in OUT's dtype, and
+    return the tile's own fp32 sum of ``pre * x`` [BX]."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = (rows < N)[:, None] & (cols < XW)[None, :]
+    offsets = (bh.to(tl.int64) * N + rows[:, None]) * XW + cols[None, :]  # [BN, BX]
+    row_base = (bh // H).to(tl.int64) * N + rows
+    pre = tl.load(PRE + row_base, mask=rows < N, other=0.0)
+    post = tl.load(POST + row_base, mask=rows < N, other=0.0)
+    scaled = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32) * pre[:, None]  # [BN, BX]
+    result = (tl.cumsum(scaled, axis=0, reverse=REVERSE) + carry[None, :]) * post[:, None]
+    if HAS_BASE:  # a gradient summed elsewhere (fp32 atomics): added here, stored once in OUT's dtype
+        result += tl.load(BASE + offsets, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
+    return tl.sum(scaled, axis=0)
+
+
+@triton.jit
 def _tile_scan_kernel(
     X,
     PRE,
@@ -104,20 +125,9 @@ def _tile_scan_kernel(
     BLOCK_X: tl.constexpr,
 ):
     tile, bh, pid_x = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
-    ok = (rows < N)[:, None] & (cols < XW)[None, :]
-    offsets = (bh.to(tl.int64) * N + rows[:, None]) * XW + cols[None, :]  # [BN, BX]
-    x = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32)
-    row_base = (bh // H).to(tl.int64) * N + rows
-    pre = tl.load(PRE + row_base, mask=rows < N, other=0.0)
-    post = tl.load(POST + row_base, mask=rows < N, other=0.0)
     carry = tl.load(CARRY + (bh.to(tl.int64) * XW + cols) * T + tile, mask=cols < XW, other=0.0)  # [BX]
-    total = tl.cumsum(x * pre[:, None], axis=0, reverse=REVERSE) + carry[None, :]
-    result = total * post[:, None]
-    if HAS_BASE:  # a gradient summed elsewhere (fp32 atomics): added here, stored once in OUT's dtype
-        result += tl.load(BASE + offsets, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
+    _scan_tile(X, PRE, POST, BASE, OUT, carry, tile, bh, cols, N, XW, H, REVERSE, HAS_BASE, BLOCK_N)
 
 
 @triton.jit
@@ -144,18 +154,7 @@ def _one_pass_scan_kernel(
     tiles = tl.cdiv(N, BLOCK_N)
     for step in range(0, tiles):
         tile = tiles - 1 - step if REVERSE else step
-        rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        ok = (rows < N)[:, None] & (cols < XW)[None, :]
-        offsets = (bh.to(tl.int64) * N + rows[:, None]) * XW + cols[None, :]  # [BN, BX]
-        row_base = (bh // H).to(tl.int64) * N + rows
-        pre = tl.load(PRE + row_base, mask=rows < N, other=0.0)
-        post = tl.load(POST + row_base, mask=rows < N, other=0.0)
-        scaled = tl.load(X + offsets, mask=ok, other=0.0).to(tl.float32) * pre[:, None]  # [BN, BX]
-        result = (tl.cumsum(scaled, axis=0, reverse=REVERSE) + running[None, :]) * post[:, None]
-        if HAS_BASE:
-            result += tl.load(BASE + offsets, mask=ok, other=0.0).to(tl.float32)
-        tl.store(OUT + offsets, result.to(OUT.dtype.element_ty), mask=ok)
-        running += tl.sum(scaled, axis=0)
+        running += _scan_tile(X, PRE, POST, BASE, OUT, running, tile, bh, cols, N, XW, H, REVERSE, HAS_BASE, BLOCK_N)
 
 
 def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tensor | None, dtype: torch.dtype) -> Tensor:
