@@ -1,7 +1,7 @@
 """Host time of a launch on CUDA: an empty Triton kernel, one of the package's kernels, the
 ``scaled_scan`` op, torch allocations, and whole eager forward+backward calls, plus a cProfile of
-ZETA's; and the scan's one-pass form against its two-level form (device time from CUDA-graph
-replays, and ZETA's eager call with each). Usage: python benchmarks/probes/launch_overhead.py OUT_DIR"""
+ZETA's; and the scan's one-pass form against its two-level form, the keys sorted in the filter's
+kernel against torch's sort (device time from CUDA-graph replays, and ZETA's eager call with each). Usage: python benchmarks/probes/launch_overhead.py OUT_DIR"""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import triton
 import triton.language as tl
 
 import sparsefocus as sf
-from sparsefocus.kernels import scan
+from sparsefocus.kernels import scan, zeta_select
 
 DEFAULT_TILES = scan.ONE_PASS_MAX_TILES
+DEFAULT_SORT = zeta_select.SORT_MAX_M
 
 
 @triton.jit
@@ -80,6 +81,21 @@ def scan_forms() -> dict:
     return record
 
 
+def sort_forms() -> dict:
+    """Device us of ZETA's key prefixes (B=4, Hk=16, 8 chunks, tagged codes of 36 bits): one
+    launch sorting in the kernel against torch's sort and the filter kernel."""
+    record = {}
+    for n in (1024, 2048, 4096):
+        rows = torch.arange(64, device="cuda", dtype=torch.int64).view(1, 4, 16, 1)
+        codes = torch.randint(0, 2**36, (1, 4, 16, n), device="cuda") | (rows << 36)
+        for form, sort_max in (("in kernel", DEFAULT_SORT), ("torch sort", 0)):
+            zeta_select.SORT_MAX_M = sort_max
+            key = f"n={n} {form}"
+            record[key] = graph_us(lambda: zeta_select.key_prefixes(codes, None, n, n // 8, 1 << 62, 36, 36))
+    zeta_select.SORT_MAX_M = DEFAULT_SORT
+    return record
+
+
 def attention_call(pattern: str, b: int, h: int, n: int, d: int):
     q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -117,11 +133,15 @@ def main() -> None:
             record[f"{pattern} {shape}"] = per_call(attention_call(pattern, *shape, d), reps=30)
         print(json.dumps(record), flush=True)
     record["scan_forms_device_us"] = scan_forms()
-    for form, tiles in (("one-pass", DEFAULT_TILES), ("two-level", 0)):
-        scan.ONE_PASS_MAX_TILES = tiles
-        call = attention_call("zeta", 4, 16, 4096, 3)
-        record[f"zeta (4, 16, 4096) scans {form}"] = {**per_call(call, reps=30), "graph_us": graph_us(call, reps=20)}
-    scan.ONE_PASS_MAX_TILES = DEFAULT_TILES
+    record["key_sort_device_us"] = sort_forms()
+    for n in (1024, 4096):
+        for tiles, sort_max in ((DEFAULT_TILES, DEFAULT_SORT), (0, DEFAULT_SORT), (DEFAULT_TILES, 0), (0, 0)):
+            scan.ONE_PASS_MAX_TILES, zeta_select.SORT_MAX_M = tiles, sort_max
+            call = attention_call("zeta", 4, 16, n, 3)
+            key = f"zeta (4, 16, {n}) one-pass scans {tiles > 0}, sort in kernel {sort_max > 0}"
+            record[key] = {**per_call(call, reps=30), "graph_us": graph_us(call, reps=20)}
+            print(key, record[key], flush=True)
+    scan.ONE_PASS_MAX_TILES, zeta_select.SORT_MAX_M = DEFAULT_TILES, DEFAULT_SORT
     print(json.dumps(record), flush=True)
     for pattern, d in (("zeta", 3), ("BAND:64", 64)):
         call = attention_call(pattern, 4, 16, 4096, d)

@@ -448,7 +448,7 @@ def select_keys_fused(spec: Zeta, q: Tensor, k: Tensor, causal: bool, key_paddin
             key_padding_mask is None and width + (rows - 1).bit_length() <= CODE_BITS
         )  # one flat sort (no sentinels to keep last)
         codes_k = _codes(spec, upcast(k), bits, True, tagged)  # [S, B, Hk, M]
-        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None)
+        prefixes = key_prefixes(codes_k, key_padding_mask, q.shape[2], chunk, SENTINEL, width if tagged else None, width)
         codes_q = _codes(spec, upcast(q), bits, True)  # [S, B, Hq, N]
         local = spec.local if causal else 0
         return zeta_select(

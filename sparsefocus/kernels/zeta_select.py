@@ -369,6 +369,63 @@ def _prefix_filter_kernel(
         tl.store(COUNT + p * B + row // HK, kept)
 
 
+@triton.jit
+def _sort_prefix_kernel(
+    CODES,
+    REAL,
+    OUT_CODES,
+    OUT_POS,
+    COUNT,
+    M,
+    ROWS,
+    B,
+    HK,
+    step,
+    prefixes,
+    sentinel,
+    code_mask,
+    BLOCK_M: tl.constexpr,
+    POS_BITS: tl.constexpr,
+    PADDED: tl.constexpr,
+):
+    """One program per row (curve, b, head) of at most BLOCK_M keys: sort the row's real keys by
+    (code, position) packed into one int64 (code above POS_BITS position bits, padded keys as the
+    int64 maximum, last), then for each prefix p keep the entries with position < min((p + 1) *
+    step, M), compacted in order, and fill the tail with sentinel / -1: ``torch.sort`` (stable)
+    and ``_prefix_filter_kernel`` in one launch, with their outputs. code_mask takes off the
+    row tags of tagged codes."""
+    row = tl.program_id(0)  # (curve * B + b) * HK + head
+    b = (row // HK) % B
+    at = tl.arange(0, BLOCK_M)
+    in_row = at < M
+    code = tl.load(CODES + row.to(tl.int64) * M + at, mask=in_row, other=0) & code_mask
+    real = in_row
+    if PADDED:
+        real = real & (tl.load(REAL + b.to(tl.int64) * M + at, mask=in_row, other=0) != 0)
+    last = 9223372036854775807  # int64 maximum: padded keys and the block's tail sort after every real key
+    packed = tl.sort(tl.where(real, (code << POS_BITS) | at.to(tl.int64), last))  # [BM]
+    listed = packed != last
+    position = (packed & ((1 << POS_BITS) - 1)).to(tl.int32)
+    code = packed >> POS_BITS
+    for p in range(0, prefixes):
+        keep = listed & (position < tl.minimum((p + 1) * step, M))
+        dest = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        kept = tl.sum(keep.to(tl.int32), axis=0)
+        dst = (p * ROWS + row).to(tl.int64) * M
+        tail = (at >= kept) & in_row
+        tl.store(OUT_CODES + dst + dest, code, mask=keep)
+        tl.store(OUT_POS + dst + dest, position, mask=keep)
+        tl.store(OUT_CODES + dst + at, tl.full([BLOCK_M], sentinel, tl.int64), mask=tail)
+        tl.store(OUT_POS + dst + at, tl.full([BLOCK_M], -1, tl.int32), mask=tail)
+        if row < B * HK and row % HK == 0:  # curve 0, head 0: the count is the same for every curve and head
+            tl.store(COUNT + p * B + row // HK, kept)
+
+
+SORT_MAX_M = 4096
+"""Rows of at most this many keys, whose codes leave room for the position bits below bit 62, are
+sorted and filtered in one launch (``_sort_prefix_kernel``) instead of torch's sort (several
+launches) and ``_prefix_filter_kernel``. 0: never."""
+
 PACKED_KEYS = True
 """Whether ZETA's selection reads 16-bit keys of at most 4 components as one packed 8-byte word
 each (``packed_keys``; the same keys bit for bit) instead of one 2-byte load per component."""
@@ -377,7 +434,13 @@ FUSED_PREFIXES = True  # filter the prefixes in one Triton kernel: same outputs;
 
 
 def sorted_prefixes(
-    codes_k: Tensor, real: Tensor | None, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
+    codes_k: Tensor,
+    real: Tensor | None,
+    step: int,
+    prefixes: int,
+    sentinel: int,
+    tag_shift: int | None = None,
+    code_width: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sorted codes and positions of the real keys below each limit min((p + 1) * step, M),
     p < ``prefixes``.
@@ -390,6 +453,9 @@ def sorted_prefixes(
         of (curve, b, head)) from this bit up (``morton_codes_triton``'s tag, only without
         padding): one flat stable sort then orders every row at once (H200, 64K: 0.56 against
         0.64 ms for the rows' sort, benchmarks/results/zeta_sort_probe.json). Default: untagged.
+        code_width: every code (without its tag) is below 2**code_width; rows of at most
+        ``SORT_MAX_M`` keys are then sorted and filtered in one launch where the positions fit
+        below bit 62 beside the codes (``_sort_prefix_kernel``). Default: unknown (torch's sort).
     Returns:
         codes [P, S, B, Hk, M] int64 (sentinel after the valid ones), positions [P, S, B, Hk, M]
         int32 (-1 there) and the number of valid keys [P, B] int32. Stable: equal codes keep
@@ -397,6 +463,8 @@ def sorted_prefixes(
     """
     if tag_shift is not None and real is not None:
         raise ValueError("sorted_prefixes: tagged codes need every key real (no padding mask)")
+    if _sorts_in_kernel(codes_k.shape[-1], code_width):
+        return torch.ops.sparsefocus.zeta_sorted_prefixes(codes_k, real, step, prefixes, sentinel, code_width)
     if tag_shift is None:
         codes = codes_k if real is None else codes_k.masked_fill(~real[None, :, None, :], sentinel)
         sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
@@ -421,6 +489,61 @@ def sorted_prefixes(
     out_pos.scatter_(-1, dest, order[None].expand_as(keep).to(torch.int32))
     count = keep[:, 0, :, 0].sum(-1).to(torch.int32)  # [P, B]: the same for every curve and head
     return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
+
+
+def _position_bits(n_keys: int) -> int:
+    """Bits of a position below ``n_keys`` as ``_sort_prefix_kernel`` packs it (its block's)."""
+    return max(1, (triton.next_power_of_2(max(n_keys, 1)) - 1).bit_length())
+
+
+def _sorts_in_kernel(n_keys: int, code_width: int | None) -> bool:
+    """Whether ``sorted_prefixes`` takes ``_sort_prefix_kernel``: fused filtering on, a short row,
+    and room below bit 62 for the packed (code, position)."""
+    return (
+        FUSED_PREFIXES
+        and code_width is not None
+        and 0 < n_keys <= SORT_MAX_M
+        and code_width + _position_bits(n_keys) <= CODE_BITS_PACKED
+    )
+
+
+CODE_BITS_PACKED = 62  # packed (code, position) keys stay below 2**62, far from the int64 maximum of padded keys
+
+
+@torch.library.custom_op("sparsefocus::zeta_sorted_prefixes", mutates_args=())
+def _sorted_prefixes_op(
+    codes_k: Tensor, real: Optional[Tensor], step: int, prefixes: int, sentinel: int, code_width: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """codes_k [S, B, Hk, M] int64 (tagged above ``code_width`` or not), real [B, M] bool or None
+    -> ``sorted_prefixes``' outputs, by ``_sort_prefix_kernel`` (M <= SORT_MAX_M)."""
+    curves, batch, kv_heads, n_keys = codes_k.shape
+    out_codes, out_pos, count = _prefix_filter_outputs(codes_k, prefixes)
+    block = triton.next_power_of_2(n_keys)
+    _sort_prefix_kernel[(curves * batch * kv_heads,)](
+        codes_k.contiguous(),
+        codes_k if real is None else real.contiguous(),  # codes_k: a dummy pointer
+        out_codes,
+        out_pos,
+        count,
+        n_keys,
+        curves * batch * kv_heads,
+        batch,
+        kv_heads,
+        step,
+        prefixes,
+        sentinel,
+        (1 << code_width) - 1,
+        BLOCK_M=block,
+        POS_BITS=_position_bits(n_keys),
+        PADDED=real is not None,
+        num_warps=8 if block >= 2048 else 4,
+    )
+    return out_codes, out_pos, count
+
+
+@_sorted_prefixes_op.register_fake
+def _sorted_prefixes_fake(codes_k, real, step, prefixes, sentinel, code_width):
+    return _prefix_filter_outputs(codes_k, prefixes)
 
 
 def _filter_prefixes_fused(
@@ -483,6 +606,7 @@ def key_prefixes(
     chunk: int | None,
     sentinel: int,
     tag_shift: int | None = None,
+    code_width: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The sorted keys every query may search: all real keys (``chunk`` None, not causal) or, per
     causal chunk boundary p * chunk, the real keys before it (``sorted_prefixes``).
@@ -490,14 +614,16 @@ def key_prefixes(
     Args:
         codes_k: [S, B, Hk, M] int64 Morton codes per curve; key_padding_mask: [B, M] bool, True
         = real key, or None; n_queries: N; chunk: causal chunk length or None; sentinel: a code
-        above every real code; tag_shift: as ``sorted_prefixes``' (rows tagged above this bit).
+        above every real code; tag_shift, code_width: as ``sorted_prefixes``' (rows tagged above
+        bit tag_shift; codes below 2**code_width).
     Returns:
         ``sorted_prefixes``' (codes [P, S, B, Hk, M], positions [P, S, B, Hk, M], counts [P, B]).
     """
     n_keys = codes_k.shape[-1]
     if chunk is None:
-        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel, tag_shift)
-    return sorted_prefixes(codes_k, key_padding_mask, chunk, max(1, math.ceil(n_queries / chunk) - 1), sentinel, tag_shift)
+        return sorted_prefixes(codes_k, key_padding_mask, n_keys, 1, sentinel, tag_shift, code_width)
+    prefixes = max(1, math.ceil(n_queries / chunk) - 1)
+    return sorted_prefixes(codes_k, key_padding_mask, chunk, prefixes, sentinel, tag_shift, code_width)
 
 
 def _insertion_points(codes_q: Tensor, scodes: Tensor, chunk: int | None, kv_heads: int) -> Tensor:

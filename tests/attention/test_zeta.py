@@ -442,6 +442,37 @@ def test_fused_prefix_filter_equals_torch(monkeypatch, n, step, prefixes, curves
         zeta_select.sorted_prefixes(codes, real, step, prefixes, 1 << 62, tag_shift=6)
 
 
+@pytest.mark.parametrize("n,step,prefixes,curves", [(70, 10, 6, 1), (100, 40, 2, 2), (5, 5, 1, 1), (1, 1, 1, 1)])
+def test_prefixes_sorted_in_the_kernel_equal_torch_sort(monkeypatch, n, step, prefixes, curves):
+    """Short rows sort (code, position) packed in one int64 inside the filter's launch: the same
+    codes, positions and counts as torch's stable sort and the filter kernel, with and without a
+    padding mask and from tagged codes; codes too wide for the packing take torch's sort."""
+    from sparsefocus.kernels import zeta_select
+
+    codes = torch.randint(0, 50, (curves, 2, 3, n)).to(TRITON_DEVICE)  # many equal codes: order must stay stable
+    real = (torch.rand(2, n) > 0.2).to(TRITON_DEVICE)
+    rows = torch.arange(curves * 2 * 3, device=TRITON_DEVICE).view(curves, 2, 3, 1)
+    cases = {"padded": (codes, real, None), "every key": (codes, None, None), "tagged": (codes | (rows << 6), None, 6)}
+    for name, (x, mask, tag) in cases.items():
+        monkeypatch.setattr(zeta_select, "SORT_MAX_M", 0)
+        want = zeta_select.sorted_prefixes(x, mask, step, prefixes, 1 << 62, tag_shift=tag, code_width=6)
+        monkeypatch.setattr(zeta_select, "SORT_MAX_M", 4096)
+        assert zeta_select._sorts_in_kernel(n, 6)
+        got = zeta_select.sorted_prefixes(x, mask, step, prefixes, 1 << 62, tag_shift=tag, code_width=6)
+        for what, y, z in zip(("codes", "positions", "count"), got, want):
+            assert torch.equal(y, z), f"{what}, {name}"
+    assert not zeta_select._sorts_in_kernel(n, 62)  # no room for the positions: torch's sort
+
+
+def test_sorted_prefixes_op_passes_opcheck():
+    from sparsefocus.kernels import zeta_select  # noqa: F401  (registers the op)
+
+    codes = torch.randint(0, 50, (1, 2, 3, 40)).to(TRITON_DEVICE)
+    real = (torch.rand(2, 40) > 0.2).to(TRITON_DEVICE)
+    for mask in (real, None):
+        torch.library.opcheck(torch.ops.sparsefocus.zeta_sorted_prefixes.default, (codes, mask, 15, 2, 1 << 62, 6))
+
+
 @pytest.mark.parametrize("data", ["gaussian", "grid"])
 def test_fused_selection_band_in_its_own_tile_equals_one_padded_tile(monkeypatch, data):
     """The band's own tile (16 window + 8 band columns instead of 32) keeps the same keys in the
