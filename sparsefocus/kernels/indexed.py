@@ -799,13 +799,14 @@ def indexed_causal_mean_fwd(
     v: Tensor,
     index: Tensor,
     gamma_sq: Tensor,
-    real: Tensor,
+    real: Tensor | None,
     sink: Tensor | None,
     scale: float,
     score_code: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``sparsefocus::indexed_causal_mean_fwd``: ``indexed_fwd`` whose extra slot is the causal
-    mean of the real keys and values (``scan.scaled_scan``). Returns (out, stat, mean_k
+    mean of the real keys and values (``scan.scaled_scan``; real [B, N] bool, None: every key).
+    Returns (out, stat, mean_k
     [B, Hk, N, D], mean_v [B, Hk, N, Dv], and the means' row scales real fp32 [B, N], 1 / count
     fp32 [B, N] and the extra slot's mask int8 [B, Hq, N]); the means and the scales are saved
     for the backward (so it need not recompute the scales) and get no gradient of their own.
@@ -816,7 +817,7 @@ def indexed_causal_mean_fwd(
     separate mean would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16;
     this, 1.5 GB)."""
     q, k, v, index, gamma_sq, sink = _dense(q, k, v, index, gamma_sq, sink)
-    realf, inverse, mask = mean_rows(real, q.shape[1])  # a row has a mean once a real key has been seen
+    realf, inverse, mask = mean_rows(k, real, q.shape[1])  # a row has a mean once a real key has been seen
     mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, N, D], [B, Hk, N, Dv]
     extra = Extra(mean_k, mean_v, mask)
     out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink)
@@ -826,7 +827,7 @@ def indexed_causal_mean_fwd(
 @indexed_causal_mean_fwd.register_fake
 def _causal_mean_fake(q, k, v, index, gamma_sq, real, sink, scale, score_code):
     out, stat = _indexed_fwd_fake(q, k, v, index, gamma_sq, None, None, None, sink, scale, score_code)
-    scales = [q.new_empty(real.shape, dtype=torch.float32) for _ in range(2)]
+    scales = [q.new_empty(k.shape[0], k.shape[2], dtype=torch.float32) for _ in range(2)]
     return out, stat, k.new_empty(k.shape), v.new_empty(v.shape), *scales, q.new_empty(q.shape[:3], dtype=torch.int8)
 
 
@@ -895,14 +896,23 @@ def indexed_attention_causal_mean(
         raise ValueError(
             f"indexed_attention_causal_mean needs N = M >= 1 and K >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}, index {tuple(index.shape)}"
         )
-    real = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device) if key_padding_mask is None else key_padding_mask
-    if tuple(real.shape) != (k.shape[0], k.shape[2]):
+    real = key_padding_mask  # None: every key is real
+    if real is not None and tuple(real.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_sq = _gamma_per_head(gamma, q.shape[0], q.shape[1], q.device).float().pow(2)  # [Hq] or [B, Hq]
+    gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device)  # [Hq] or [B, Hq]
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
     out, stat, *_ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
     return (out, _natural_lse(stat, score)) if return_lse else out
+
+
+def _gamma_squared(gamma: Tensor | float | None, batch: int, num_heads: int, device: torch.device) -> Tensor:
+    """gamma^2 fp32 as the kernels take it, [Hq] or [B, Hq]. A number is squared on the host (in
+    double, rounded to fp32 once: within an ulp of squaring its fp32 value) and filled in one launch."""
+    if isinstance(gamma, Tensor):
+        return _gamma_per_head(gamma, batch, num_heads, device).float().pow(2)
+    value = 1.0 if gamma is None else float(gamma)
+    return torch.full((num_heads,), value * value, dtype=torch.float32, device=device)
 
 
 def _gamma_per_head(gamma: Tensor | float | None, batch: int, num_heads: int, device: torch.device) -> Tensor:
@@ -991,7 +1001,7 @@ def indexed_attention(
     if key_grads is not None and key_grads not in KEY_GRADS_MODES:
         raise ValueError(f"key_grads must be one of {', '.join(KEY_GRADS_MODES)}, got {key_grads!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_sq = _gamma_per_head(gamma, q.shape[0], q.shape[1], q.device).float().pow(2)  # [Hq] or [B, Hq]
+    gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device)  # [Hq] or [B, Hq]
     if q.shape[2] == 0:  # no query: nothing to launch
         out = indexed_attention_ref(
             q,

@@ -27,6 +27,8 @@ gradient is the reversed scan with pre and post swapped).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -243,16 +245,19 @@ def scaled_scan(
 
 
 @triton.jit
-def _mean_rows_kernel(REAL, REALF, INVERSE, MASK, M, HQ, BLOCK: tl.constexpr):
+def _mean_rows_kernel(REAL, REALF, INVERSE, MASK, M, HQ, BLOCK: tl.constexpr, PADDED: tl.constexpr):
     """Batch row b = program 0: REALF[b, i] = real_i, INVERSE[b, i] = 1 / max(count_i, 1) (count_i
     the real keys 0..i, exact in int32, the division rounded as torch's) and MASK[b, h, i] =
-    count_i > 0 for each of the HQ heads."""
+    count_i > 0 for each of the HQ heads. Without PADDED every key is real (REAL is not read)."""
     b = tl.program_id(0).to(tl.int64)
     running = tl.zeros([1], tl.int32)
     for start in range(0, M, BLOCK):
         i = start + tl.arange(0, BLOCK)
         ok = i < M
-        real = tl.load(REAL + b * M + i, mask=ok, other=0).to(tl.int32)
+        if PADDED:
+            real = tl.load(REAL + b * M + i, mask=ok, other=0).to(tl.int32)
+        else:
+            real = ok.to(tl.int32)
         count = running + tl.cumsum(real, axis=0)
         inverse = tl.math.div_rn(tl.full([BLOCK], 1.0, tl.float32), tl.maximum(count, 1).to(tl.float32))
         tl.store(REALF + b * M + i, real.to(tl.float32), mask=ok)
@@ -263,28 +268,37 @@ def _mean_rows_kernel(REAL, REALF, INVERSE, MASK, M, HQ, BLOCK: tl.constexpr):
 
 
 @torch.library.custom_op(op_name("mean_rows"), mutates_args=())
-def mean_rows(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``sparsefocus::mean_rows``: the causal mean's row scales and mask in one launch: real
-    [B, M] bool -> (real fp32 [B, M], 1 / max(count, 1) fp32 [B, M], count > 0 int8
-    [B, heads, M]); count the real keys 0..i. The same values as ``mean_scales`` (and the mask
-    from its count). Not differentiable."""
-    realf, inverse, mask = _mean_rows_outputs(real, heads)
-    if real.shape[1] > 0:
-        _mean_rows_kernel[(real.shape[0],)](
-            real.contiguous(), realf, inverse, mask, real.shape[1], heads, BLOCK=1024, num_warps=4
+def mean_rows(keys: Tensor, real: Optional[Tensor], heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsefocus::mean_rows``: the causal mean's row scales and mask in one launch: keys
+    [B, Hk, M, *] (shape and device only), real [B, M] bool or None (every key real) -> (real
+    fp32 [B, M], 1 / max(count, 1) fp32 [B, M], count > 0 int8 [B, heads, M]); count the real
+    keys 0..i. The same values as ``mean_scales`` (and the mask from its count). Not
+    differentiable."""
+    realf, inverse, mask = _mean_rows_outputs(keys, heads)
+    if keys.shape[2] > 0:
+        _mean_rows_kernel[(keys.shape[0],)](
+            realf if real is None else real.contiguous(),  # realf: a dummy pointer, not read
+            realf,
+            inverse,
+            mask,
+            keys.shape[2],
+            heads,
+            BLOCK=1024,
+            PADDED=real is not None,
+            num_warps=4,
         )
     return realf, inverse, mask
 
 
 @mean_rows.register_fake
-def _mean_rows_fake(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    return _mean_rows_outputs(real, heads)
+def _mean_rows_fake(keys: Tensor, real: Optional[Tensor], heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    return _mean_rows_outputs(keys, heads)
 
 
-def _mean_rows_outputs(real: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
-    batch, n_keys = real.shape
-    realf = real.new_empty(batch, n_keys, dtype=torch.float32)
-    return realf, torch.empty_like(realf), real.new_empty(batch, heads, n_keys, dtype=torch.int8)
+def _mean_rows_outputs(keys: Tensor, heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    batch, n_keys = keys.shape[0], keys.shape[2]
+    realf = keys.new_empty(batch, n_keys, dtype=torch.float32)
+    return realf, torch.empty_like(realf), keys.new_empty(batch, heads, n_keys, dtype=torch.int8)
 
 
 def mean_scales(real: Tensor, count: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -52,6 +52,7 @@ def test_opcheck_indexed_ops(dtype):
     torch.library.opcheck(indexed.indexed_fwd, (q, k, v, index, gamma_sq, None, None, None, None, 0.3, 0), **tol)
     real = torch.rand(B, N, device=DEVICE) > 0.2
     torch.library.opcheck(indexed.indexed_causal_mean_fwd, (q, k, v, index, gamma_sq, real, sink, 1.0, 2), **tol)
+    torch.library.opcheck(indexed.indexed_causal_mean_fwd, (q, k, v, index, gamma_sq, None, None, 1.0, 2), **tol)
     out, stat = indexed.indexed_fwd(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, 0.3, 2)
     tensors = [
         x.detach()
@@ -96,7 +97,9 @@ def test_opcheck_scan_morton_and_inverse_ops():
     pre, post = torch.rand(B, N, device=DEVICE), torch.rand(B, N, device=DEVICE)
     torch.library.opcheck(scan.scaled_scan_op, (x, pre, post, base, True, torch.float32))
     torch.library.opcheck(scan.scaled_scan_op, (x, pre, post, None, False, torch.float16))
-    torch.library.opcheck(scan.mean_rows, (torch.rand(B, N, device=DEVICE) > 0.3, HQ))
+    keys = randn(B, HK, N, D)
+    torch.library.opcheck(scan.mean_rows, (keys, torch.rand(B, N, device=DEVICE) > 0.3, HQ))
+    torch.library.opcheck(scan.mean_rows, (keys, None, HQ))
     unit = torch.rand(N, 3, device=DEVICE)
     torch.library.opcheck(morton.morton_codes_op, (unit, 5, 0.25, 32, 31, 1, 0, False))
     torch.library.opcheck(morton.morton_codes_op, (unit, 5, 0.25, 32, 31, 7, 3, True))

@@ -96,13 +96,16 @@ def test_scan_is_causal(monkeypatch, form):
 @pytest.mark.parametrize("n", [1, 5, 2500])
 def test_mean_rows_equal_the_torch_scales_bitwise(n):
     """One launch for the causal mean's scales and mask, across several chunks of keys, with
-    padded keys (a row before any real key included): bitwise torch's values."""
+    padded keys (a row before any real key included) and without a mask: bitwise torch's values."""
     from sparsefocus.kernels.scan import mean_rows, mean_scales
 
     real = torch.rand(2, n, device=DEVICE) > 0.3
     real[1, 0] = False
-    realf, inverse, mask = mean_rows(real, 3)
-    count = real.float().cumsum(-1)
-    want_realf, want_inverse = mean_scales(real, count)
-    assert torch.equal(realf, want_realf) and torch.equal(inverse, want_inverse)
-    assert mask.dtype == torch.int8 and torch.equal(mask, (count > 0)[:, None].expand(-1, 3, -1).to(torch.int8))
+    keys = torch.empty(2, 1, n, 4, device=DEVICE)
+    for given in (real, torch.ones_like(real)):
+        realf, inverse, mask = mean_rows(keys, given, 3)
+        count = given.float().cumsum(-1)
+        want_realf, want_inverse = mean_scales(given, count)
+        assert torch.equal(realf, want_realf) and torch.equal(inverse, want_inverse)
+        assert mask.dtype == torch.int8 and torch.equal(mask, (count > 0)[:, None].expand(-1, 3, -1).to(torch.int8))
+    assert all(torch.equal(x, y) for x, y in zip(mean_rows(keys, None, 3), mean_rows(keys, torch.ones_like(real), 3)))
