@@ -534,7 +534,7 @@ def dk_row(d: int) -> int:
 
 
 def _grad_buffers(
-    q: Tensor, k: Tensor, v: Tensor, index: Tensor, extra: "Extra | None", sink: Tensor | None, mode: str
+    q: Tensor, k: Tensor, v: Tensor, index: Tensor, extra: "Extra | None", sink: Tensor | None, mode: str, cauchy: bool
 ) -> _Grads:
     fp32 = dict(dtype=torch.float32, device=q.device)
     rows = q.shape[:3]
@@ -544,7 +544,7 @@ def _grad_buffers(
         dq=torch.empty_like(q),
         dk=torch.zeros(*k.shape[:3], dk_row(k.shape[-1]), **fp32) if atomic else unused,
         dv=torch.zeros(v.shape, **fp32) if atomic else unused,
-        dgamma_sq=torch.zeros(rows, **fp32),
+        dgamma_sq=torch.empty(rows, **fp32) if cauchy else unused,  # every row stored once (Cauchy scores only)
         d_extra_k=None if extra is None else torch.empty(*rows, q.shape[-1], **fp32),
         d_extra_v=None if extra is None else torch.empty(*rows, v.shape[-1], dtype=extra.value.dtype, device=q.device),
         delta=torch.empty(rows, **fp32) if mode == "inverse" else unused,
@@ -562,7 +562,7 @@ def _indexed_backward(
     per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
     without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
-    g = _grad_buffers(q, k, v, index, extra, sink, mode)
+    g = _grad_buffers(q, k, v, index, extra, sink, mode, score_code == SCORE_CODES["cauchy"])
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
@@ -610,7 +610,10 @@ def _indexed_backward(
     d_sink = None if sink is None else g.d_sink.sum(dim=2 if sink.dim() == 3 else (0, 2))  # as sink: [(B,) Hq, D]
     if cast:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
-    dgamma_sq = g.dgamma_sq.sum(dim=2 if gamma_sq.dim() == 2 else (0, 2))  # as gamma_sq: [(B,) Hq]
+    if score_code == SCORE_CODES["cauchy"]:
+        dgamma_sq = g.dgamma_sq.sum(dim=2 if gamma_sq.dim() == 2 else (0, 2))  # as gamma_sq: [(B,) Hq]
+    else:  # the other scores do not read gamma
+        dgamma_sq = torch.zeros(gamma_sq.shape, dtype=torch.float32, device=q.device)
     return g.dq, dk, dv, dgamma_sq, g.d_extra_k, g.d_extra_v, d_sink
 
 
