@@ -322,7 +322,7 @@ def run_attention_ref(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    start: Tensor,
+    start: Tensor | int,
     width: int | Tensor,
     *,
     scale: float | None = None,
@@ -333,7 +333,8 @@ def run_attention_ref(
 
     Args:
         q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv] with Hq % Hk == 0.
-        start: [B or 1, Hq or 1, N] integer first key per query; the run is clipped to [0, M).
+        start: [B or 1, Hq or 1, N] integer first key per query, or an int o: query i's run
+            starts at i + o; the run is clipped to [0, M).
         width: keys per run (int >= 0) or an integer tensor [B or 1, Hq or 1, N] of lengths.
         scale: multiplies q.k. Default: 1/sqrt(D).
         causal: also drop keys j > i.
@@ -343,6 +344,8 @@ def run_attention_ref(
     rows = (q.shape[0], q.shape[1], q.shape[2])
     lengths = width.expand(*rows).long() if isinstance(width, Tensor) else torch.full(rows, int(width), device=q.device)
     slots = torch.arange(int(lengths.max().clamp_min(0)) if lengths.numel() else 0, device=q.device)
+    if not isinstance(start, Tensor):
+        start = torch.arange(q.shape[-2], device=q.device) + int(start)
     index = start.expand(*rows).long()[..., None] + slots  # [B, Hq, N, W]
     cut = (slots >= lengths[..., None]) | (index < 0) | (index >= k.shape[-2])
     if causal:

@@ -265,9 +265,9 @@ class Band(FixedPattern):
             return super().triton(q, k, v, causal=causal, scale=scale, key_padding_mask=key_padding_mask, params=params)
         from sparsefocus.kernels.runs import run_attention
 
+        if causal:  # the k most recent keys from i - k + 1; the kernel clips the run at 0 and at the query
+            return run_attention(q, k, v, 1 - self.k, self.k, scale=scale, causal=True)
         query_pos = torch.arange(q.shape[-2], device=q.device)
-        if causal:  # the k most recent keys; the kernel clips the run at 0 and at the query
-            return run_attention(q, k, v, (query_pos - self.k + 1)[None, None], self.k, scale=scale, causal=True)
         width = min(self.k, k.shape[-2])
         start = torch.clamp(query_pos - self._left(), 0, k.shape[-2] - width)  # [N], as position_indices
         return run_attention(q, k, v, start[None, None], width, scale=scale)

@@ -25,6 +25,8 @@ The launchers are the ``torch.library`` ops ``sparsefocus::runs_fwd`` and ``runs
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -36,10 +38,35 @@ from sparsefocus.kernels._ops import lse_from_log2, op_name
 
 
 @triton.jit
-def _row_runs(START, LENGTH, row_offs, rows, row_ok, M, CAUSAL: tl.constexpr):
-    """Per-row key run [lo, hi) (empty: lo >= hi) and the tile's union bounds (empty: lo > hi)."""
-    start = tl.load(START + row_offs, mask=row_ok, other=0)
-    length = tl.load(LENGTH + row_offs, mask=row_ok, other=0)
+def _row_runs(
+    START,
+    LENGTH,
+    bh,
+    rows,
+    row_ok,
+    M,
+    HQ,
+    runs_b,
+    runs_h,
+    offset,
+    width,
+    CAUSAL: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_LENGTH: tl.constexpr,
+):
+    """Per-row key run [lo, hi) (empty: lo >= hi) and the tile's union bounds (empty: lo > hi).
+    START and LENGTH are [B or 1, Hq or 1, N] int32 with batch / head strides runs_b / runs_h (0
+    where broadcast); without START a row's run starts at row + offset, without LENGTH it is
+    ``width`` keys long."""
+    run_offs = (bh // HQ).to(tl.int64) * runs_b + (bh % HQ).to(tl.int64) * runs_h + rows  # [BM]
+    if HAS_START:
+        start = tl.load(START + run_offs, mask=row_ok, other=0)
+    else:
+        start = rows + offset
+    if HAS_LENGTH:
+        length = tl.load(LENGTH + run_offs, mask=row_ok, other=0)
+    else:
+        length = tl.zeros_like(rows) + width
     lo = tl.maximum(start, 0)
     hi = tl.minimum(start + length, M)
     if CAUSAL:
@@ -75,9 +102,15 @@ def _runs_fwd_kernel(
     HQ,
     GROUP,
     qk_scale,
+    runs_b,
+    runs_h,
+    offset,
+    width,
     D: tl.constexpr,
     DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_LENGTH: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -90,7 +123,9 @@ def _runs_fwd_kernel(
     offs_d, offs_dv, offs_n = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_N)
     row_ok = rows < N
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
-    lo, hi, tile_lo, tile_hi = _row_runs(START, LENGTH, row_offs, rows, row_ok, M, CAUSAL)
+    lo, hi, tile_lo, tile_hi = _row_runs(
+        START, LENGTH, bh, rows, row_ok, M, HQ, runs_b, runs_h, offset, width, CAUSAL, HAS_START, HAS_LENGTH
+    )
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     k_base, v_base = K + kv_bh.to(tl.int64) * M * D, V + kv_bh.to(tl.int64) * M * DV
     m_i = tl.full([BLOCK_M], -1e30, tl.float32)  # finite start: fully masked rows give exp2(-inf) = 0
@@ -138,9 +173,15 @@ def _runs_bwd_kernel(
     GROUP,
     scale,
     qk_scale,
+    runs_b,
+    runs_h,
+    offset,
+    width,
     D: tl.constexpr,
     DV: tl.constexpr,
     CAUSAL: tl.constexpr,
+    HAS_START: tl.constexpr,
+    HAS_LENGTH: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -154,7 +195,9 @@ def _runs_bwd_kernel(
     row_ok = rows < N
     d_ok, dv_ok = offs_d < D, offs_dv < DV
     row_offs = bh.to(tl.int64) * N + rows  # [BM] flat row number
-    lo, hi, tile_lo, tile_hi = _row_runs(START, LENGTH, row_offs, rows, row_ok, M, CAUSAL)
+    lo, hi, tile_lo, tile_hi = _row_runs(
+        START, LENGTH, bh, rows, row_ok, M, HQ, runs_b, runs_h, offset, width, CAUSAL, HAS_START, HAS_LENGTH
+    )
     q = tl.load(Q + row_offs[:, None] * D + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     o_ptrs = row_offs[:, None] * DV + offs_dv[None, :]
     o = tl.load(OUT + o_ptrs, mask=row_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
@@ -200,13 +243,28 @@ def _blocks(q: Tensor, dim_v: int, backward: bool) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, PRECISION=precision, num_warps=4)
 
 
-def _runs_forward(q, k, v, start, length, scale, causal) -> tuple[Tensor, Tensor]:
+def _run_args(q: Tensor, start: Tensor | None, length: Tensor | None, offset: int, width: int) -> tuple[list, dict]:
+    """The kernels' run arguments: START, LENGTH (q as a dummy pointer where absent), the batch and
+    head strides of the given ones (0 where broadcast), offset and width, and the constexpr flags."""
+    given = [x for x in (start, length) if x is not None]
+    strides = (0, 0)
+    if given:
+        shape = torch.broadcast_shapes(*(x.shape for x in given))  # [B or 1, Hq or 1, N]
+        strides = (shape[1] * shape[2] if shape[0] > 1 else 0, shape[2] if shape[1] > 1 else 0)
+        start, length = (None if x is None else x.expand(shape).contiguous() for x in (start, length))
+    pointers = [q if x is None else x for x in (start, length)]
+    flags = dict(HAS_START=start is not None, HAS_LENGTH=length is not None)
+    return [*pointers, *strides, offset, width], flags
+
+
+def _runs_forward(q, k, v, start, length, offset, width, scale, causal) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel. Returns out [B, Hq, N, Dv] (q.dtype) and lse [B, Hq, N] fp32 (log2)."""
     batch, q_heads, n_queries, dim = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
     blocks = _blocks(q, v.shape[-1], backward=False)
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
+    (start, length, *run_sizes), flags = _run_args(q, start, length, offset, width)
     _runs_fwd_kernel[grid](
         q,
         k,
@@ -220,15 +278,17 @@ def _runs_forward(q, k, v, start, length, scale, causal) -> tuple[Tensor, Tensor
         q_heads,
         q_heads // k.shape[1],
         scale * LOG2E,
+        *run_sizes,
         D=dim,
         DV=v.shape[-1],
         CAUSAL=causal,
+        **flags,
         **blocks,
     )
     return out, lse
 
 
-def _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal) -> tuple[Tensor, Tensor, Tensor]:
+def _runs_backward(q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal) -> tuple[Tensor, Tensor, Tensor]:
     """Launch the backward kernel. Returns dq, dk, dv in the input dtypes (dk, dv summed in fp32)."""
     batch, q_heads, n_queries, dim = q.shape
     dq = torch.empty_like(q)
@@ -236,6 +296,7 @@ def _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal) ->
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     blocks = _blocks(q, v.shape[-1], backward=True)
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
+    (start, length, *run_sizes), flags = _run_args(q, start, length, offset, width)
     _runs_bwd_kernel[grid](
         q,
         k,
@@ -254,24 +315,38 @@ def _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal) ->
         q_heads // k.shape[1],
         scale,
         scale * LOG2E,
+        *run_sizes,
         D=dim,
         DV=v.shape[-1],
         CAUSAL=causal,
+        **flags,
         **blocks,
     )
     return dq, dk.to(k.dtype), dv.to(v.dtype)
 
 
 @torch.library.custom_op(op_name("runs_fwd"), mutates_args=())
-def runs_fwd(q: Tensor, k: Tensor, v: Tensor, start: Tensor, length: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def runs_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: Optional[Tensor],
+    length: Optional[Tensor],
+    offset: int,
+    width: int,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
     """``sparsefocus::runs_fwd``: out [B, Hq, N, Dv] (q.dtype) and the base-2 log-sum-exp
-    [B, Hq, N] fp32 (+inf for an empty run). q, k, v in one dtype; start, length int32 [B, Hq, N].
+    [B, Hq, N] fp32 (+inf for an empty run). q, k, v in one dtype; start, length int32
+    [B or 1, Hq or 1, N], or None: query i's run starts at i + offset, or is width keys long.
     Differentiable in q, k, v (backward: ``runs_bwd``); the log-sum-exp output gets no gradient."""
-    return _runs_forward(q.contiguous(), k.contiguous(), v.contiguous(), start.contiguous(), length.contiguous(), scale, causal)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _runs_forward(q, k, v, start, length, offset, width, scale, causal)
 
 
 @runs_fwd.register_fake
-def _runs_fwd_fake(q, k, v, start, length, scale, causal):
+def _runs_fwd_fake(q, k, v, start, length, offset, width, scale, causal):
     return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -280,8 +355,10 @@ def runs_bwd(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    start: Tensor,
-    length: Tensor,
+    start: Optional[Tensor],
+    length: Optional[Tensor],
+    offset: int,
+    width: int,
     out: Tensor,
     grad_out: Tensor,
     lse: Tensor,
@@ -289,38 +366,43 @@ def runs_bwd(
     causal: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sparsefocus::runs_bwd``: dq, dk, dv (input dtypes) from ``runs_fwd``'s out and log-sum-exp."""
-    q, k, v, start, length, out, grad_out, lse = (x.contiguous() for x in (q, k, v, start, length, out, grad_out, lse))
-    return _runs_backward(q, k, v, start, length, out, grad_out, lse, scale, causal)
+    q, k, v, out, grad_out, lse = (x.contiguous() for x in (q, k, v, out, grad_out, lse))
+    return _runs_backward(q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal)
 
 
 @runs_bwd.register_fake
-def _runs_bwd_fake(q, k, v, start, length, out, grad_out, lse, scale, causal):
+def _runs_bwd_fake(q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _runs_setup(ctx, inputs, output) -> None:
-    q, k, v, start, length, scale, causal = inputs
+    q, k, v, start, length, offset, width, scale, causal = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, start, length, out, lse)
-    ctx.scale, ctx.causal = scale, causal
+    ctx.offset, ctx.width, ctx.scale, ctx.causal = offset, width, scale, causal
+    ctx.set_materialize_grads(False)  # the log-sum-exp's gradient is never read: no zeros for it
 
 
-def _runs_grads(ctx, grad_out: Tensor, grad_lse: Tensor | None):
+def _runs_grads(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
     """Gradients of q, k, v; the log-sum-exp output is not differentiated (``grad_lse`` unused)."""
     q, k, v, start, length, out, lse = ctx.saved_tensors
-    dq, dk, dv = runs_bwd(q, k, v, start, length, out, grad_out, lse, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None, None, None
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    dq, dk, dv = runs_bwd(q, k, v, start, length, ctx.offset, ctx.width, out, grad_out, lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 runs_fwd.register_autograd(_runs_grads, setup_context=_runs_setup)
 
 
-def _check_runs(q: Tensor, k: Tensor, v: Tensor, start: Tensor, width: int | Tensor) -> None:
+def _check_runs(q: Tensor, k: Tensor, v: Tensor, start: Tensor | int, width: int | Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if q.shape[1] % k.shape[1] != 0 or k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1] or q.shape[0] != k.shape[0]:
         raise ValueError(f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if start.dim() != 3 or start.shape[-1] != q.shape[2] or start.is_floating_point():
+    if not isinstance(start, Tensor):
+        if not isinstance(start, int):
+            raise ValueError(f"start must be an integer tensor or an int offset, got {type(start).__name__}")
+    elif start.dim() != 3 or start.shape[-1] != q.shape[2] or start.is_floating_point():
         raise ValueError(
             f"start must be an integer tensor [B or 1, Hq or 1, N] with N = {q.shape[2]}, got {start.dtype} {tuple(start.shape)}"
         )
@@ -335,7 +417,7 @@ def run_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    start: Tensor,
+    start: Tensor | int,
     width: int | Tensor,
     *,
     scale: float | None = None,
@@ -353,7 +435,8 @@ def run_attention(
         q: [B, Hq, N, D]; k: [B, Hk, M, D]; v: [B, Hk, M, Dv]; Hq % Hk == 0 (query head h reads
             kv head h // (Hq // Hk)). fp16, bf16 or fp32 (the interpreter on CPU: fp16/fp32).
         start: [B or 1, Hq or 1, N] integer first key of each run (may be negative or >= M; the
-            run is clipped). Starts may overlap and need not be sorted, but a tile of consecutive
+            run is clipped), or an int o: query i's run starts at i + o (a band; no tensor to build
+            or read). Starts may overlap and need not be sorted, but a tile of consecutive
             queries costs the union of their runs, so sorted or banded starts are the fast case.
         width: W >= 0 keys per run, or an integer tensor [B or 1, Hq or 1, N] of per-query lengths.
         scale: multiplies q.k. Default: 1/sqrt(D).
@@ -370,14 +453,14 @@ def run_attention(
     if q.shape[2] == 0:  # no query: nothing to launch
         out = run_attention_ref(q, k, v, start, width, scale=scale, causal=causal).to(q.dtype)
         return (out, q.new_zeros(rows, dtype=torch.float32)) if return_lse else out
-    start32 = start.expand(*rows).to(torch.int32)
-    if isinstance(width, Tensor):
-        length = width.expand(*rows).to(torch.int32)
-    else:
-        length = torch.full(rows, int(width), dtype=torch.int32, device=q.device)
+    # broadcast [B or 1, Hq or 1, N] int32 runs, read through strides; none for an offset or a width
+    start32 = start.to(torch.int32) if isinstance(start, Tensor) else None
+    length = width.to(torch.int32) if isinstance(width, Tensor) else None
+    offset = 0 if isinstance(start, Tensor) else int(start)
+    fixed = 0 if isinstance(width, Tensor) else int(width)
     if k.shape[2] == 0:  # no key: one zero key row that no run reaches, so every row is empty
         k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[-1])], dim=2)
         v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], dim=2)
-        length = torch.zeros_like(length)
-    out, lse = runs_fwd(q, k.to(q.dtype), v.to(q.dtype), start32, length, scale, causal)
+        length, fixed = None, 0
+    out, lse = runs_fwd(q, k.to(q.dtype), v.to(q.dtype), start32, length, offset, fixed, scale, causal)
     return (out, lse_from_log2(lse.detach())) if return_lse else out

@@ -86,10 +86,15 @@ def test_opcheck_runs_ops():
     start = torch.randint(-3, N, (B, HQ, N), device=DEVICE, dtype=torch.int32)
     length = torch.randint(0, 9, (B, HQ, N), device=DEVICE, dtype=torch.int32)
     for causal in (False, True):
-        torch.library.opcheck(runs.runs_fwd, (q, k, v, start, length, 0.25, causal))
-    out, lse = runs.runs_fwd(q, k, v, start, length, 0.25, True)
-    args = [x.detach() for x in (q, k, v, start, length, out, randn(*out.shape), lse)]
-    torch.library.opcheck(runs.runs_bwd, (*args, 0.25, True))
+        torch.library.opcheck(runs.runs_fwd, (q, k, v, start, length, 0, 0, 0.25, causal))
+    torch.library.opcheck(runs.runs_fwd, (q, k, v, None, None, -4, 5, 0.25, True))  # a band: no run tensors
+    torch.library.opcheck(runs.runs_fwd, (q, k, v, start[:1, :1], None, 0, 5, 0.25, False))  # broadcast starts
+    out, lse = runs.runs_fwd(q, k, v, start, length, 0, 0, 0.25, True)
+    args = [x.detach() for x in (q, k, v, start, length)]
+    torch.library.opcheck(runs.runs_bwd, (*args, 0, 0, out.detach(), randn(*out.shape), lse.detach(), 0.25, True))
+    out, lse = runs.runs_fwd(q, k, v, None, None, -4, 5, 0.25, True)
+    args = [x.detach() for x in (q, k, v)]
+    torch.library.opcheck(runs.runs_bwd, (*args, None, None, -4, 5, out.detach(), randn(*out.shape), lse.detach(), 0.25, True))
 
 
 def test_opcheck_scan_morton_and_inverse_ops():

@@ -56,6 +56,36 @@ def test_run_kernel_matches_reference_fp32(causal, n, m, width, order):
         assert close(x, y), f"{name}: relative error {rel_err(x, y):.2e}"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_run_kernel_takes_offsets_and_broadcast_runs(causal):
+    """An int start (query i from i + o, no run tensor) and starts or lengths broadcast over the
+    batch or the heads ([1, 1, N], [B, 1, N], [1, Hq, N], read through strides) give the outputs
+    and gradients of the same runs spelled out per row, and of the reference."""
+    n, m, width = 45, 45, 6
+    q, k, v = make_case(n, m)
+    grad_out = torch.randn(2, 4, n, 3, device=DEVICE)
+    full = (torch.arange(n, device=DEVICE) - width + 1).expand(2, 4, n).contiguous()
+    want = run(run_attention_ref, q, k, v, full, width, causal, torch.float32, grad_out)
+    lengths = torch.randint(0, 9, (2, 1, n), device=DEVICE)
+    want_lengths = run(run_attention_ref, q, k, v, full, lengths.expand(2, 4, n), causal, torch.float32, grad_out)
+    cases = {
+        "offset": (1 - width, width, want),
+        "starts [1, 1, N]": (full[:1, :1], width, want),
+        "starts [B, 1, N]": (full[:, :1], width, want),
+        "starts [1, Hq, N]": (full[:1], width, want),
+        "offset, lengths [B, 1, N]": (1 - width, lengths, want_lengths),
+        "starts [1, Hq, N], lengths [B, 1, N]": (full[:1], lengths, want_lengths),
+    }
+    for case, (start, widths, expected) in cases.items():
+        got = run(run_attention, q, k, v, start, widths, causal, torch.float32, grad_out)
+        assert all(close(x, y) for x, y in zip(got, expected)), case
+    assert all(
+        close(x, y) for x, y in zip(run(run_attention_ref, q, k, v, 1 - width, width, causal, torch.float32, grad_out), want)
+    )
+    with pytest.raises(ValueError, match="int offset"):
+        run_attention(q, k, v, 1.5, width)
+
+
 def test_run_kernel_per_query_lengths_and_empty_rows():
     n, m = 37, 30
     q, k, v = make_case(n, m, q_heads=2, kv_heads=1, dim=5, dim_v=7)
