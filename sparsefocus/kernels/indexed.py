@@ -903,15 +903,18 @@ def indexed_attention_causal_mean(
     if real is not None and tuple(real.shape) != (k.shape[0], k.shape[2]):
         raise ValueError(f"key_padding_mask must be [B, M] = [{k.shape[0]}, {k.shape[2]}], got {tuple(real.shape)}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device)  # [Hq] or [B, Hq]
+    gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device, score)  # [Hq] or [B, Hq]
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
     out, stat, *_ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 
-def _gamma_squared(gamma: Tensor | float | None, batch: int, num_heads: int, device: torch.device) -> Tensor:
+def _gamma_squared(gamma: Tensor | float | None, batch: int, num_heads: int, device: torch.device, score: str) -> Tensor:
     """gamma^2 fp32 as the kernels take it, [Hq] or [B, Hq]. A number is squared on the host (in
-    double, rounded to fp32 once: within an ulp of squaring its fp32 value) and filled in one launch."""
+    double, rounded to fp32 once: within an ulp of squaring its fp32 value) and filled in one launch;
+    no gamma for a score that does not read it (dot, neg_sqeuclid) is an unfilled buffer."""
+    if gamma is None and score != "cauchy":
+        return torch.empty(num_heads, dtype=torch.float32, device=device)
     if isinstance(gamma, Tensor):
         return _gamma_per_head(gamma, batch, num_heads, device).float().pow(2)
     value = 1.0 if gamma is None else float(gamma)
@@ -1004,7 +1007,7 @@ def indexed_attention(
     if key_grads is not None and key_grads not in KEY_GRADS_MODES:
         raise ValueError(f"key_grads must be one of {', '.join(KEY_GRADS_MODES)}, got {key_grads!r}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device)  # [Hq] or [B, Hq]
+    gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device, score)  # [Hq] or [B, Hq]
     if q.shape[2] == 0:  # no query: nothing to launch
         out = indexed_attention_ref(
             q,
