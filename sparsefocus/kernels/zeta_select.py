@@ -425,6 +425,7 @@ SORT_MAX_M = 4096
 """Rows of at most this many keys, whose codes leave room for the position bits below bit 62, are
 sorted and filtered in one launch (``_sort_prefix_kernel``) instead of torch's sort (several
 launches) and ``_prefix_filter_kernel``. 0: never."""
+CODE_BITS_PACKED = 62  # packed (code, position) keys stay below 2**62, far from the int64 maximum of padded keys
 
 PACKED_KEYS = True
 """Whether ZETA's selection reads 16-bit keys of at most 4 components as one packed 8-byte word
@@ -491,9 +492,14 @@ def sorted_prefixes(
     return out_codes[..., :n_keys].contiguous(), out_pos[..., :n_keys].contiguous(), count.contiguous()
 
 
+def _sort_block(n_keys: int) -> int:
+    """``_sort_prefix_kernel``'s row block: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(n_keys))
+
+
 def _position_bits(n_keys: int) -> int:
-    """Bits of a position below ``n_keys`` as ``_sort_prefix_kernel`` packs it (its block's)."""
-    return max(1, (triton.next_power_of_2(max(n_keys, 1)) - 1).bit_length())
+    """Bits of a position in ``_sort_prefix_kernel``'s block for rows of ``n_keys`` keys."""
+    return (_sort_block(n_keys) - 1).bit_length()
 
 
 def _sorts_in_kernel(n_keys: int, code_width: int | None) -> bool:
@@ -507,9 +513,6 @@ def _sorts_in_kernel(n_keys: int, code_width: int | None) -> bool:
     )
 
 
-CODE_BITS_PACKED = 62  # packed (code, position) keys stay below 2**62, far from the int64 maximum of padded keys
-
-
 @torch.library.custom_op("sparsefocus::zeta_sorted_prefixes", mutates_args=())
 def _sorted_prefixes_op(
     codes_k: Tensor, real: Optional[Tensor], step: int, prefixes: int, sentinel: int, code_width: int
@@ -518,7 +521,7 @@ def _sorted_prefixes_op(
     -> ``sorted_prefixes``' outputs, by ``_sort_prefix_kernel`` (M <= SORT_MAX_M)."""
     curves, batch, kv_heads, n_keys = codes_k.shape
     out_codes, out_pos, count = _prefix_filter_outputs(codes_k, prefixes)
-    block = triton.next_power_of_2(n_keys)
+    block = _sort_block(n_keys)
     _sort_prefix_kernel[(curves * batch * kv_heads,)](
         codes_k.contiguous(),
         codes_k if real is None else real.contiguous(),  # codes_k: a dummy pointer
