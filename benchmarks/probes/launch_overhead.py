@@ -20,7 +20,8 @@ import triton.language as tl
 import sparsefocus as sf
 from sparsefocus.kernels import scan, zeta_select
 
-DEFAULT_TILES = scan.ONE_PASS_MAX_TILES
+DEFAULT_ONE_PASS = scan.ONE_PASS_MAX_N
+DEFAULT_TILE = scan.ONE_PASS_TILE
 DEFAULT_SORT = zeta_select.SORT_MAX_M
 
 
@@ -73,11 +74,15 @@ def scan_forms() -> dict:
             x = torch.randn(4, 16, n, width, device="cuda", dtype=torch.bfloat16)
             pre = torch.rand(4, n, device="cuda")
             for reverse in (False, True):
-                for form, tiles in (("one-pass", 10**9), ("two-level", 0)):
-                    scan.ONE_PASS_MAX_TILES = tiles
+                for form, limit, tile in (
+                    ("one-pass", 10**9, DEFAULT_TILE),
+                    ("one-pass, 64-row tiles", 10**9, {"BLOCK_N": 64, "num_warps": 1}),
+                    ("two-level", 0, DEFAULT_TILE),
+                ):
+                    scan.ONE_PASS_MAX_N, scan.ONE_PASS_TILE = limit, tile
                     key = f"n={n} width={width} reverse={reverse} {form}"
                     record[key] = graph_us(lambda: scan._launch_scan(x, pre, pre, reverse, None, x.dtype))
-    scan.ONE_PASS_MAX_TILES = DEFAULT_TILES
+    scan.ONE_PASS_MAX_N, scan.ONE_PASS_TILE = DEFAULT_ONE_PASS, DEFAULT_TILE
     return record
 
 
@@ -115,10 +120,10 @@ def main() -> None:
     record["empty_triton_kernel"] = per_call(lambda: _empty[(1,)](x, 16, BLOCK=16))
     xs = torch.randn(1, 1, 128, 64, device="cuda", dtype=torch.bfloat16)
     pre = torch.ones(1, 128, device="cuda")
-    for form, tiles in (("one_pass", DEFAULT_TILES), ("two_level", 0)):
-        scan.ONE_PASS_MAX_TILES = tiles
+    for form, tiles in (("one_pass", DEFAULT_ONE_PASS), ("two_level", 0)):
+        scan.ONE_PASS_MAX_N = tiles
         record[f"scan_launch_{form}"] = per_call(lambda: scan._launch_scan(xs, pre, pre, False, None, xs.dtype))
-    scan.ONE_PASS_MAX_TILES = DEFAULT_TILES
+    scan.ONE_PASS_MAX_N = DEFAULT_ONE_PASS
     record["scaled_scan_op"] = per_call(lambda: scan.scaled_scan(xs, pre, pre))
     record["torch_empty"] = per_call(lambda: torch.empty(1, 1, 128, 64, device="cuda"))
     record["torch_zeros"] = per_call(lambda: torch.zeros(1, 1, 128, 64, device="cuda"))
@@ -135,13 +140,13 @@ def main() -> None:
     record["scan_forms_device_us"] = scan_forms()
     record["key_sort_device_us"] = sort_forms()
     for n in (1024, 4096):
-        for tiles, sort_max in ((DEFAULT_TILES, DEFAULT_SORT), (0, DEFAULT_SORT), (DEFAULT_TILES, 0), (0, 0)):
-            scan.ONE_PASS_MAX_TILES, zeta_select.SORT_MAX_M = tiles, sort_max
+        for tiles, sort_max in ((DEFAULT_ONE_PASS, DEFAULT_SORT), (0, DEFAULT_SORT), (DEFAULT_ONE_PASS, 0), (0, 0)):
+            scan.ONE_PASS_MAX_N, zeta_select.SORT_MAX_M = tiles, sort_max
             call = attention_call("zeta", 4, 16, n, 3)
             key = f"zeta (4, 16, {n}) one-pass scans {tiles > 0}, sort in kernel {sort_max > 0}"
             record[key] = {**per_call(call, reps=30), "graph_us": graph_us(call, reps=20)}
             print(key, record[key], flush=True)
-    scan.ONE_PASS_MAX_TILES, zeta_select.SORT_MAX_M = DEFAULT_TILES, DEFAULT_SORT
+    scan.ONE_PASS_MAX_N, zeta_select.SORT_MAX_M = DEFAULT_ONE_PASS, DEFAULT_SORT
     print(json.dumps(record), flush=True)
     for pattern, d in (("zeta", 3), ("BAND:64", 64)):
         call = attention_call(pattern, 4, 16, 4096, d)

@@ -12,10 +12,11 @@ blocks with a carried fp32 sum). Here the sum is two-level and every level is pa
 * ``_tile_scan_kernel``: each tile scans its rows in registers, adds its carry and writes
   ``post[row] * total`` in x's dtype.
 
-Rows of at most ``ONE_PASS_MAX_TILES`` tiles take one launch instead of three:
+Rows of at most ``ONE_PASS_MAX_N`` rows take one launch instead of three:
 ``_one_pass_scan_kernel`` walks the tiles of its (batch x head, BLOCK_X columns) in order (reversed:
-from the last) with the running fp32 total of the tiles before in registers. Short rows leave
-little parallel work for the two-level form, whose cost there is the host's three launches.
+from the last) with the running fp32 total of the tiles before in registers, in tiles of
+``ONE_PASS_TILE`` rows (few of them: each waits on the one before). Short rows leave little parallel
+work for the two-level form, whose cost there is the host's three launches.
 
 Forward of the mean: pre = real key (0/1), post = 1 / count, scan forward. Backward: pre = 1 /
 count, post = real key, scan reversed (dx_j = real_j * sum_{i >= j} g_i / count_i). Causal by
@@ -38,9 +39,11 @@ from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpret
 from sparsefocus.kernels._ops import op_name
 
 CARRY_BLOCK = 256  # tile sums per chunk of ``_carry_kernel``: 4 chunks for 64K rows of 64-row tiles
-ONE_PASS_MAX_TILES = 64
-"""Rows of at most this many tiles (4,096 rows of v's 64-row tiles, 8,192 of k's 128-row ones) are
-scanned by ``_one_pass_scan_kernel`` in one launch; longer rows by the two-level form. 0: never."""
+ONE_PASS_MAX_N = 4096
+"""Rows of at most this many rows are scanned by ``_one_pass_scan_kernel`` in one launch; longer
+ones by the two-level form. 0: never."""
+ONE_PASS_TILE = {"BLOCK_N": 256, "num_warps": 4}
+"""The one pass's tile: 256 rows, so a 4,096-row scan is a chain of 16 tiles per program."""
 ONE_PASS_COLUMNS = 16  # columns per one-pass program: 4 programs per (batch x head) row of v's 64
 TILE_OVERRIDES: dict = {}
 """Benchmark hook: {"BLOCK_N": rows per tile, "num_warps": ...} replacing ``_tiles``' choice."""
@@ -167,15 +170,15 @@ def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tens
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     base_ptr = x if base is None else base.contiguous()  # x: a dummy pointer
-    blocks = _tiles(width)
-    tiles = triton.cdiv(n, blocks["BLOCK_N"])
-    if tiles <= ONE_PASS_MAX_TILES:
-        blocks["BLOCK_X"] = min(ONE_PASS_COLUMNS, triton.next_power_of_2(width))
+    if n <= ONE_PASS_MAX_N:
+        blocks = dict(ONE_PASS_TILE, BLOCK_X=min(ONE_PASS_COLUMNS, triton.next_power_of_2(width)))
         grid = (batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
         _one_pass_scan_kernel[grid](
             x, pre, post, base_ptr, out, n, width, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks
         )
         return out
+    blocks = _tiles(width)
+    tiles = triton.cdiv(n, blocks["BLOCK_N"])
     blocks["BLOCK_X"] = min(64, triton.next_power_of_2(width))
     grid = (tiles, batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
     sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]

@@ -13,7 +13,7 @@ from sparsefocus.kernels.scan import CausalMeanScan, scaled_scan
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-FORMS = ["one-pass", "two-level", "two-level, chunked carries"]
+FORMS = ["one-pass", "one-pass, small tiles", "two-level", "two-level, chunked carries"]
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -21,8 +21,11 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def use_form(monkeypatch, form: str) -> None:
-    """One pass for every row, or never (two-level); chunked: carries over chunks of 2 tile sums."""
-    monkeypatch.setattr("sparsefocus.kernels.scan.ONE_PASS_MAX_TILES", 10**9 if form == "one-pass" else 0)
+    """One pass for every row (small tiles: 16 rows, so many tiles a program), or never
+    (two-level); chunked: carries over chunks of 2 tile sums."""
+    monkeypatch.setattr("sparsefocus.kernels.scan.ONE_PASS_MAX_N", 10**9 if form.startswith("one-pass") else 0)
+    if "small tiles" in form:
+        monkeypatch.setattr("sparsefocus.kernels.scan.ONE_PASS_TILE", {"BLOCK_N": 16, "num_warps": 1})
     monkeypatch.setattr("sparsefocus.kernels.scan.CARRY_BLOCK", 2 if "chunked" in form else 256)
 
 
@@ -41,7 +44,7 @@ def test_scaled_scan_matches_explicit_sum(monkeypatch, n, reverse, form):
 
 
 @pytest.mark.parametrize("width", [5, 40])
-@pytest.mark.parametrize("form", FORMS[:2])
+@pytest.mark.parametrize("form", FORMS[:3])
 def test_scaled_scan_adds_a_base_and_stores_the_asked_dtype(monkeypatch, width, form):
     """``base`` (the atomics' fp32 gradient) is added before the one store, in ``dtype``."""
     use_form(monkeypatch, form)
@@ -57,7 +60,7 @@ def test_scaled_scan_adds_a_base_and_stores_the_asked_dtype(monkeypatch, width, 
 
 @pytest.mark.parametrize("n", [1, 7, 130])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("form", FORMS[:2])
+@pytest.mark.parametrize("form", FORMS[:3])
 def test_causal_mean_scan_matches_torch_twin(monkeypatch, n, dtype, tol, form):
     use_form(monkeypatch, form)
     x = torch.randn(2, 3, n, 67, device=DEVICE, dtype=dtype)
