@@ -250,6 +250,8 @@ def _run_args(q: Tensor, start: Tensor | None, length: Tensor | None, offset: in
     strides = (0, 0)
     if given:
         shape = torch.broadcast_shapes(*(x.shape for x in given))  # [B or 1, Hq or 1, N]
+        if len(shape) != 3 or shape[0] not in (1, q.shape[0]) or shape[1] not in (1, q.shape[1]) or shape[2] != q.shape[2]:
+            raise ValueError(f"runs must be [B or 1, Hq or 1, N] for q {tuple(q.shape)}, got {tuple(shape)}")
         strides = (shape[1] * shape[2] if shape[0] > 1 else 0, shape[2] if shape[1] > 1 else 0)
         start, length = (None if x is None else x.expand(shape).contiguous() for x in (start, length))
     pointers = [q if x is None else x for x in (start, length)]
@@ -394,6 +396,11 @@ def _runs_grads(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
 runs_fwd.register_autograd(_runs_grads, setup_context=_runs_setup)
 
 
+def _broadcasts(runs: Tensor, q: Tensor) -> bool:
+    """Whether [B', H', N] runs broadcast over q's batch and heads (B' in (1, B), H' in (1, Hq))."""
+    return runs.shape[0] in (1, q.shape[0]) and runs.shape[1] in (1, q.shape[1])
+
+
 def _check_runs(q: Tensor, k: Tensor, v: Tensor, start: Tensor | int, width: int | Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"q, k, v must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -402,12 +409,12 @@ def _check_runs(q: Tensor, k: Tensor, v: Tensor, start: Tensor | int, width: int
     if not isinstance(start, Tensor):
         if not isinstance(start, int):
             raise ValueError(f"start must be an integer tensor or an int offset, got {type(start).__name__}")
-    elif start.dim() != 3 or start.shape[-1] != q.shape[2] or start.is_floating_point():
+    elif start.dim() != 3 or start.shape[-1] != q.shape[2] or start.is_floating_point() or not _broadcasts(start, q):
         raise ValueError(
             f"start must be an integer tensor [B or 1, Hq or 1, N] with N = {q.shape[2]}, got {start.dtype} {tuple(start.shape)}"
         )
     if isinstance(width, Tensor):
-        if width.dim() != 3 or width.shape[-1] != q.shape[2] or width.is_floating_point():
+        if width.dim() != 3 or width.shape[-1] != q.shape[2] or width.is_floating_point() or not _broadcasts(width, q):
             raise ValueError(f"width as a tensor must be integer [B or 1, Hq or 1, N], got {width.dtype} {tuple(width.shape)}")
     elif int(width) < 0:
         raise ValueError(f"width must be >= 0, got {width}")

@@ -7,6 +7,7 @@ import torch
 
 import sparsefocus.attention.common as common
 from sparsefocus.attention.common import run_attention_ref
+from sparsefocus.kernels import runs
 from sparsefocus.kernels.runs import run_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,6 +85,12 @@ def test_run_kernel_takes_offsets_and_broadcast_runs(causal):
     )
     with pytest.raises(ValueError, match="int offset"):
         run_attention(q, k, v, 1.5, width)
+    with pytest.raises(ValueError, match="start must be"):  # 3 batch rows for q's 2
+        run_attention(q, k, v, full[:1].expand(3, 4, n), width)
+    with pytest.raises(ValueError, match="width as a tensor"):
+        run_attention(q, k, v, full, lengths.expand(2, 2, n))  # 2 heads for q's 4
+    with pytest.raises(ValueError, match="runs must be"):  # the op itself
+        runs.runs_fwd(q, k, v, full[:1].expand(3, 4, n).to(torch.int32), None, 0, width, 1.0, causal)
 
 
 def test_run_kernel_per_query_lengths_and_empty_rows():
