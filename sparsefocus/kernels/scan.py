@@ -277,6 +277,8 @@ def mean_rows(keys: Tensor, real: Optional[Tensor], heads: int) -> tuple[Tensor,
     fp32 [B, M], 1 / max(count, 1) fp32 [B, M], count > 0 int8 [B, heads, M]); count the real
     keys 0..i. The same values as ``mean_scales`` (and the mask from its count). Not
     differentiable."""
+    if real is not None and tuple(real.shape) != (keys.shape[0], keys.shape[2]):
+        raise ValueError(f"mean_rows: real must be [B, M] = [{keys.shape[0]}, {keys.shape[2]}], got {tuple(real.shape)}")
     realf, inverse, mask = _mean_rows_outputs(keys, heads)
     if keys.shape[2] > 0:
         _mean_rows_kernel[(keys.shape[0],)](

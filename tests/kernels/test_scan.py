@@ -112,3 +112,5 @@ def test_mean_rows_equal_the_torch_scales_bitwise(n):
         assert torch.equal(realf, want_realf) and torch.equal(inverse, want_inverse)
         assert mask.dtype == torch.int8 and torch.equal(mask, (count > 0)[:, None].expand(-1, 3, -1).to(torch.int8))
     assert all(torch.equal(x, y) for x, y in zip(mean_rows(keys, None, 3), mean_rows(keys, torch.ones_like(real), 3)))
+    with pytest.raises(ValueError, match="real must be"):
+        mean_rows(keys, real[:, :-1], 3)
