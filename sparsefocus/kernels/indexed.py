@@ -562,7 +562,8 @@ def _indexed_backward(
     per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
     without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
     mode = key_grads_mode(k.shape[2], key_grads)
-    g = _grad_buffers(q, k, v, index, extra, sink, mode, score_code == SCORE_CODES["cauchy"])
+    cauchy = score_code == SCORE_CODES["cauchy"]  # the only score that reads gamma
+    g = _grad_buffers(q, k, v, index, extra, sink, mode, cauchy)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
@@ -610,9 +611,9 @@ def _indexed_backward(
     d_sink = None if sink is None else g.d_sink.sum(dim=2 if sink.dim() == 3 else (0, 2))  # as sink: [(B,) Hq, D]
     if cast:
         dk, dv = dk.to(k.dtype), dv.to(v.dtype)
-    if score_code == SCORE_CODES["cauchy"]:
+    if cauchy:
         dgamma_sq = g.dgamma_sq.sum(dim=2 if gamma_sq.dim() == 2 else (0, 2))  # as gamma_sq: [(B,) Hq]
-    else:  # the other scores do not read gamma
+    else:
         dgamma_sq = torch.zeros(gamma_sq.shape, dtype=torch.float32, device=q.device)
     return g.dq, dk, dv, dgamma_sq, g.d_extra_k, g.d_extra_v, d_sink
 
