@@ -66,10 +66,23 @@ GPU_SPECS = {  # sizes for N = 4096 (the registry's examples are tiny); others u
 
 
 def triton_specs(names: list[str] | None) -> list[str]:
+    """The spec of each pattern with a Triton path (``GPU_SPECS`` or the registry's first example);
+    ``names`` picks registry names ("band"), and a full spec ("BAND:128") is checked as given.
+
+    Raises:
+        SystemExit: a name that is no pattern, or whose pattern has no Triton path."""
+    with_triton = {name for name, cls in PATTERNS.items() if "triton" in cls.impls}
+    if not names:
+        return [GPU_SPECS.get(name, PATTERNS[name].examples[0]) for name in sorted(with_triton)]
     specs = []
-    for name, cls in sorted(PATTERNS.items()):
-        if "triton" in cls.impls and (not names or name in names):
-            specs.append(GPU_SPECS.get(name, cls.examples[0]))
+    for text in names:
+        try:
+            name = text if text in PATTERNS else parse_pattern(text).name
+        except ValueError as error:
+            raise SystemExit(f"--patterns: {text!r} is not a pattern ({error})") from None
+        if name not in with_triton:
+            raise SystemExit(f"--patterns: {text!r} has no Triton path (those with one: {', '.join(sorted(with_triton))})")
+        specs.append(GPU_SPECS.get(name, PATTERNS[name].examples[0]) if text == name else text)
     return specs
 
 
@@ -157,8 +170,11 @@ def compare(a: list, b: list) -> dict:
 
 
 def count_kernels(fn) -> dict:
+    """Kernels one call of ``fn`` launches, after one untimed call (a compiled module's first
+    backward compiles and benchmarks its kernels, which the profiler would count too)."""
     from torch.profiler import ProfilerActivity, profile
 
+    fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
@@ -323,7 +339,7 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    parser.add_argument("--patterns", nargs="*", help="registry names (default: every pattern with a Triton path)")
+    parser.add_argument("--patterns", nargs="*", help="registry names or specs (default: every pattern with a Triton path)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--n", type=int, default=4096)
