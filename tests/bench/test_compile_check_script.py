@@ -14,7 +14,9 @@ def test_names_and_specs_pick_their_patterns(check):
     assert "TOPK:32" in every and "zeta" in every and not any(s.lower().startswith("full") for s in every)
 
 
-@pytest.mark.parametrize("text, message", [("nope", "is not a pattern"), ("BAND:x", "is not a pattern"), ("full", "has no Triton path")])
+@pytest.mark.parametrize(
+    "text, message", [("nope", "is not a pattern"), ("BAND:x", "is not a pattern"), ("full", "has no Triton path")]
+)
 def test_a_name_it_cannot_check_is_refused_by_name(check, text, message):
     with pytest.raises(SystemExit, match=message):
         check.triton_specs([text])
