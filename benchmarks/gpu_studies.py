@@ -4,7 +4,8 @@ Each call unpacks the study folder a previous call returned (``--inbox``, parts 
 trains with the budget driver until ``--budget`` seconds are spent, and packs the study folder
 again into parts of at most 15 MiB under ``--out`` (without the task cache), with a progress line
 (and each mechanism group's epochs) in ``<out>/<study>_progress.json``. Copy the returned parts into the inbox folder for the next
-call; parts too large for the next call to carry in are named there (``parts_warning``) and on stderr. A call whose training fails (a mechanism that does not compile, say) still packs what was
+call; parts too large for the next call to carry in are named there (``parts_warning``, with the groups
+the call did not train but carries, ``carried_groups``) and on stderr. A call whose training fails (a mechanism that does not compile, say) still packs what was
 trained (finished runs, the last checkpoints), names the error in its progress line and exits
 with 1; with ``--concurrent`` above 1 only the failing groups stop, the others train on. The budget stops
 training between epochs; ``--hard-stop`` (default: the budget + 40 s) interrupts it wherever it is
@@ -539,15 +540,30 @@ def pack_cache(work: Path, out: Path, study_parts: list[Path], inbox: Path | Non
     return f"packed: {len(data) / 2**20:.1f} MiB in {len(write_parts(data, CACHE, out))} part(s)"
 
 
-def parts_warning(parts: list[Path], inbox: Path | None) -> str | None:
+def carried_groups(whole, config) -> dict[str, str]:
+    """Groups of the study ``whole`` that ``config`` (this call's part of it) does not train but
+    whose runs the study folder holds, with their epochs (``group_progress``'s form): they travel in
+    the parts all the same."""
+    trained = set(group_progress(config))
+    try:
+        progress = group_progress(whole)
+    except (ValueError, CheckpointError) as error:  # runs of other settings: named, never fatal to the call
+        return {"(not read)": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    return {group: done for group, done in progress.items() if group not in trained and not done.startswith("0/")}
+
+
+def parts_warning(parts: list[Path], inbox: Path | None, carried: dict[str, str] | None = None) -> str | None:
     """Why the study's parts could not come back from a call and travel into the next (more files
-    than a call returns with the progress line, or more bytes than ``bytes_back``), or None."""
+    than a call returns with the progress line, or more bytes than ``bytes_back``), or None;
+    ``carried`` (``carried_groups``) is named as the first thing to leave out."""
     size = sum(p.stat().st_size for p in parts)
     if len(parts) + 1 <= MAX_FILES_BACK and size <= bytes_back(inbox):
         return None
+    others = ", ".join(f"{group} {done}" for group, done in (carried or {}).items())
+    riders = f"; they carry groups this call did not train ({others}), whose parts the inbox need not hold" if others else ""
     return (
         f"the study's parts ({size / 2**20:.1f} MiB in {len(parts)} files) exceed what a call returns and the next carries in "
-        f"({bytes_back(inbox) / 2**20:.1f} MiB, {MAX_FILES_BACK - 1} files): split the returned parts by group (--split), "
+        f"({bytes_back(inbox) / 2**20:.1f} MiB, {MAX_FILES_BACK - 1} files){riders}: split the returned parts by group (--split), "
         "train fewer groups or seeds per study folder (--mechanism, --seeds) or keep only finished runs' metrics (--slim)"
     )
 
@@ -733,6 +749,7 @@ def main() -> int:
     hard_stop = args.budget + 40 if args.hard_stop is None else args.hard_stop
     failure = train_keeping_progress(config, budget, max(hard_stop - (time.time() - called), 1.0) if hard_stop else None)
     line, complete = progress_line(config)
+    carried = carried_groups(full, config)
     slimmed = slim_finished_runs(work / args.study, keep_seeds=(PAPER_ANALYSIS_SEED,)) if args.slim else []
     parts = pack(work, args.study, out)
     cache = "off" if args.no_compile_cache else "not packed yet"
@@ -744,6 +761,7 @@ def main() -> int:
         "slimmed_checkpoints": len(slimmed),
         "progress": line,
         "groups": group_progress(config),
+        "carried_groups": carried,
         "nonfinite_runs": nonfinite_runs(config),
         "complete": complete,
         "error": failure,
@@ -751,7 +769,7 @@ def main() -> int:
         "compile_phases_s": {name: round(seconds, 3) for name, seconds in compile_phases().items()},
         "setup_s": SETUP_LOG,
         "parts": [p.name for p in parts],
-        "parts_warning": parts_warning(parts, Path(args.inbox) if args.inbox else None),
+        "parts_warning": parts_warning(parts, Path(args.inbox) if args.inbox else None, carried),
         "settings": {
             "mechanisms": config.mechanisms,
             "seeds": config.seeds,

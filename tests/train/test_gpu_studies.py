@@ -161,6 +161,40 @@ def test_parts_too_large_to_carry_back_are_named_in_the_record(studies, tmp_path
     assert studies.unpack(tmp_path / "o2", "even_pairs", tmp_path / "again")  # returned all the same
 
 
+def test_groups_a_call_did_not_train_but_carries_are_named(studies, tmp_path, monkeypatch):
+    """Groups outside ``--mechanism`` that the study folder holds runs of travel in the parts too:
+    ``carried_groups`` names them (not the groups without runs), and so does the warning when the
+    parts are too large."""
+    whole = studies.study_config("even_pairs", tmp_path, "high", "none", "step-graph")
+    part = studies.study_config(
+        "even_pairs", tmp_path, "high", "none", "step-graph", 1, studies.subset_overrides(whole, ["TOPK:5"], None)
+    )
+    progress = {
+        id(whole): {"default/FULL": "0-3/100", "default/TOPK:5": "2/100", "default/BAND:5": "0/100"},
+        id(part): {"default/TOPK:5": "2/100"},
+    }
+    monkeypatch.setattr(studies, "group_progress", lambda config: progress[id(config)])
+    carried = studies.carried_groups(whole, part)
+    assert carried == {"default/FULL": "0-3/100"}
+    parts = [tmp_path / "study.tgz.part00"]
+    parts[0].write_bytes(b"x" * 30_000)
+    monkeypatch.setattr(studies, "MAX_BYTES_BACK", 20_000)
+    assert "groups this call did not train (default/FULL 0-3/100)" in studies.parts_warning(parts, None, carried)
+    assert "did not train" not in studies.parts_warning(parts, None, {})
+    monkeypatch.setattr(studies, "MAX_BYTES_BACK", 10**9)
+    assert studies.parts_warning(parts, None, carried) is None
+
+    def other_settings(config):
+        if config is whole:
+            raise ValueError("a run was trained with train.epochs=60, the config now says 200\nmore")
+        return progress[id(config)]
+
+    monkeypatch.setattr(studies, "group_progress", other_settings)
+    assert studies.carried_groups(whole, part) == {
+        "(not read)": "ValueError: a run was trained with train.epochs=60, the config now says 200"
+    }
+
+
 def test_start_from_copies_kept_runs_and_the_inbox_parts_win(studies, tmp_path):
     kept = tmp_path / "kept"
     for seed, text in ((1, "kept-1"), (2, "kept-2")):
