@@ -65,15 +65,20 @@ GPU_SPECS = {  # sizes for N = 4096 (the registry's examples are tiny); others u
 }
 
 
+def default_spec(name: str) -> str:
+    """The spec checked for registry name ``name``: ``GPU_SPECS``, else the registry's first example."""
+    return GPU_SPECS.get(name, PATTERNS[name].examples[0])
+
+
 def triton_specs(names: list[str] | None) -> list[str]:
-    """The spec of each pattern with a Triton path (``GPU_SPECS`` or the registry's first example);
+    """The spec of each pattern with a Triton path (``default_spec``);
     ``names`` picks registry names ("band"), and a full spec ("BAND:128") is checked as given.
 
     Raises:
         SystemExit: a name that is no pattern, or whose pattern has no Triton path."""
     with_triton = {name for name, cls in PATTERNS.items() if "triton" in cls.impls}
     if not names:
-        return [GPU_SPECS.get(name, PATTERNS[name].examples[0]) for name in sorted(with_triton)]
+        return [default_spec(name) for name in sorted(with_triton)]
     specs = []
     for text in names:
         try:
@@ -82,7 +87,7 @@ def triton_specs(names: list[str] | None) -> list[str]:
             raise SystemExit(f"--patterns: {text!r} is not a pattern ({error})") from None
         if name not in with_triton:
             raise SystemExit(f"--patterns: {text!r} has no Triton path (those with one: {', '.join(sorted(with_triton))})")
-        specs.append(GPU_SPECS.get(name, PATTERNS[name].examples[0]) if text == name else text)
+        specs.append(default_spec(name) if text == name else text)
     return specs
 
 

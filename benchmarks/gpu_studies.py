@@ -91,7 +91,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sparsefocus.analysis.commands import PAPER_ANALYSIS_SEED
 from sparsefocus.train.checkpoint import CheckpointError, write_text_atomic
-from sparsefocus.train.config import COMPILE_SCOPES, FAST_ATTENTIONS, PAPER_SEEDS, expand_settings, load_config
+from sparsefocus.train.config import (
+    COMPILE_SCOPES,
+    FAST_ATTENTIONS,
+    PAPER_SEEDS,
+    ExperimentConfig,
+    expand_settings,
+    load_config,
+)
 from sparsefocus.train.driver import SETUP_LOG, STEP_GRAPH_MODES, Budget, compile_phases
 from sparsefocus.train.experiment import (
     finished_groups,
@@ -540,11 +547,10 @@ def pack_cache(work: Path, out: Path, study_parts: list[Path], inbox: Path | Non
     return f"packed: {len(data) / 2**20:.1f} MiB in {len(write_parts(data, CACHE, out))} part(s)"
 
 
-def carried_groups(whole, config) -> dict[str, str]:
-    """Groups of the study ``whole`` that ``config`` (this call's part of it) does not train but
-    whose runs the study folder holds, with their epochs (``group_progress``'s form): they travel in
-    the parts all the same."""
-    trained = set(group_progress(config))
+def carried_groups(whole: ExperimentConfig, trained: dict[str, str]) -> dict[str, str]:
+    """Groups of the study ``whole`` outside ``trained`` (this call's ``group_progress``) whose runs
+    the study folder holds, with their epochs in the same form: they travel in the parts all the
+    same."""
     try:
         progress = group_progress(whole)
     except (ValueError, CheckpointError) as error:  # runs of other settings: named, never fatal to the call
@@ -749,7 +755,8 @@ def main() -> int:
     hard_stop = args.budget + 40 if args.hard_stop is None else args.hard_stop
     failure = train_keeping_progress(config, budget, max(hard_stop - (time.time() - called), 1.0) if hard_stop else None)
     line, complete = progress_line(config)
-    carried = carried_groups(full, config)
+    groups = group_progress(config)
+    carried = carried_groups(full, groups)
     slimmed = slim_finished_runs(work / args.study, keep_seeds=(PAPER_ANALYSIS_SEED,)) if args.slim else []
     parts = pack(work, args.study, out)
     cache = "off" if args.no_compile_cache else "not packed yet"
@@ -760,7 +767,7 @@ def main() -> int:
         "compile_cache": {"found": cached, "returned": cache},
         "slimmed_checkpoints": len(slimmed),
         "progress": line,
-        "groups": group_progress(config),
+        "groups": groups,
         "carried_groups": carried,
         "nonfinite_runs": nonfinite_runs(config),
         "complete": complete,

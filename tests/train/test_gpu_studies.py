@@ -174,7 +174,7 @@ def test_groups_a_call_did_not_train_but_carries_are_named(studies, tmp_path, mo
         id(part): {"default/TOPK:5": "2/100"},
     }
     monkeypatch.setattr(studies, "group_progress", lambda config: progress[id(config)])
-    carried = studies.carried_groups(whole, part)
+    carried = studies.carried_groups(whole, progress[id(part)])
     assert carried == {"default/FULL": "0-3/100"}
     parts = [tmp_path / "study.tgz.part00"]
     parts[0].write_bytes(b"x" * 30_000)
@@ -190,7 +190,7 @@ def test_groups_a_call_did_not_train_but_carries_are_named(studies, tmp_path, mo
         return progress[id(config)]
 
     monkeypatch.setattr(studies, "group_progress", other_settings)
-    assert studies.carried_groups(whole, part) == {
+    assert studies.carried_groups(whole, progress[id(part)]) == {
         "(not read)": "ValueError: a run was trained with train.epochs=60, the config now says 200"
     }
 
