@@ -20,6 +20,13 @@ LN2 = math.log(2.0)
 ROW_TOPK = "auto"
 """``top_positions`` on short rows: "auto" (the Triton kernel ``row_topk`` on CUDA), "triton" (the
 kernel everywhere; the CPU through Triton's interpreter, for tests) or "torch" (``torch.topk``)."""
+TRITON_OPS = "off"
+"""Which op a kernel family with a ``triton_op`` twin calls (so far ``runs``): "off" (the
+``custom_op``, default), "auto" (the ``triton_op`` twin on CUDA) or "on" (the twin everywhere; on
+the CPU only eagerly, for tests). Compiled, a ``custom_op`` stays one opaque call that runs our
+Python launcher and Triton's at every step, where Inductor traces a ``triton_op``'s body and
+launches its kernels from its own wrapper; the twins run the same kernels on the same arguments.
+Off until the twins are timed and checked on a GPU."""
 
 
 def op_name(name: str) -> str:
@@ -85,3 +92,13 @@ def unpacked_positions(packed: Tensor) -> Tensor:
     """The positions of packed (score, position) int64 keys (``top_positions``, the selection
     kernels' ``_pack``): the low half holds 0x7FFFFFFF - position; the lowest int64 (no key) -> -1."""
     return torch.where(packed == torch.iinfo(torch.int64).min, -1, 0x7FFFFFFF - (packed & 0xFFFFFFFF))
+
+
+def triton_op_chosen(like: Tensor) -> bool:
+    """Whether ``TRITON_OPS`` picks a family's ``triton_op`` twin for a tensor like ``like``.
+
+    Raises:
+        ValueError: ``TRITON_OPS`` is not "off", "auto" or "on"."""
+    if TRITON_OPS not in ("off", "auto", "on"):
+        raise ValueError(f"TRITON_OPS must be 'off', 'auto' or 'on', got {TRITON_OPS!r}")
+    return TRITON_OPS == "on" or (TRITON_OPS == "auto" and like.is_cuda)

@@ -20,21 +20,23 @@ Work per tile is the union of its runs: W + BLOCK_M keys when starts grow by one
 up to all M keys when consecutive queries have unrelated starts (still correct, just slow).
 
 The launchers are the ``torch.library`` ops ``sparsefocus::runs_fwd`` and ``runs_bwd``
-(docs/kernels.md).
+(docs/kernels.md), with ``triton_op`` twins ``runs_fwd_traced`` and ``runs_bwd_traced`` that a
+compiled graph can launch without a Python call (``_ops.TRITON_OPS``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from sparsefocus.attention.common import run_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import lse_from_log2, op_name
+from sparsefocus.kernels._ops import lse_from_log2, op_name, triton_op_chosen
 
 
 @triton.jit
@@ -259,15 +261,16 @@ def _run_args(q: Tensor, start: Tensor | None, length: Tensor | None, offset: in
     return [*pointers, *strides, offset, width], flags
 
 
-def _runs_forward(q, k, v, start, length, offset, width, scale, causal) -> tuple[Tensor, Tensor]:
-    """Launch the forward kernel. Returns out [B, Hq, N, Dv] (q.dtype) and lse [B, Hq, N] fp32 (log2)."""
+def _runs_forward(q, k, v, start, length, offset, width, scale, causal, kernel=_runs_fwd_kernel) -> tuple[Tensor, Tensor]:
+    """Launch the forward kernel (``wrap_triton`` of it in the ``triton_op`` twin). Returns out
+    [B, Hq, N, Dv] (q.dtype) and lse [B, Hq, N] fp32 (log2)."""
     batch, q_heads, n_queries, dim = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
     blocks = _blocks(q, v.shape[-1], backward=False)
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     (start, length, *run_sizes), flags = _run_args(q, start, length, offset, width)
-    _runs_fwd_kernel[grid](
+    kernel[grid](
         q,
         k,
         v,
@@ -290,8 +293,11 @@ def _runs_forward(q, k, v, start, length, offset, width, scale, causal) -> tuple
     return out, lse
 
 
-def _runs_backward(q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal) -> tuple[Tensor, Tensor, Tensor]:
-    """Launch the backward kernel. Returns dq, dk, dv in the input dtypes (dk, dv summed in fp32)."""
+def _runs_backward(
+    q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal, kernel=_runs_bwd_kernel
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward kernel (``wrap_triton`` of it in the ``triton_op`` twin). Returns dq,
+    dk, dv in the input dtypes (dk, dv summed in fp32)."""
     batch, q_heads, n_queries, dim = q.shape
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
@@ -299,7 +305,7 @@ def _runs_backward(q, k, v, start, length, offset, width, out, grad_out, lse, sc
     blocks = _blocks(q, v.shape[-1], backward=True)
     grid = (triton.cdiv(n_queries, blocks["BLOCK_M"]), batch * q_heads)
     (start, length, *run_sizes), flags = _run_args(q, start, length, offset, width)
-    _runs_bwd_kernel[grid](
+    kernel[grid](
         q,
         k,
         v,
@@ -385,15 +391,65 @@ def _runs_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # the log-sum-exp's gradient is never read: no zeros for it
 
 
-def _runs_grads(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-    """Gradients of q, k, v; the log-sum-exp output is not differentiated (``grad_lse`` unused)."""
-    q, k, v, start, length, out, lse = ctx.saved_tensors
-    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv = runs_bwd(q, k, v, start, length, ctx.offset, ctx.width, out, grad_out, lse, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None, None, None, None, None
+def _grads_through(backward_op) -> Callable:
+    """The autograd formula of a forward op whose backward is ``backward_op``: gradients of q, k,
+    v; the log-sum-exp output is not differentiated (``grad_lse`` unused)."""
+
+    def grads(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+        q, k, v, start, length, out, lse = ctx.saved_tensors
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+        dq, dk, dv = backward_op(q, k, v, start, length, ctx.offset, ctx.width, out, grad_out, lse, ctx.scale, ctx.causal)
+        return dq, dk, dv, None, None, None, None, None, None
+
+    return grads
 
 
-runs_fwd.register_autograd(_runs_grads, setup_context=_runs_setup)
+runs_fwd.register_autograd(_grads_through(runs_bwd), setup_context=_runs_setup)
+
+
+@torch.library.triton_op(op_name("runs_fwd_traced"), mutates_args=())
+def runs_fwd_traced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: Optional[Tensor],
+    length: Optional[Tensor],
+    offset: int,
+    width: int,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor]:
+    """``sparsefocus::runs_fwd_traced``: ``runs_fwd``'s ``triton_op`` twin (same arguments and
+    results; ``_ops.TRITON_OPS``). Compiled on CUDA, Inductor traces this body and launches the
+    kernel itself. On the CPU it runs eagerly only (Triton's interpreter cannot be traced)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # wrap_triton named here, on the kernel itself: PyTorch finds a triton_op's kernels in its source
+    # (their code enters the compile cache's key)
+    return _runs_forward(q, k, v, start, length, offset, width, scale, causal, kernel=wrap_triton(_runs_fwd_kernel))
+
+
+@torch.library.triton_op(op_name("runs_bwd_traced"), mutates_args=())
+def runs_bwd_traced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: Optional[Tensor],
+    length: Optional[Tensor],
+    offset: int,
+    width: int,
+    out: Tensor,
+    grad_out: Tensor,
+    lse: Tensor,
+    scale: float,
+    causal: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsefocus::runs_bwd_traced``: ``runs_bwd``'s ``triton_op`` twin."""
+    q, k, v, out, grad_out, lse = (x.contiguous() for x in (q, k, v, out, grad_out, lse))
+    kernel = wrap_triton(_runs_bwd_kernel)
+    return _runs_backward(q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal, kernel=kernel)
+
+
+runs_fwd_traced.register_autograd(_grads_through(runs_bwd_traced), setup_context=_runs_setup)
 
 
 def _broadcasts(runs: Tensor, q: Tensor) -> bool:
@@ -469,5 +525,6 @@ def run_attention(
         k = torch.cat([k, k.new_zeros(*k.shape[:2], 1, k.shape[-1])], dim=2)
         v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[-1])], dim=2)
         length, fixed = None, 0
-    out, lse = runs_fwd(q, k.to(q.dtype), v.to(q.dtype), start32, length, offset, fixed, scale, causal)
+    forward = runs_fwd_traced if triton_op_chosen(q) else runs_fwd
+    out, lse = forward(q, k.to(q.dtype), v.to(q.dtype), start32, length, offset, fixed, scale, causal)
     return (out, lse_from_log2(lse.detach())) if return_lse else out
