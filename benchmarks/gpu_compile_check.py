@@ -16,6 +16,7 @@ N=4096, D=64, bf16, causal:
 then times eager, compiled and graph replay (median of a few runs; correctness comes first).
 
 Usage:  python benchmarks/gpu_compile_check.py [--out DIR] [--patterns topk zeta ...] [--n 4096]
+            [--constant sparsefocus.MODULE.NAME=VALUE ...]  (an implementation choice to check, as in bench)
 Writes DIR/gpu_compile_check.json (DIR defaults to $OUT, else benchmarks/results) and prints
 a table last. Each case is isolated (one failure is recorded, the rest still run).
 """
@@ -38,6 +39,7 @@ if "--device" in sys.argv and "cpu" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
 from sparsefocus.attention import PATTERNS, parse_pattern, sparse_attention
+from sparsefocus.bench.run import BenchError, add_constant_argument, constants_set
 from sparsefocus.attention import common as attention_common
 from sparsefocus.attention import zeta as zeta_module
 from sparsefocus.layers.attention import SparseAttention
@@ -353,7 +355,17 @@ def main() -> None:
     parser.add_argument(
         "--device", default="cuda", help="cpu: a smoke run of (a), (b), (e) in Triton's interpreter (fp16, tiny N)"
     )
+    add_constant_argument(parser)
     args = parser.parse_args()
+    try:
+        with constants_set(args.constant) as constants:
+            check(args, constants)
+    except BenchError as error:
+        raise SystemExit(str(error)) from None
+
+
+def check(args: argparse.Namespace, constants: dict[str, object]) -> None:
+    """Run every pattern's checks with the constants set, writing the JSON after each."""
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, DTYPES[args.dtype]
     if DEVICE == "cuda" and not torch.cuda.is_available():
@@ -369,6 +381,7 @@ def main() -> None:
         "shape": [args.batch, args.heads, args.n, args.dim],
         "dtype": args.dtype,
         "causal": True,
+        "constants": constants,
     }
     try:
         import triton

@@ -20,3 +20,11 @@ def test_names_and_specs_pick_their_patterns(check):
 def test_a_name_it_cannot_check_is_refused_by_name(check, text, message):
     with pytest.raises(SystemExit, match=message):
         check.triton_specs([text])
+
+
+def test_a_bad_constant_is_refused_before_any_check(check, monkeypatch, tmp_path):
+    argv = ["gpu_compile_check.py", "--device", "cpu", "--out", str(tmp_path), "--constant", "sparsefocus.kernels._ops.NOPE=1"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit, match="sparsefocus.kernels._ops has no constant NOPE"):
+        check.main()
+    assert not list(tmp_path.iterdir())
