@@ -5,7 +5,9 @@ opaque call with a fake (shape-only) implementation instead of tracing into the 
 and autograd goes through ``register_autograd``. Custom ops return no ``None``, so an output
 that a call does not produce (the extra slot's gradients without an extra slot, ...) is a [0]
 stand-in that the public function drops; which outputs are real follows from the arguments alone
-(``extra_key is None``, ...), never from data.
+(``extra_key is None``, ...), never from data. The launchers on BAND's, ZETA's and TOPK's paths
+also have ``triton_op`` twins, which a compiled graph launches without a Python call
+(``TRITON_OPS``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ ROW_TOPK = "auto"
 """``top_positions`` on short rows: "auto" (the Triton kernel ``row_topk`` on CUDA), "triton" (the
 kernel everywhere; the CPU through Triton's interpreter, for tests) or "torch" (``torch.topk``)."""
 TRITON_OPS = "off"
-"""Which op a kernel family with a ``triton_op`` twin calls (so far ``runs``): "off" (the
+"""Which op a kernel with a ``triton_op`` twin calls (those of BAND's, ZETA's and TOPK's paths:
+runs, morton, scan, zeta_select, indexed, topk_select): "off" (the
 ``custom_op``, default), "auto" (the ``triton_op`` twin on CUDA) or "on" (the twin everywhere; on
 the CPU only eagerly, for tests). Compiled, a ``custom_op`` stays one opaque call that runs our
 Python launcher and Triton's at every step, where Inductor traces a ``triton_op``'s body and

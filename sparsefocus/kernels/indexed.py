@@ -39,11 +39,12 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, check_slot_weight, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name
-from sparsefocus.kernels.scan import mean_rows, scaled_scan
+from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name, triton_op_chosen
+from sparsefocus.kernels.scan import mean_rows, mean_rows_traced, scaled_scan_op, scaled_scan_traced
 
 LOG2E = 1.4426950408889634
 SCORE_CODES = {name: code for code, name in enumerate(SCORE_KINDS)}  # dot 0, neg_sqeuclid 1, cauchy 2
@@ -442,17 +443,17 @@ def _row_strides(gamma_sq: Tensor, sink: Tensor | None) -> dict[str, int]:
 
 
 def _indexed_forward(
-    q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None, slot_weight=None
+    q, k, v, index, gamma_sq, scale, score_code, extra=None, sink=None, slot_weight=None, kernel=_indexed_fwd_kernel
 ) -> tuple[Tensor, Tensor]:
     """Launch the forward kernel (gamma_sq [Hq] or [B, Hq]; sink: [Hq, D], [B, Hq, D] or None;
-    slot_weight: [B, Hq, N, K] or None).
+    slot_weight: [B, Hq, N, K] or None; ``kernel``: ``wrap_triton`` of it in the ``triton_op`` twins).
     Returns out [B, Hq, N, Dv] (q.dtype) and stat [B, Hq, N] fp32."""
     batch, q_heads, n_queries, _ = q.shape
     out = torch.empty(batch, q_heads, n_queries, v.shape[-1], dtype=q.dtype, device=q.device)
     stat = torch.empty(batch, q_heads, n_queries, dtype=torch.float32, device=q.device)
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=False)
     pointers, extra_kw = _extra_args(q, extra)
-    _indexed_fwd_kernel[grid](
+    kernel[grid](
         q,
         k,
         v,
@@ -555,9 +556,10 @@ def _grad_buffers(
 
 
 def _indexed_backward(
-    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads
+    q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads, kernel=None
 ):
-    """Launch the backward kernel(s), dk and dv summed as ``key_grads`` says ("" = ``KEY_GRADS``).
+    """Launch the backward kernel(s) (``kernel``: ``wrap_triton`` of the main one in the
+    ``triton_op`` twin; default: the kernel), dk and dv summed as ``key_grads`` says ("" = ``KEY_GRADS``).
     Returns dq, dk, dv (input dtypes; with ``cast`` False dk and dv in fp32 as summed), d gamma^2
     per head [Hq] fp32, the extra slot's d key [B, Hq, N, D], d value [B, Hq, N, Dv] (None
     without extra) and the sink's d key fp32 shaped as the sink (None without sink)."""
@@ -567,7 +569,7 @@ def _indexed_backward(
     (grid, sizes), blocks = _launch_args(q, k, v, index, backward=True, scatter=mode == "atomic")
     pointers, extra_kw = _extra_args(q, extra)
     optional = [q if x is None else x for x in (g.d_extra_k, g.d_extra_v, g.delta, sink, g.d_sink)]  # q: a dummy pointer
-    _indexed_bwd_kernel[grid](
+    (kernel or _indexed_bwd_kernel)[grid](
         q,
         k,
         v,
@@ -671,9 +673,15 @@ def indexed_fwd(
     slot_weight fp32 [B, Hq, N, K] (factors on the listed slots' normalised weights), key_grads:
     how the backward sums dk and dv ("" = ``KEY_GRADS``). Differentiable in q, k, v, gamma_sq,
     extra key/value and sink (backward: ``indexed_bwd``); stat and slot_weight get no gradient."""
+    return _fwd_body(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight)
+
+
+def _fwd_body(
+    q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight, kernel=_indexed_fwd_kernel
+) -> tuple[Tensor, Tensor]:
     q, k, v, index, gamma_sq, sink, slot_weight = _dense(q, k, v, index, gamma_sq, sink, slot_weight)
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
-    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, slot_weight)
+    return _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, slot_weight, kernel)
 
 
 @indexed_fwd.register_fake
@@ -708,12 +716,36 @@ def indexed_bwd(
     extra_key come in their inputs' dtypes, else fp32 as summed (for a caller that adds more
     into them); d extra_value is always in its input's dtype. ``key_grads``: how dk and dv are
     summed ("" = the module setting ``KEY_GRADS``)."""
+    args = (q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, scale, score_code, cast)
+    return _bwd_body(*args, slot_weight, key_grads)
+
+
+def _bwd_body(
+    q,
+    k,
+    v,
+    index,
+    gamma_sq,
+    out,
+    grad_out,
+    stat,
+    extra_key,
+    extra_value,
+    extra_mask,
+    sink,
+    scale,
+    score_code,
+    cast,
+    slot_weight,
+    key_grads,
+    kernel=None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight = _dense(
         q, k, v, index, gamma_sq, out, grad_out, stat, sink, slot_weight
     )
     extra = _op_extra(q, extra_key, extra_value, extra_mask)
     dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = _indexed_backward(
-        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads
+        q, k, v, index, gamma_sq, out, grad_out, stat, scale, score_code, extra, sink, cast, slot_weight, key_grads, kernel
     )
     key_dtypes = (k.dtype, v.dtype) if cast else (torch.float32, torch.float32)
     dk, dv = dk.to(key_dtypes[0]).contiguous(), dv.to(key_dtypes[1]).contiguous()
@@ -765,11 +797,21 @@ def _indexed_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # no zero gradient for stat
 
 
+def _traced_setup(setup, traced: bool):
+    """``setup`` that also records whether the backward calls the ``triton_op`` twins."""
+
+    def wrapped(ctx, inputs, output) -> None:
+        setup(ctx, inputs, output)
+        ctx.traced = traced
+
+    return wrapped
+
+
 def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     """Gradients of every differentiable input; stat is not differentiated (``grad_stat`` unused)."""
     q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight = ctx.saved_tensors
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = indexed_bwd(
+    dq, dk, dv, dgamma_sq, d_extra_k, d_extra_v, d_sink = (indexed_bwd_traced if ctx.traced else indexed_bwd)(
         q,
         k,
         v,
@@ -793,7 +835,7 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None, None
 
 
-indexed_fwd.register_autograd(_indexed_grads, setup_context=_indexed_setup)
+indexed_fwd.register_autograd(_indexed_grads, setup_context=_traced_setup(_indexed_setup, False))
 
 
 @torch.library.custom_op(op_name("indexed_causal_mean_fwd"), mutates_args=())
@@ -820,11 +862,18 @@ def indexed_causal_mean_fwd(
     stores k's and v's dtype once, instead of a separate mean gradient, a cast and an add (a
     separate mean would cost 3.5 GB of traffic for dv at 64K x 64 heads x 64 columns in bf16;
     this, 1.5 GB)."""
+    return _causal_mean_body(q, k, v, index, gamma_sq, real, sink, scale, score_code, False)
+
+
+def _causal_mean_body(q, k, v, index, gamma_sq, real, sink, scale, score_code, traced: bool, kernel=_indexed_fwd_kernel):
+    """The causal mean's forward; ``traced``: through the ``triton_op`` twins of the scan ops."""
     q, k, v, index, gamma_sq, sink = _dense(q, k, v, index, gamma_sq, sink)
-    realf, inverse, mask = mean_rows(k, real, q.shape[1])  # a row has a mean once a real key has been seen
-    mean_k, mean_v = scaled_scan(k, realf, inverse), scaled_scan(v, realf, inverse)  # [B, Hk, N, D], [B, Hk, N, Dv]
+    rows, scan = (mean_rows_traced, scaled_scan_traced) if traced else (mean_rows, scaled_scan_op)
+    realf, inverse, mask = rows(k, real, q.shape[1])  # a row has a mean once a real key has been seen
+    # [B, Hk, N, D], [B, Hk, N, Dv]
+    mean_k, mean_v = scan(k, realf, inverse, None, False, k.dtype), scan(v, realf, inverse, None, False, v.dtype)
     extra = Extra(mean_k, mean_v, mask)
-    out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink)
+    out, stat = _indexed_forward(q, k, v, index, gamma_sq, scale, score_code, extra, sink, None, kernel)
     return out, stat, mean_k, mean_v, realf, inverse, mask
 
 
@@ -846,16 +895,86 @@ def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
     """Gradients of q, k, v, gamma_sq and sink; stat, the means and their scales are not differentiated."""
     q, k, v, index, gamma_sq, out, stat, mean_k, mean_v, realf, inverse, mask, sink = ctx.saved_tensors
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-    dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = indexed_bwd(
+    backward, scan = (indexed_bwd_traced, scaled_scan_traced) if ctx.traced else (indexed_bwd, scaled_scan_op)
+    dq, dk, dv, dgamma_sq, d_mean_k, d_mean_v, d_sink = backward(
         q, k, v, index, gamma_sq, out, grad_out, stat, mean_k, mean_v, mask, sink, ctx.scale, ctx.score_code, False
     )
     # dx_j = real_j sum_{i >= j} g_i / count_i, on top of the listed keys' gradients
-    dk = scaled_scan(d_mean_k, inverse, realf, reverse=True, base=dk, dtype=k.dtype)
-    dv = scaled_scan(d_mean_v, inverse, realf, reverse=True, base=dv, dtype=v.dtype)
+    dk = scan(d_mean_k, inverse, realf, dk, True, k.dtype)
+    dv = scan(d_mean_v, inverse, realf, dv, True, v.dtype)
     return dq, dk, dv, None, dgamma_sq, None, None if sink is None else d_sink, None, None
 
 
-indexed_causal_mean_fwd.register_autograd(_causal_mean_grads, setup_context=_causal_mean_setup)
+indexed_causal_mean_fwd.register_autograd(_causal_mean_grads, setup_context=_traced_setup(_causal_mean_setup, False))
+
+
+@torch.library.triton_op(op_name("indexed_fwd_traced"), mutates_args=())
+def indexed_fwd_traced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    gamma_sq: Tensor,
+    extra_key: Tensor | None,
+    extra_value: Tensor | None,
+    extra_mask: Tensor | None,
+    sink: Tensor | None,
+    scale: float,
+    score_code: int,
+    slot_weight: Tensor | None = None,
+    key_grads: str = "",
+) -> tuple[Tensor, Tensor]:
+    """``sparsefocus::indexed_fwd_traced``: ``indexed_fwd``'s ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    kernel = wrap_triton(_indexed_fwd_kernel)
+    return _fwd_body(q, k, v, index, gamma_sq, extra_key, extra_value, extra_mask, sink, scale, score_code, slot_weight, kernel)
+
+
+@torch.library.triton_op(op_name("indexed_bwd_traced"), mutates_args=())
+def indexed_bwd_traced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    gamma_sq: Tensor,
+    out: Tensor,
+    grad_out: Tensor,
+    stat: Tensor,
+    extra_key: Tensor | None,
+    extra_value: Tensor | None,
+    extra_mask: Tensor | None,
+    sink: Tensor | None,
+    scale: float,
+    score_code: int,
+    cast: bool,
+    slot_weight: Tensor | None = None,
+    key_grads: str = "",
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``sparsefocus::indexed_bwd_traced``: ``indexed_bwd``'s ``triton_op`` twin. Its "inverse" and
+    "short" key gradients still call their own ``custom_op``s."""
+    args = (q, k, v, index, gamma_sq, out, grad_out, stat, extra_key, extra_value, extra_mask, sink, scale, score_code, cast)
+    return _bwd_body(*args, slot_weight, key_grads, wrap_triton(_indexed_bwd_kernel))
+
+
+@torch.library.triton_op(op_name("indexed_causal_mean_fwd_traced"), mutates_args=())
+def indexed_causal_mean_fwd_traced(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: Tensor,
+    gamma_sq: Tensor,
+    real: Tensor | None,
+    sink: Tensor | None,
+    scale: float,
+    score_code: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``sparsefocus::indexed_causal_mean_fwd_traced``: ``indexed_causal_mean_fwd``'s ``triton_op``
+    twin; its means through the scan ops' twins."""
+    kernel = wrap_triton(_indexed_fwd_kernel)
+    return _causal_mean_body(q, k, v, index, gamma_sq, real, sink, scale, score_code, True, kernel)
+
+
+indexed_fwd_traced.register_autograd(_indexed_grads, setup_context=_traced_setup(_indexed_setup, True))
+indexed_causal_mean_fwd_traced.register_autograd(_causal_mean_grads, setup_context=_traced_setup(_causal_mean_setup, True))
 
 
 def _natural_lse(stat: Tensor, score: str) -> Tensor:
@@ -906,7 +1025,8 @@ def indexed_attention_causal_mean(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     gamma_sq = _gamma_squared(gamma, q.shape[0], q.shape[1], q.device, score)  # [Hq] or [B, Hq]
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat, *_ = indexed_causal_mean_fwd(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
+    op = indexed_causal_mean_fwd_traced if triton_op_chosen(q) else indexed_causal_mean_fwd
+    out, stat, *_ = op(q, k, v, index, gamma_sq, real, sink, scale, SCORE_CODES[score])
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 
@@ -1031,7 +1151,8 @@ def indexed_attention(
     k, v, index = _nonempty_lists(k, v, index)
     extras = _kernel_extras(q, extra_key, extra_value, extra_mask)
     q, k, v, index, sink = _kernel_tensors(q, k, v, index, sink_key)
-    out, stat = indexed_fwd(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight, key_grads or "")
+    op = indexed_fwd_traced if triton_op_chosen(q) else indexed_fwd
+    out, stat = op(q, k, v, index, gamma_sq, *extras, sink, scale, SCORE_CODES[score], slot_weight, key_grads or "")
     return (out, _natural_lse(stat, score)) if return_lse else out
 
 

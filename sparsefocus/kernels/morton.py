@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import op_name
+from sparsefocus.kernels._ops import op_name, triton_op_chosen
 
 BLOCK = 256
 
@@ -65,7 +66,8 @@ def morton_codes_triton(
         raise ValueError(f"morton_codes_triton: unit must be float32, got {unit.dtype}")
     row_len, first_row = tag_rows or (1, 0)
     flat = unit.reshape(-1, unit.shape[-1])  # [P, D]
-    return morton_codes_op(flat, bits, float(shift), levels, top, row_len, first_row, tag_rows is not None).view(unit.shape[:-1])
+    op = morton_codes_traced if triton_op_chosen(flat) else morton_codes_op
+    return op(flat, bits, float(shift), levels, top, row_len, first_row, tag_rows is not None).view(unit.shape[:-1])
 
 
 @torch.library.custom_op(op_name("morton_codes"), mutates_args=())
@@ -74,10 +76,15 @@ def morton_codes_op(
 ) -> Tensor:
     """``sparsefocus::morton_codes``: codes [P] int64 of points unit [P, D] fp32 (see
     ``morton_codes_triton``; row_len and first_row are read only when ``tag``)."""
+    return _morton_codes(unit, bits, shift, levels, top, row_len, first_row, tag, _morton_kernel)
+
+
+def _morton_codes(unit, bits, shift, levels, top, row_len, first_row, tag, kernel) -> Tensor:
+    """Launch the codes kernel (``wrap_triton`` of it in the ``triton_op`` twin)."""
     flat = unit.contiguous()
     out = torch.empty(flat.shape[0], dtype=torch.int64, device=unit.device)
     grid = (triton.cdiv(flat.shape[0], BLOCK),)
-    _morton_kernel[grid](
+    kernel[grid](
         flat, out, flat.shape[0], shift, float(levels), top, row_len, first_row, D=flat.shape[-1], BITS=bits, BLOCK=BLOCK, TAG=tag
     )
     return out
@@ -86,3 +93,11 @@ def morton_codes_op(
 @morton_codes_op.register_fake
 def _morton_codes_fake(unit, bits, shift, levels, top, row_len, first_row, tag):
     return unit.new_empty(unit.shape[0], dtype=torch.int64)
+
+
+@torch.library.triton_op(op_name("morton_codes_traced"), mutates_args=())
+def morton_codes_traced(
+    unit: Tensor, bits: int, shift: float, levels: int, top: int, row_len: int, first_row: int, tag: bool
+) -> Tensor:
+    """``sparsefocus::morton_codes_traced``: ``morton_codes_op``'s ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    return _morton_codes(unit, bits, shift, levels, top, row_len, first_row, tag, wrap_triton(_morton_kernel))

@@ -34,9 +34,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import op_name
+from sparsefocus.kernels._ops import op_name, triton_op_chosen
 
 CARRY_BLOCK = 256  # tile sums per chunk of ``_carry_kernel``: 4 chunks for 64K rows of 64-row tiles
 ONE_PASS_MAX_N = 4096
@@ -162,9 +163,18 @@ def _one_pass_scan_kernel(
         running += _scan_tile(X, PRE, POST, BASE, OUT, running, tile, bh, cols, N, XW, H, REVERSE, HAS_BASE, BLOCK_N)
 
 
-def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tensor | None, dtype: torch.dtype) -> Tensor:
+def _launch_scan(
+    x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tensor | None, dtype: torch.dtype, kernels: tuple | None = None
+) -> Tensor:
     """One pass over short rows; otherwise tile sums, their carries, then the tile scans (see the
-    module docstring)."""
+    module docstring). ``kernels``: (one pass, tile sums, carry, tile scan), ``wrap_triton`` of
+    each in the ``triton_op`` twin; default: the kernels themselves."""
+    one_pass, tile_sums, carry_scan, tile_scan = kernels or (
+        _one_pass_scan_kernel,
+        _tile_sums_kernel,
+        _carry_kernel,
+        _tile_scan_kernel,
+    )
     batch, heads, n, width = x.shape
     x = x.contiguous()
     pre, post = pre.to(torch.float32).contiguous(), post.to(torch.float32).contiguous()
@@ -173,19 +183,17 @@ def _launch_scan(x: Tensor, pre: Tensor, post: Tensor, reverse: bool, base: Tens
     if n <= ONE_PASS_MAX_N:
         blocks = dict(ONE_PASS_TILE, BLOCK_X=min(ONE_PASS_COLUMNS, triton.next_power_of_2(width)))
         grid = (batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
-        _one_pass_scan_kernel[grid](
-            x, pre, post, base_ptr, out, n, width, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks
-        )
+        one_pass[grid](x, pre, post, base_ptr, out, n, width, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks)
         return out
     blocks = _tiles(width)
     tiles = triton.cdiv(n, blocks["BLOCK_N"])
     blocks["BLOCK_X"] = min(64, triton.next_power_of_2(width))
     grid = (tiles, batch * heads, triton.cdiv(width, blocks["BLOCK_X"]))
     sums = torch.empty(batch * heads, width, tiles, dtype=torch.float32, device=x.device)  # [BH, X, T]
-    _tile_sums_kernel[grid](x, pre, sums, n, width, tiles, heads, **blocks)
+    tile_sums[grid](x, pre, sums, n, width, tiles, heads, **blocks)
     carry = torch.empty_like(sums)  # [BH, X, T]
-    _carry_kernel[(batch * heads * width,)](sums, carry, tiles, REVERSE=reverse, BLOCK_T=CARRY_BLOCK, num_warps=1)
-    _tile_scan_kernel[grid](
+    carry_scan[(batch * heads * width,)](sums, carry, tiles, REVERSE=reverse, BLOCK_T=CARRY_BLOCK, num_warps=1)
+    tile_scan[grid](
         x, pre, post, carry, base_ptr, out, n, width, tiles, heads, REVERSE=reverse, HAS_BASE=base is not None, **blocks
     )
     return out
@@ -214,12 +222,38 @@ def _scan_backward(ctx, grad: Tensor):
     """d x_j = pre_j * sum over the rows i that summed j of post_i g_i: the same scan with pre and
     post swapped, in the other direction. d base = g."""
     pre, post = ctx.saved_tensors
-    dx = scaled_scan_op(grad, post, pre, None, not ctx.reverse, ctx.x_dtype)
+    op = scaled_scan_traced if ctx.traced else scaled_scan_op
+    dx = op(grad, post, pre, None, not ctx.reverse, ctx.x_dtype)
     dbase = None if ctx.base_dtype is None else grad.to(ctx.base_dtype)
     return dx, None, None, dbase, None, None
 
 
-scaled_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup)
+def _scan_setup_for(traced: bool):
+    """``_scan_setup`` that also records which op the backward calls (the op or its twin)."""
+
+    def setup(ctx, inputs, output) -> None:
+        _scan_setup(ctx, inputs, output)
+        ctx.traced = traced
+
+    return setup
+
+
+scaled_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup_for(False))
+
+
+@torch.library.triton_op(op_name("scaled_scan_traced"), mutates_args=())
+def scaled_scan_traced(x: Tensor, pre: Tensor, post: Tensor, base: Tensor | None, reverse: bool, dtype: torch.dtype) -> Tensor:
+    """``sparsefocus::scaled_scan_traced``: ``scaled_scan_op``'s ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    kernels = (
+        wrap_triton(_one_pass_scan_kernel),
+        wrap_triton(_tile_sums_kernel),
+        wrap_triton(_carry_kernel),
+        wrap_triton(_tile_scan_kernel),
+    )
+    return _launch_scan(x, pre, post, reverse, base, dtype, kernels)
+
+
+scaled_scan_traced.register_autograd(_scan_backward, setup_context=_scan_setup_for(True))
 
 
 def scaled_scan(
@@ -244,7 +278,8 @@ def scaled_scan(
         raise ValueError(
             f"scaled_scan needs x [B, H, N, X] and pre, post [B, N], got {tuple(x.shape)}, {tuple(pre.shape)}, {tuple(post.shape)}"
         )
-    return scaled_scan_op(x, pre, post, base, reverse, dtype or x.dtype)
+    op = scaled_scan_traced if triton_op_chosen(x) else scaled_scan_op
+    return op(x, pre, post, base, reverse, dtype or x.dtype)
 
 
 @triton.jit
@@ -277,11 +312,16 @@ def mean_rows(keys: Tensor, real: Optional[Tensor], heads: int) -> tuple[Tensor,
     fp32 [B, M], 1 / max(count, 1) fp32 [B, M], count > 0 int8 [B, heads, M]); count the real
     keys 0..i. The same values as ``mean_scales`` (and the mask from its count). Not
     differentiable."""
+    return _mean_rows(keys, real, heads, _mean_rows_kernel)
+
+
+def _mean_rows(keys: Tensor, real: Optional[Tensor], heads: int, kernel) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the row-scales kernel (``wrap_triton`` of it in the ``triton_op`` twin)."""
     if real is not None and tuple(real.shape) != (keys.shape[0], keys.shape[2]):
         raise ValueError(f"mean_rows: real must be [B, M] = [{keys.shape[0]}, {keys.shape[2]}], got {tuple(real.shape)}")
     realf, inverse, mask = _mean_rows_outputs(keys, heads)
     if keys.shape[2] > 0:
-        _mean_rows_kernel[(keys.shape[0],)](
+        kernel[(keys.shape[0],)](
             realf if real is None else real.contiguous(),  # realf: a dummy pointer, not read
             realf,
             inverse,
@@ -293,6 +333,12 @@ def mean_rows(keys: Tensor, real: Optional[Tensor], heads: int) -> tuple[Tensor,
             num_warps=4,
         )
     return realf, inverse, mask
+
+
+@torch.library.triton_op(op_name("mean_rows_traced"), mutates_args=())
+def mean_rows_traced(keys: Tensor, real: Optional[Tensor], heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsefocus::mean_rows_traced``: ``mean_rows``' ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    return _mean_rows(keys, real, heads, wrap_triton(_mean_rows_kernel))
 
 
 @mean_rows.register_fake

@@ -53,9 +53,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import top_positions
+from sparsefocus.kernels._ops import top_positions, triton_op_chosen
 
 MAX_KERNEL_K = 128
 SHORT_MAX_M = 1024
@@ -718,10 +719,19 @@ def _tiles(q: Tensor, kk_pow2: int) -> dict:
     return tiles
 
 
-def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, by_position: bool = False):
+def _launch(
+    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, by_position: bool = False, kernels=None
+):
     """Run the four kernels; returns out [B, Hq, N, kk] int32 (exact on every row; best first, or
     in position order) and the candidate counts [B, Hq, N] int32 (CAP + 1 or more: the row was
-    redone by the exact kernel)."""
+    redone by the exact kernel). ``kernels``: (bound, collect, finish, exact), ``wrap_triton`` of
+    each in the ``triton_op`` twin; default: the kernels themselves."""
+    bound_kernel, collect_kernel, finish_kernel, exact_kernel = kernels or (
+        _bound_kernel,
+        _collect_kernel,
+        _finish_kernel,
+        _exact_kernel,
+    )
     batch, q_heads, n_queries, dim = q.shape
     rows = batch * q_heads * n_queries
     cap = 2 * triton.next_power_of_2(kk)
@@ -739,8 +749,8 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
     sizes = (n_queries, k.shape[2], q_heads, q_heads // k.shape[1])
     common = dict(D=dim, BLOCK_D=max(16, triton.next_power_of_2(dim)))
     masks = dict(CAUSAL=causal, HAS_PAD=key_padding_mask is not None, PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    _bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
-    _collect_kernel[grid("collect")](
+    bound_kernel[grid("bound")](q, k, pad, bound, *sizes, KK=kk, STEPS=BISECTION_STEPS, **common, **masks, **tiles["bound"])
+    collect_kernel[grid("collect")](
         q,
         k,
         pad,
@@ -755,8 +765,8 @@ def _launch(q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tenso
         **tiles["collect"],
     )
     order = dict(KK=kk, CAP=cap, BY_POSITION=by_position)
-    _finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, **order, **common, **tiles["finish"])
-    _exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, **order, **common, **masks, **tiles["exact"])
+    finish_kernel[grid("finish")](q, k, pad, nent, ent, out, count, *sizes, **order, **common, **tiles["finish"])
+    exact_kernel[grid("exact")](q, k, pad, count, ent, out, *sizes, **order, **common, **masks, **tiles["exact"])
     return out, count
 
 
@@ -773,15 +783,16 @@ def _short_tiles(q: Tensor) -> dict:
 
 
 def _launch_short(
-    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, by_position: bool = False
+    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Tensor | None, by_position: bool = False, kernel=None
 ) -> Tensor:
-    """The one-sweep selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32."""
+    """The one-sweep selection of rows of at most ``SHORT_MAX_M`` keys -> [B, Hq, N, kk] int32
+    (``kernel``: ``wrap_triton`` of it in the ``triton_op`` twin; default: the kernel)."""
     batch, q_heads, n_queries, dim = q.shape
     out = torch.empty(batch, q_heads, n_queries, kk, dtype=torch.int32, device=q.device)
     pad = key_padding_mask.to(torch.int8).contiguous() if key_padding_mask is not None else out
     tiles = _short_tiles(q) | TILE_OVERRIDES.get("short", {})
     grid = (triton.cdiv(n_queries, tiles["BLOCK_M"]), batch * q_heads)
-    _short_kernel[grid](
+    (kernel or _short_kernel)[grid](
         q,
         k,
         pad,
@@ -907,6 +918,21 @@ def _topk_select_fake(
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], kk, dtype=torch.int32)
 
 
+@torch.library.triton_op("sparsefocus::topk_select_traced", mutates_args=())
+def _topk_select_traced(
+    q: Tensor, k: Tensor, kk: int, causal: bool, key_padding_mask: Optional[Tensor], by_position: bool = False
+) -> Tensor:
+    """``sparsefocus::topk_select``'s ``triton_op`` twin (``_ops.TRITON_OPS``); the PyTorch selection
+    (above ``MAX_KERNEL_K``, empty inputs) stays the op's."""
+    if kk > MAX_KERNEL_K or q.shape[2] == 0 or k.shape[2] == 0:
+        return _topk_select_op(q, k, kk, causal, key_padding_mask, by_position)
+    q, k = q.contiguous(), k.contiguous()
+    if k.shape[2] <= SHORT_MAX_M and kk <= SHORT_MAX_K:
+        return _launch_short(q, k, kk, causal, key_padding_mask, by_position, wrap_triton(_short_kernel))
+    kernels = (wrap_triton(_bound_kernel), wrap_triton(_collect_kernel), wrap_triton(_finish_kernel), wrap_triton(_exact_kernel))
+    return _launch(q, k, kk, causal, key_padding_mask, by_position, kernels)[0]
+
+
 def topk_select(
     q: Tensor,
     k: Tensor,
@@ -939,6 +965,5 @@ def topk_select(
     if q.shape[-1] != k.shape[-1] or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"topk_select: incompatible q {tuple(q.shape)} and k {tuple(k.shape)}")
     _check_order(order)
-    return torch.ops.sparsefocus.topk_select(
-        q.detach(), k.detach().to(q.dtype), kk, causal, key_padding_mask, order == "position"
-    )
+    op = _topk_select_traced if triton_op_chosen(q) else _topk_select_op
+    return op(q.detach(), k.detach().to(q.dtype), kk, causal, key_padding_mask, order == "position")

@@ -36,8 +36,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
+from sparsefocus.kernels._ops import triton_op_chosen
 
 PACKED_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # packed value of an empty candidate slot
 SELECT_OVERRIDES: dict = {}  # tile and variant overrides for tuning runs (benchmarks/zeta_profile.py)
@@ -465,7 +467,8 @@ def sorted_prefixes(
     if tag_shift is not None and real is not None:
         raise ValueError("sorted_prefixes: tagged codes need every key real (no padding mask)")
     if _sorts_in_kernel(codes_k.shape[-1], code_width):
-        return torch.ops.sparsefocus.zeta_sorted_prefixes(codes_k, real, step, prefixes, sentinel, code_width)
+        op = _sorted_prefixes_traced if triton_op_chosen(codes_k) else _sorted_prefixes_op
+        return op(codes_k, real, step, prefixes, sentinel, code_width)
     if tag_shift is None:
         codes = codes_k if real is None else codes_k.masked_fill(~real[None, :, None, :], sentinel)
         sorted_codes, order = torch.sort(codes, dim=-1, stable=True)  # [S, B, Hk, M]
@@ -519,10 +522,15 @@ def _sorted_prefixes_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """codes_k [S, B, Hk, M] int64 (tagged above ``code_width`` or not), real [B, M] bool or None
     -> ``sorted_prefixes``' outputs, by ``_sort_prefix_kernel`` (M <= SORT_MAX_M)."""
+    return _sorted_prefixes(codes_k, real, step, prefixes, sentinel, code_width, _sort_prefix_kernel)
+
+
+def _sorted_prefixes(codes_k, real, step, prefixes, sentinel, code_width, kernel) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the sort-and-filter kernel (``wrap_triton`` of it in the ``triton_op`` twin)."""
     curves, batch, kv_heads, n_keys = codes_k.shape
     out_codes, out_pos, count = _prefix_filter_outputs(codes_k, prefixes)
     block = _sort_block(n_keys)
-    _sort_prefix_kernel[(curves * batch * kv_heads,)](
+    kernel[(curves * batch * kv_heads,)](
         codes_k.contiguous(),
         codes_k if real is None else real.contiguous(),  # codes_k: a dummy pointer
         out_codes,
@@ -549,14 +557,21 @@ def _sorted_prefixes_fake(codes_k, real, step, prefixes, sentinel, code_width):
     return _prefix_filter_outputs(codes_k, prefixes)
 
 
+@torch.library.triton_op("sparsefocus::zeta_sorted_prefixes_traced", mutates_args=())
+def _sorted_prefixes_traced(
+    codes_k: Tensor, real: Optional[Tensor], step: int, prefixes: int, sentinel: int, code_width: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsefocus::zeta_sorted_prefixes``' ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    return _sorted_prefixes(codes_k, real, step, prefixes, sentinel, code_width, wrap_triton(_sort_prefix_kernel))
+
+
 def _filter_prefixes_fused(
     sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, tag_shift: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``sorted_prefixes``' filtering step in ``_prefix_filter_kernel``: same outputs."""
     code_mask = (1 << (tag_shift or 0)) - 1
-    return torch.ops.sparsefocus.zeta_prefix_filter(
-        sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None
-    )
+    op = _prefix_filter_traced if triton_op_chosen(sorted_codes) else _prefix_filter_op
+    return op(sorted_codes, order, step, prefixes, sentinel, code_mask, tag_shift is not None)
 
 
 @torch.library.custom_op("sparsefocus::zeta_prefix_filter", mutates_args=())
@@ -565,10 +580,15 @@ def _prefix_filter_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """sorted_codes [S, B, Hk, M] int64, order [S, B, Hk, M] int64 -> codes [P, S, B, Hk, M] int64,
     positions [P, S, B, Hk, M] int32, counts [P, B] int32 (``sorted_prefixes``' outputs)."""
+    return _prefix_filter(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged, _prefix_filter_kernel)
+
+
+def _prefix_filter(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged, kernel) -> tuple[Tensor, Tensor, Tensor]:
+    """Launch the filter kernel (``wrap_triton`` of it in the ``triton_op`` twin)."""
     curves, batch, kv_heads, n_keys = sorted_codes.shape
     rows = curves * batch * kv_heads
     out_codes, out_pos, count = _prefix_filter_outputs(sorted_codes, prefixes)
-    _prefix_filter_kernel[(prefixes * rows,)](
+    kernel[(prefixes * rows,)](
         sorted_codes.contiguous(),
         order.contiguous(),
         out_codes,
@@ -590,6 +610,15 @@ def _prefix_filter_op(
 @_prefix_filter_op.register_fake
 def _prefix_filter_fake(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged):
     return _prefix_filter_outputs(sorted_codes, prefixes)
+
+
+@torch.library.triton_op("sparsefocus::zeta_prefix_filter_traced", mutates_args=())
+def _prefix_filter_traced(
+    sorted_codes: Tensor, order: Tensor, step: int, prefixes: int, sentinel: int, code_mask: int, tagged: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``sparsefocus::zeta_prefix_filter``'s ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    kernel = wrap_triton(_prefix_filter_kernel)
+    return _prefix_filter(sorted_codes, order, step, prefixes, sentinel, code_mask, tagged, kernel)
 
 
 def _prefix_filter_outputs(sorted_codes: Tensor, prefixes: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -682,7 +711,8 @@ def zeta_select(
         positions.
     """
     scodes, spos, count = prefixes
-    return torch.ops.sparsefocus.zeta_select(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk)
+    op = _zeta_select_traced if triton_op_chosen(q) else _zeta_select_op
+    return op(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk)
 
 
 @torch.library.custom_op("sparsefocus::zeta_select", mutates_args=())
@@ -703,6 +733,11 @@ def _zeta_select_op(
     its layout is the one searchsorted wants under Inductor too) and the kernel. codes_q [S, B,
     Hq, N] int64; scodes [P, S, B, Hk, M] int64, spos [P, S, B, Hk, M] int32 and count [P, B]
     int32 from ``key_prefixes`` -> [B, Hq, N, width] int32."""
+    return _select(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk, _zeta_select_kernel)
+
+
+def _select(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk, kernel) -> Tensor:
+    """The search and the selection kernel (``wrap_triton`` of it in the ``triton_op`` twin)."""
     curves, batch, q_heads, n_queries = codes_q.shape
     kv_heads, n_keys, dim = k.shape[1], k.shape[2], k.shape[3]
     insert = _insertion_points(codes_q.contiguous(), scodes.contiguous(), chunk, kv_heads)
@@ -723,7 +758,7 @@ def _zeta_select_op(
     block_m = SELECT_OVERRIDES.get("BLOCK_M", 4 if distinct else max(1, min(32, 4096 // block_c)))
     grid = (triton.cdiv(n_queries, block_m), batch * q_heads)
     packed = packable(k)
-    _zeta_select_kernel[grid](
+    kernel[grid](
         q.contiguous(),
         packed_keys(k) if packed else k.contiguous(),
         insert,
@@ -777,3 +812,22 @@ def packed_keys(k: Tensor) -> Tensor:
 @_zeta_select_op.register_fake
 def _zeta_select_fake(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk):
     return q.new_empty(q.shape[0], q.shape[1], q.shape[2], width, dtype=torch.int32)
+
+
+@torch.library.triton_op("sparsefocus::zeta_select_traced", mutates_args=())
+def _zeta_select_traced(
+    q: Tensor,
+    k: Tensor,
+    codes_q: Tensor,
+    scodes: Tensor,
+    spos: Tensor,
+    count: Tensor,
+    key_padding_mask: Optional[Tensor],
+    width: int,
+    window: int,
+    local: int,
+    chunk: Optional[int],
+) -> Tensor:
+    """``sparsefocus::zeta_select``'s ``triton_op`` twin (``_ops.TRITON_OPS``)."""
+    kernel = wrap_triton(_zeta_select_kernel)
+    return _select(q, k, codes_q, scodes, spos, count, key_padding_mask, width, window, local, chunk, kernel)
