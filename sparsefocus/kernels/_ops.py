@@ -13,6 +13,7 @@ also have ``triton_op`` twins, which a compiled graph launches without a Python 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -105,3 +106,14 @@ def triton_op_chosen(like: Tensor) -> bool:
     if TRITON_OPS not in ("off", "auto", "on"):
         raise ValueError(f"TRITON_OPS must be 'off', 'auto' or 'on', got {TRITON_OPS!r}")
     return TRITON_OPS == "on" or (TRITON_OPS == "auto" and like.is_cuda)
+
+
+def traced_setup(setup: Callable, traced: bool) -> Callable:
+    """An autograd ``setup_context`` that runs ``setup`` and records in ``ctx.traced`` whether the
+    backward calls the ``triton_op`` twins (``traced``: the forward was a twin) or the ops."""
+
+    def wrapped(ctx, inputs, output) -> None:
+        setup(ctx, inputs, output)
+        ctx.traced = traced
+
+    return wrapped

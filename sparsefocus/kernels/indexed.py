@@ -43,7 +43,7 @@ from torch.library import wrap_triton
 
 from sparsefocus.attention.common import SCORE_KINDS, check_sink_key, check_slot_weight, indexed_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name, triton_op_chosen
+from sparsefocus.kernels._ops import absent, lse_from_log2, lse_from_weight_sum, op_name, traced_setup, triton_op_chosen
 from sparsefocus.kernels.scan import mean_rows, mean_rows_traced, scaled_scan_op, scaled_scan_traced
 
 LOG2E = 1.4426950408889634
@@ -797,16 +797,6 @@ def _indexed_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # no zero gradient for stat
 
 
-def _traced_setup(setup, traced: bool):
-    """``setup`` that also records whether the backward calls the ``triton_op`` twins."""
-
-    def wrapped(ctx, inputs, output) -> None:
-        setup(ctx, inputs, output)
-        ctx.traced = traced
-
-    return wrapped
-
-
 def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     """Gradients of every differentiable input; stat is not differentiated (``grad_stat`` unused)."""
     q, k, v, index, gamma_sq, out, stat, extra_key, extra_value, extra_mask, sink, slot_weight = ctx.saved_tensors
@@ -835,7 +825,7 @@ def _indexed_grads(ctx, grad_out: Tensor, grad_stat: Tensor | None):
     return dq, dk, dv, None, dgamma_sq, *extra_grads, None, None if sink is None else d_sink, None, None, None, None
 
 
-indexed_fwd.register_autograd(_indexed_grads, setup_context=_traced_setup(_indexed_setup, False))
+indexed_fwd.register_autograd(_indexed_grads, setup_context=traced_setup(_indexed_setup, False))
 
 
 @torch.library.custom_op(op_name("indexed_causal_mean_fwd"), mutates_args=())
@@ -905,7 +895,7 @@ def _causal_mean_grads(ctx, grad_out: Tensor, *unused_grads):
     return dq, dk, dv, None, dgamma_sq, None, None if sink is None else d_sink, None, None
 
 
-indexed_causal_mean_fwd.register_autograd(_causal_mean_grads, setup_context=_traced_setup(_causal_mean_setup, False))
+indexed_causal_mean_fwd.register_autograd(_causal_mean_grads, setup_context=traced_setup(_causal_mean_setup, False))
 
 
 @torch.library.triton_op(op_name("indexed_fwd_traced"), mutates_args=())
@@ -973,8 +963,8 @@ def indexed_causal_mean_fwd_traced(
     return _causal_mean_body(q, k, v, index, gamma_sq, real, sink, scale, score_code, True, kernel)
 
 
-indexed_fwd_traced.register_autograd(_indexed_grads, setup_context=_traced_setup(_indexed_setup, True))
-indexed_causal_mean_fwd_traced.register_autograd(_causal_mean_grads, setup_context=_traced_setup(_causal_mean_setup, True))
+indexed_fwd_traced.register_autograd(_indexed_grads, setup_context=traced_setup(_indexed_setup, True))
+indexed_causal_mean_fwd_traced.register_autograd(_causal_mean_grads, setup_context=traced_setup(_causal_mean_setup, True))
 
 
 def _natural_lse(stat: Tensor, score: str) -> Tensor:

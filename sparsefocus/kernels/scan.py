@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.library import wrap_triton
 
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import op_name, triton_op_chosen
+from sparsefocus.kernels._ops import op_name, traced_setup, triton_op_chosen
 
 CARRY_BLOCK = 256  # tile sums per chunk of ``_carry_kernel``: 4 chunks for 64K rows of 64-row tiles
 ONE_PASS_MAX_N = 4096
@@ -228,17 +228,7 @@ def _scan_backward(ctx, grad: Tensor):
     return dx, None, None, dbase, None, None
 
 
-def _scan_setup_for(traced: bool):
-    """``_scan_setup`` that also records which op the backward calls (the op or its twin)."""
-
-    def setup(ctx, inputs, output) -> None:
-        _scan_setup(ctx, inputs, output)
-        ctx.traced = traced
-
-    return setup
-
-
-scaled_scan_op.register_autograd(_scan_backward, setup_context=_scan_setup_for(False))
+scaled_scan_op.register_autograd(_scan_backward, setup_context=traced_setup(_scan_setup, False))
 
 
 @torch.library.triton_op(op_name("scaled_scan_traced"), mutates_args=())
@@ -253,7 +243,7 @@ def scaled_scan_traced(x: Tensor, pre: Tensor, post: Tensor, base: Tensor | None
     return _launch_scan(x, pre, post, reverse, base, dtype, kernels)
 
 
-scaled_scan_traced.register_autograd(_scan_backward, setup_context=_scan_setup_for(True))
+scaled_scan_traced.register_autograd(_scan_backward, setup_context=traced_setup(_scan_setup, True))
 
 
 def scaled_scan(
