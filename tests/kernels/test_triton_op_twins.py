@@ -151,7 +151,7 @@ def package_ops(names: set[str]) -> set[str]:
 
 
 def pattern_inputs(seed: int = 1):
-    """q, k, v [B, Hq or Hk, N, D] fp32 leaves for a whole pattern (D=16: ZETA's own 3-wide q/k)."""
+    """q, k, v [B, Hq, N, D] fp32 leaves for a whole pattern."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HQ, N, D, generator=gen)
     k, v = torch.randn(B, HQ, N, D, generator=gen), torch.randn(B, HQ, N, D, generator=gen)
