@@ -15,6 +15,13 @@ if not torch.cuda.is_available():
 
 _empty, _empty_like, _new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
 
+# Dynamo maps torch's functions to its tracing rules once, by name, on its first compile: built
+# while poison_empty below has replaced torch.empty, the map would hold the wrapper and miss the
+# builtin, and a test that compiles first would fail on a graph break. Build it now.
+_rule_map = getattr(getattr(torch._dynamo, "trace_rules", None), "get_torch_obj_rule_map", None)
+if _rule_map is not None:
+    _rule_map()
+
 
 def _poisoned(out: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():  # also a leaf made with requires_grad=True (torch.utils.checkpoint makes one)
