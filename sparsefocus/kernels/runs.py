@@ -26,7 +26,7 @@ compiled graph can launch without a Python call (``_ops.TRITON_OPS``).
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -36,7 +36,7 @@ from torch.library import wrap_triton
 
 from sparsefocus.attention.common import run_attention_ref
 from sparsefocus.kernels import interpreter_compat  # noqa: F401  (CPU interpreter fix)
-from sparsefocus.kernels._ops import lse_from_log2, op_name, triton_op_chosen
+from sparsefocus.kernels._ops import lse_from_log2, op_name, traced_setup, triton_op_chosen
 
 
 @triton.jit
@@ -391,20 +391,17 @@ def _runs_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # the log-sum-exp's gradient is never read: no zeros for it
 
 
-def _grads_through(backward_op) -> Callable:
-    """The autograd formula of a forward op whose backward is ``backward_op``: gradients of q, k,
-    v; the log-sum-exp output is not differentiated (``grad_lse`` unused)."""
-
-    def grads(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
-        q, k, v, start, length, out, lse = ctx.saved_tensors
-        grad_out = torch.zeros_like(out) if grad_out is None else grad_out
-        dq, dk, dv = backward_op(q, k, v, start, length, ctx.offset, ctx.width, out, grad_out, lse, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None, None, None, None, None
-
-    return grads
+def _runs_grads(ctx, grad_out: Tensor | None, grad_lse: Tensor | None):
+    """Gradients of q, k, v (through ``runs_bwd``, or its twin after a twin's forward); the
+    log-sum-exp output is not differentiated (``grad_lse`` unused)."""
+    q, k, v, start, length, out, lse = ctx.saved_tensors
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    backward = runs_bwd_traced if ctx.traced else runs_bwd
+    dq, dk, dv = backward(q, k, v, start, length, ctx.offset, ctx.width, out, grad_out, lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
-runs_fwd.register_autograd(_grads_through(runs_bwd), setup_context=_runs_setup)
+runs_fwd.register_autograd(_runs_grads, setup_context=traced_setup(_runs_setup, False))
 
 
 @torch.library.triton_op(op_name("runs_fwd_traced"), mutates_args=())
@@ -449,7 +446,7 @@ def runs_bwd_traced(
     return _runs_backward(q, k, v, start, length, offset, width, out, grad_out, lse, scale, causal, kernel=kernel)
 
 
-runs_fwd_traced.register_autograd(_grads_through(runs_bwd_traced), setup_context=_runs_setup)
+runs_fwd_traced.register_autograd(_runs_grads, setup_context=traced_setup(_runs_setup, True))
 
 
 def _broadcasts(runs: Tensor, q: Tensor) -> bool:
